@@ -1,0 +1,275 @@
+"""Attention that returns its log-sum-exp, memory-efficient on every device.
+
+Layout everywhere: ``[batch, seq, heads, head_dim]`` (flash-attn's BSHD). ``lse`` is ``[batch, heads, seq]``.
+
+Three backends share one contract, a raw forward and a raw backward that takes the *final* output and
+log-sum-exp (as flash-attn's backward does). Taking them as inputs is what makes exact segmented attention
+possible: the gradient of attention over ``[K1; K2]`` is the sum of each segment's backward run with the
+merged ``out``/``lse`` (the ring-attention identity), so no segment ever needs a gradient through its lse.
+
+- ``"flash_attn"``: flash-attn 2 kernels (CUDA, fp16/bf16), used by ``"auto"`` when importable.
+- ``"torch_cpu_flash"``: torch's fused CPU flash kernel (any float dtype, O(S) memory).
+- ``"blockwise"``: a pure-torch online-softmax loop over ``block_size`` tiles; never builds an S x S matrix,
+  runs on any device and dtype. The fallback that always works.
+
+Causal masking requires ``seq_q == seq_k`` (query i sees keys j <= i); segments with different lengths are
+expressed as a non-causal segment plus a causal one (see :func:`segmented_attention`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BACKENDS = ("auto", "flash_attn", "torch_cpu_flash", "blockwise")
+BLOCK_SIZE = 1024
+
+try:  # optional GPU backend
+    from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+
+    HAS_FLASH_ATTN = True
+except ImportError:  # pragma: no cover - depends on the machine
+    HAS_FLASH_ATTN = False
+
+
+def resolve_backend(backend: str, query: torch.Tensor) -> str:
+    """Pick the concrete backend for ``query``'s device and dtype."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if query.device.type == "cuda" and HAS_FLASH_ATTN and query.dtype in (torch.float16, torch.bfloat16):
+        return "flash_attn"
+    if query.device.type == "cpu":
+        return "torch_cpu_flash"
+    return "blockwise"
+
+
+def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool) -> None:
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            "attention expects [batch, seq, heads, head_dim] tensors, got "
+            f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
+        raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} disagree on batch or head_dim")
+    if query.shape[2] % key.shape[2] != 0:
+        raise ValueError(f"query heads={query.shape[2]} must be a multiple of key/value heads={key.shape[2]}")
+    if causal and query.shape[1] != key.shape[1]:
+        raise ValueError(f"causal attention needs seq_q == seq_k, got {query.shape[1]} and {key.shape[1]}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"dtype mismatch: query {query.dtype}, key {key.dtype}, value {value.dtype}")
+
+
+def _expand_kv(x_BSHD: torch.Tensor, groups: int) -> torch.Tensor:
+    # GQA: each key/value head serves `groups` consecutive query heads.
+    return x_BSHD if groups == 1 else x_BSHD.repeat_interleave(groups, dim=2)
+
+
+def _reduce_kv(dx_BSHD: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return dx_BSHD
+    b, s, h, d = dx_BSHD.shape
+    return dx_BSHD.view(b, s, h // groups, groups, d).sum(dim=3)
+
+
+# ----------------------------------------------------------------------------------------------- blockwise
+def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _blockwise_forward(q_BHSD, k_BHSD, v_BHSD, causal, scale, block):
+    b, h, s_q, d = q_BHSD.shape
+    s_k = k_BHSD.shape[2]
+    acc = _accum_dtype(q_BHSD.dtype)
+    out_BHSD = torch.empty_like(q_BHSD)
+    lse_BHS = torch.empty(b, h, s_q, dtype=acc, device=q_BHSD.device)
+    for q0 in range(0, s_q, block):
+        q1 = min(q0 + block, s_q)
+        q_blk = q_BHSD[:, :, q0:q1].to(acc)
+        m = torch.full((b, h, q1 - q0), -math.inf, dtype=acc, device=q_BHSD.device)
+        denom = torch.zeros_like(m)
+        o = torch.zeros(b, h, q1 - q0, d, dtype=acc, device=q_BHSD.device)
+        k_end = q1 if causal else s_k
+        for k0 in range(0, k_end, block):
+            k1 = min(k0 + block, k_end)
+            s = torch.matmul(q_blk, k_BHSD[:, :, k0:k1].to(acc).transpose(-1, -2)) * scale  # (b, h, bq, bk)
+            if causal and k1 > q0:
+                rows = torch.arange(q0, q1, device=s.device)[:, None]
+                cols = torch.arange(k0, k1, device=s.device)[None, :]
+                s = s.masked_fill(cols > rows, -math.inf)
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            p = torch.exp(s - m_new[..., None])
+            correction = torch.exp(m - m_new)
+            denom = denom * correction + p.sum(dim=-1)
+            o = o * correction[..., None] + torch.matmul(p, v_BHSD[:, :, k0:k1].to(acc))
+            m = m_new
+        out_BHSD[:, :, q0:q1] = (o / denom[..., None]).to(q_BHSD.dtype)
+        lse_BHS[:, :, q0:q1] = m + torch.log(denom)
+    return out_BHSD, lse_BHS
+
+
+def _blockwise_backward(do_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, causal, scale, block):
+    s_q, s_k = q_BHSD.shape[2], k_BHSD.shape[2]
+    acc = _accum_dtype(q_BHSD.dtype)
+    dq = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
+    dk = torch.zeros(k_BHSD.shape, dtype=acc, device=q_BHSD.device)
+    dv = torch.zeros(v_BHSD.shape, dtype=acc, device=q_BHSD.device)
+    for q0 in range(0, s_q, block):
+        q1 = min(q0 + block, s_q)
+        q_blk = q_BHSD[:, :, q0:q1].to(acc)
+        do_blk = do_BHSD[:, :, q0:q1].to(acc)
+        lse_blk = lse_BHS[:, :, q0:q1].to(acc)
+        delta = (do_blk * out_BHSD[:, :, q0:q1].to(acc)).sum(dim=-1)  # (b, h, bq)
+        k_end = q1 if causal else s_k
+        for k0 in range(0, k_end, block):
+            k1 = min(k0 + block, k_end)
+            k_blk, v_blk = k_BHSD[:, :, k0:k1].to(acc), v_BHSD[:, :, k0:k1].to(acc)
+            p = torch.exp(torch.matmul(q_blk, k_blk.transpose(-1, -2)) * scale - lse_blk[..., None])
+            if causal and k1 > q0:
+                rows = torch.arange(q0, q1, device=p.device)[:, None]
+                cols = torch.arange(k0, k1, device=p.device)[None, :]
+                p = p.masked_fill(cols > rows, 0.0)
+            dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do_blk)
+            ds = p * (torch.matmul(do_blk, v_blk.transpose(-1, -2)) - delta[..., None])
+            dq[:, :, q0:q1] += torch.matmul(ds, k_blk) * scale
+            dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), q_blk) * scale
+    return dq.to(q_BHSD.dtype), dk.to(k_BHSD.dtype), dv.to(v_BHSD.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ raw API
+def attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Graph-free attention forward.
+
+    Args:
+        query: ``[batch, seq_q, heads, head_dim]``.
+        key, value: ``[batch, seq_k, kv_heads, head_dim]``; ``heads % kv_heads == 0`` (GQA).
+    Returns:
+        ``out [batch, seq_q, heads, head_dim]`` (query dtype) and ``lse [batch, heads, seq_q]``
+        (float32, or float64 for float64 inputs).
+    """
+    _check(query, key, value, causal)
+    scale = softmax_scale if softmax_scale is not None else query.shape[-1] ** -0.5
+    backend = resolve_backend(backend, query)
+    groups = query.shape[2] // key.shape[2]
+    with torch.no_grad():
+        if backend == "flash_attn":  # pragma: no cover - needs CUDA + flash-attn
+            out, lse = _flash_forward(query, key, value, causal, scale)
+            return out, lse
+        k, v = _expand_kv(key, groups), _expand_kv(value, groups)
+        q_BHSD, k_BHSD, v_BHSD = query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if backend == "torch_cpu_flash":
+            out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q_BHSD, k_BHSD, v_BHSD, 0.0, causal, scale=scale
+            )
+        else:
+            out_BHSD, lse_BHS = _blockwise_forward(q_BHSD, k_BHSD, v_BHSD, causal, scale, BLOCK_SIZE)
+        lse_BHS = lse_BHS.to(_accum_dtype(query.dtype))
+        return out_BHSD.transpose(1, 2), lse_BHS
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of attention given the (possibly merged) final ``out`` and ``lse``.
+
+    Shapes as in :func:`attention_forward`; returns ``dq, dk, dv`` shaped like ``query, key, value``.
+    Passing a merged ``out``/``lse`` (attention over several key segments) yields exactly this segment's
+    share of the merged attention's gradient.
+    """
+    scale = softmax_scale if softmax_scale is not None else query.shape[-1] ** -0.5
+    backend = resolve_backend(backend, query)
+    groups = query.shape[2] // key.shape[2]
+    with torch.no_grad():
+        if backend == "flash_attn":  # pragma: no cover - needs CUDA + flash-attn
+            return _flash_backward(grad_out, query, key, value, out, lse, causal, scale)
+        k, v = _expand_kv(key, groups), _expand_kv(value, groups)
+        q_BHSD, k_BHSD, v_BHSD = query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        do_BHSD, o_BHSD = grad_out.transpose(1, 2), out.transpose(1, 2)
+        if backend == "torch_cpu_flash":
+            lse_BHS = lse.to(query.dtype)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do_BHSD.contiguous(), q_BHSD, k_BHSD, v_BHSD, o_BHSD.contiguous(), lse_BHS, 0.0, causal,
+                scale=scale,
+            )
+        else:
+            dq, dk, dv = _blockwise_backward(
+                do_BHSD, q_BHSD, k_BHSD, v_BHSD, o_BHSD, lse, causal, scale, BLOCK_SIZE
+            )
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return dq, _reduce_kv(dk, groups), _reduce_kv(dv, groups)
+
+
+def _flash_forward(q, k, v, causal, scale):  # pragma: no cover - needs CUDA + flash-attn
+    # flash-attn >= 2.6 signature; returns (out, softmax_lse [b, h, s], S_dmask, rng_state).
+    out, lse, _, _ = _flash_attn_forward(
+        q, k, v, 0.0, scale, causal=causal, window_size_left=-1, window_size_right=-1,
+        softcap=0.0, alibi_slopes=None, return_softmax=False,
+    )
+    return out, lse
+
+
+def _flash_backward(do, q, k, v, out, lse, causal, scale):  # pragma: no cover - needs CUDA + flash-attn
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _flash_attn_backward(
+        do.contiguous(), q, k, v, out.contiguous(), lse.float().contiguous(), dq, dk, dv, 0.0, scale, causal,
+        -1, -1, 0.0, None, False,
+    )
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------- autograd API
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, causal, softmax_scale, backend):
+        out, lse = attention_forward(query, key, value, causal=causal, softmax_scale=softmax_scale,
+                                     backend=backend)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        query, key, value, out, lse = ctx.saved_tensors
+        return (*attention_backward(grad_out, query, key, value, out, lse, **ctx.opts), None, None, None)
+
+
+def attention_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable attention; returns ``out [batch, seq_q, heads, head_dim]`` and the (constant)
+    ``lse [batch, heads, seq_q]``. Saves only q, k, v, out and lse for backward (O(seq) memory)."""
+    return _Attention.apply(query, key, value, causal, softmax_scale, backend)
+
+
+def attention(query, key, value, *, causal=True, softmax_scale=None, backend="auto") -> torch.Tensor:
+    """Differentiable memory-efficient attention, ``[batch, seq, heads, head_dim]`` in and out."""
+    return attention_with_lse(query, key, value, causal=causal, softmax_scale=softmax_scale,
+                              backend=backend)[0]
