@@ -1,0 +1,36 @@
+"""Single-device building blocks for long contexts: exact, memory-bounded ops with their own backward.
+
+Main API:
+
+- :func:`attention` / :func:`attention_with_lse`: memory-efficient attention ``[batch, seq, heads, head_dim]``
+  that also returns its log-sum-exp; :func:`attention_forward` / :func:`attention_backward` are the raw
+  passes segmented attention is built from.
+- :func:`merge_attention_outputs` merges partial attentions by LSE; :func:`prefix_attention` attends new
+  tokens to a cached prefix plus themselves (causally).
+- :func:`chunked_token_logprobs` / :func:`chunked_cross_entropy`: lm_head log-probs and summed loss
+  without materialising ``[tokens, vocab]`` logits.
+- :func:`tiled_mlp`: a token-wise MLP run and recomputed over slices of the sequence.
+- :func:`track_memory` (:class:`MemoryTracker` on CPU, :class:`CudaMemoryTracker` on CUDA): live and peak
+  tensor bytes of a block of code, to pin memory bounds in tests.
+"""
+
+from .attention import attention, attention_backward, attention_forward, attention_with_lse
+from .losses import chunked_cross_entropy, chunked_token_logprobs
+from .memory import CudaMemoryTracker, MemoryTracker, track_memory
+from .merge import merge_attention_outputs, prefix_attention
+from .mlp import tiled_mlp
+
+__all__ = [
+    "CudaMemoryTracker",
+    "MemoryTracker",
+    "attention",
+    "attention_backward",
+    "attention_forward",
+    "attention_with_lse",
+    "chunked_cross_entropy",
+    "chunked_token_logprobs",
+    "merge_attention_outputs",
+    "prefix_attention",
+    "tiled_mlp",
+    "track_memory",
+]

@@ -1,0 +1,288 @@
+"""``longstraw_step``: one exact GRPO-family step for one huge shared prompt and G short responses.
+
+Three phases (see ``prefix.py``):
+
+1. **Prefill** the prompt once without autograd, keeping per layer its K/V cache (head-sharded under SP) and
+   its input checkpoint; nothing else.
+2. **Replay** each response alone with autograd over that cache (``[prompt tail, r_i[:-1]]`` predicts
+   ``r_i``), back-propagating at once: parameter grads accumulate in ``.grad``, the gradient reaching the
+   cache accumulates in one buffer per layer. Nothing of branch i is alive when branch i+1 starts.
+3. **Grouped backward** (``prompt_grad="full"``): push the summed cache gradients back through the prompt
+   once, layer by layer from the checkpoints. The result equals full autograd over the G concatenated
+   sequences ``cat(P, r_i)``, for one extra prompt forward and one prompt backward whatever G is.
+   ``prompt_grad="none"`` is the published LongStraw variant: the cache is detached, the gradient through the
+   prompt is dropped. Cheaper, and **biased**: it is not the gradient of the loss.
+
+Under sequence parallelism over ``group`` every rank passes the same full tensors; the step shards them
+itself, and at the end sums the step's parameter gradients over ``group`` (so each rank holds the exact
+gradient, as one device would) before adding them to whatever ``.grad`` held before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..ops.memory import track_memory
+from ..parallel import group_size, set_sequence_parallel_group
+from .losses import LOSS_TYPES, policy_token_terms, response_weights
+from .prefix import branch_logprobs, grouped_backward, make_branch, prefill
+
+PROMPT_GRADS = ("full", "none")
+
+
+@dataclass
+class StepOutput:
+    """What one group step produced. Scalars are floats; ``logprobs`` are graph-free ``[T_i]`` tensors."""
+
+    loss: float
+    logprobs: list[torch.Tensor]
+    kl: float  # mean k3 KL per response token (0 without ref_logprobs)
+    clip_fraction: float  # fraction of response tokens where the clipped objective was taken
+    entropy: float  # mean per-token entropy of the policy
+    tokens: int  # response tokens in the group
+    prompt_tokens: int
+    peak_bytes: int  # peak live tensor bytes during the step on this rank
+    seconds: float
+
+
+def validate_group(
+    model, prompt_ids, responses, advantages=None, *, loss_type="token_mean", prompt_grad="full",
+    old_logprobs=None, ref_logprobs=None, max_response_length=None,
+) -> None:
+    """Every input check of :func:`longstraw_step`; raises ``ValueError`` before any work."""
+    vocab = model.output_weight.shape[0]
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
+    if prompt_grad not in PROMPT_GRADS:
+        raise ValueError(f"unknown prompt_grad {prompt_grad!r}; choose one of {PROMPT_GRADS}")
+    if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
+        raise ValueError(f"prompt_ids must be a non-empty 1-D tensor of token ids, got shape {tuple(prompt_ids.shape)}")
+    if len(responses) == 0:
+        raise ValueError("responses is empty: a group needs at least one response")
+    for i, response in enumerate(responses):
+        if response.dim() != 1 or response.numel() == 0:
+            raise ValueError(f"response {i} must be a non-empty 1-D tensor, got shape {tuple(response.shape)}")
+    for name, ids in [("prompt_ids", prompt_ids)] + [(f"response {i}", r) for i, r in enumerate(responses)]:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"{name} has token ids in [{low}, {high}], outside the vocabulary [0, {vocab})")
+    if advantages is not None:
+        if advantages.dim() != 1 or advantages.numel() != len(responses):
+            raise ValueError(f"advantages has {advantages.numel()} entries for G={len(responses)} responses")
+        if not bool(torch.isfinite(advantages).all()):
+            raise ValueError(f"advantages must be finite, got {advantages.tolist()}")
+    for name, per_response in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if per_response is None:
+            continue
+        if len(per_response) != len(responses):
+            raise ValueError(f"{name} has {len(per_response)} entries for G={len(responses)} responses")
+        for i, (lp, response) in enumerate(zip(per_response, responses)):
+            if lp.shape != response.shape:
+                raise ValueError(f"{name}[{i}] has shape {tuple(lp.shape)}, response {i} has {tuple(response.shape)}")
+            if not bool(torch.isfinite(lp).all()):
+                raise ValueError(f"{name}[{i}] has non-finite values")
+    if loss_type == "seq_mean_token_sum_norm":
+        response_weights([r.numel() for r in responses], loss_type, max_response_length)
+
+
+def _gather_response_values(values_l, branch, length, group) -> torch.Tensor:
+    """Scatter this rank's per-position values into a ``[length]`` response vector, summed over ``group``."""
+    full = values_l.new_zeros(length)
+    keep = branch.response_index >= 0
+    full[branch.response_index[keep]] = values_l[keep].detach()
+    if group_size(group) > 1:
+        dist.all_reduce(full, group=group)
+    return full
+
+
+def _local_slice(per_token: torch.Tensor, branch) -> torch.Tensor:
+    """The entries of a ``[T]`` response vector at this rank's positions (0 where none)."""
+    keep = branch.response_index >= 0
+    out = per_token.new_zeros(branch.response_index.shape)
+    out[keep] = per_token[branch.response_index[keep]]
+    return out
+
+
+def longstraw_step(
+    model,
+    prompt_ids: torch.Tensor,
+    responses: Sequence[torch.Tensor],
+    advantages: torch.Tensor,
+    *,
+    loss_type: str = "token_mean",
+    prompt_grad: str = "full",
+    old_logprobs: Sequence[torch.Tensor] | None = None,
+    ref_logprobs: Sequence[torch.Tensor] | None = None,
+    beta: float = 0.0,
+    clip_eps: tuple[float, float] = (0.2, 0.2),
+    group: dist.ProcessGroup | None = None,
+    max_response_length: int | None = None,
+    logits_chunk_size: int | None = None,
+    offload_checkpoints: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> StepOutput:
+    """Accumulate into ``param.grad`` the exact gradient of the group loss for one prompt and G responses.
+
+    Args:
+        model: a ``DecoderLM`` (or anything with its prefix-state API, see ``prefix.py``).
+        prompt_ids: ``[S]`` full prompt, identical on every rank of ``group``.
+        responses: G tensors ``[T_i]``, ``T_i >= 1``.
+        advantages: ``[G]``, e.g. from :func:`~lightning_longctx.longstraw.group_advantages`.
+        loss_type: ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO) or ``seq_mean_token_sum_norm``
+            (Dr.GRPO; needs ``max_response_length``).
+        prompt_grad: ``"full"`` (exact) or ``"none"`` (detached prompt state: LongStraw's biased variant).
+        old_logprobs, ref_logprobs: G tensors ``[T_i]`` from :func:`score` (on-policy / no KL when None).
+        beta: KL (k3) coefficient. clip_eps: ``(eps_low, eps_high)``.
+        group: sequence-parallel group (None = one process).
+        logits_chunk_size: tokens per lm_head chunk (never materialises ``[tokens, vocab]``).
+        offload_checkpoints: keep the prompt's layer checkpoints in pinned host memory.
+    Returns:
+        :class:`StepOutput`. Raises ValueError on bad input before touching the model.
+    """
+    validate_group(model, prompt_ids, responses, advantages, loss_type=loss_type, prompt_grad=prompt_grad,
+                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, max_response_length=max_response_length)
+    set_sequence_parallel_group(model, group)
+    lengths = [r.numel() for r in responses]
+    weights = response_weights(lengths, loss_type, max_response_length)
+    params = [p for p in model.parameters() if p.requires_grad]
+    stashed = [p.grad for p in params]  # this step's grads are reduced over SP alone, then added
+    for p in params:
+        p.grad = None
+
+    start = time.perf_counter()
+    totals = torch.zeros(4, dtype=torch.float64)  # loss, KL sum, clipped tokens, entropy sum
+    logprobs_out = []
+    with track_memory(prompt_ids.device) as memory:
+        state = prefill(model, prompt_ids, group, keep_checkpoints=prompt_grad == "full",
+                        cache_requires_grad=prompt_grad == "full", offload_checkpoints=offload_checkpoints,
+                        progress=progress)
+        for i, response in enumerate(responses):
+            branch = make_branch(state, response)
+            logp_l, entropy_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size,
+                                                entropy=True)
+            valid = branch.response_index >= 0
+            terms = policy_token_terms(
+                logp_l, advantages[i].to(logp_l.dtype),
+                old_logp=None if old_logprobs is None else _local_slice(old_logprobs[i], branch),
+                ref_logp=None if ref_logprobs is None else _local_slice(ref_logprobs[i], branch),
+                beta=beta, clip_eps=clip_eps,
+            )
+            loss_l = weights[i] * terms.loss[valid].sum()
+            loss_l.backward()
+            stats = torch.stack([loss_l.detach(), terms.kl[valid].sum(), terms.clipped[valid].sum().to(logp_l.dtype),
+                                 entropy_l[valid].sum()])
+            if group_size(group) > 1:
+                dist.all_reduce(stats, group=group)
+            totals += stats.cpu().to(torch.float64)
+            logprobs_out.append(_gather_response_values(logp_l, branch, lengths[i], group))
+            del branch, logp_l, entropy_l, terms, loss_l
+            if progress is not None:
+                progress(f"replay branch {i + 1}/{len(responses)}")
+        if prompt_grad == "full":
+            grouped_backward(model, state, progress=progress)
+        del state
+    _reduce_and_restore_grads(params, stashed, group)
+    tokens = sum(lengths)
+    loss_total, kl_sum, clipped, entropy_sum = totals.tolist()
+    return StepOutput(
+        loss=loss_total, logprobs=logprobs_out, kl=kl_sum / tokens, clip_fraction=clipped / tokens,
+        entropy=entropy_sum / tokens, tokens=tokens, prompt_tokens=prompt_ids.numel(),
+        peak_bytes=memory.peak_bytes, seconds=time.perf_counter() - start,
+    )
+
+
+def _reduce_and_restore_grads(params, stashed, group) -> None:
+    for p, old in zip(params, stashed):
+        if p.grad is not None and group_size(group) > 1:
+            dist.all_reduce(p.grad, group=group)
+        if old is not None:
+            p.grad = old if p.grad is None else p.grad.add_(old)
+
+
+@torch.no_grad()
+def score(model, prompt_ids, responses, *, group=None, logits_chunk_size=None) -> list[torch.Tensor]:
+    """Graph-free log-probs ``[T_i]`` of each response under ``model``, from one prefill of the prompt.
+
+    Use it for ``old_logprobs`` (the sampling policy) and ``ref_logprobs`` (a reference model) before
+    any replay.
+    """
+    validate_group(model, prompt_ids, responses)
+    set_sequence_parallel_group(model, group)
+    state = prefill(model, prompt_ids, group, keep_checkpoints=False, cache_requires_grad=False)
+    out = []
+    for response in responses:
+        branch = make_branch(state, response)
+        logp_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size)
+        out.append(_gather_response_values(logp_l, branch, response.numel(), group))
+    return out
+
+
+@torch.no_grad()
+def sample(
+    model, prompt_ids, num_responses: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+    eos_token_id: int | None = None, group=None, generator: torch.Generator | None = None,
+) -> list[torch.Tensor]:
+    """Sample ``num_responses`` responses from one prefill of the prompt.
+
+    Each step re-runs the (short) branch over the prompt cache, so its cost is quadratic in the response
+    length but the prompt is never recomputed; under SP every rank runs the branch head-parallel against
+    its head-sharded cache and all ranks draw the same token (the draw uses ``generator``, seeded
+    identically on every rank, on logits gathered to every rank). ``temperature=0`` is greedy.
+    """
+    validate_group(model, prompt_ids, [prompt_ids[-1:]])
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    set_sequence_parallel_group(model, group)
+    state = prefill(model, prompt_ids, group, keep_checkpoints=False, cache_requires_grad=False)
+    vocab = model.output_weight.shape[0]
+    results = []
+    for _ in range(num_responses):
+        tokens: list[int] = []
+        for _ in range(max_new_tokens):
+            draft = torch.tensor(tokens + [0], dtype=prompt_ids.dtype, device=prompt_ids.device)
+            branch = make_branch(state, draft)  # the last position predicts the next token
+            logits = _last_logits(model, state, branch, vocab, group)
+            token = _draw(logits, temperature, top_p, generator)
+            tokens.append(token)
+            if token == eos_token_id:
+                break
+        results.append(torch.tensor(tokens, dtype=prompt_ids.dtype, device=prompt_ids.device))
+    return results
+
+
+def _last_logits(model, state, branch, vocab, group) -> torch.Tensor:
+    hidden = model.embed(branch.input_ids)
+    for index, layer in enumerate(model.layers):
+        prefix = (state.keys[index], state.values[index]) if state.keys else None
+        hidden = layer(hidden, branch.position_ids, prefix_kv=prefix)
+    hidden = model.final_hidden(hidden)[0]
+    last = int(branch.response_index.max()) if bool((branch.response_index >= 0).any()) else -1
+    logits = hidden.new_zeros(vocab, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    mine = (branch.response_index == last).nonzero()
+    if last >= 0 and mine.numel():
+        logits += (hidden[mine[-1, 0]] @ model.output_weight.T).to(logits.dtype)
+    if group_size(group) > 1:
+        dist.all_reduce(logits, group=group)  # exactly one rank holds the last position
+    return logits
+
+
+def _draw(logits, temperature, top_p, generator) -> int:
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < top_p  # smallest set with mass >= top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    draw = torch.multinomial(probs.cpu().float(), 1, generator=generator)
+    return int(draw)
+
+
+__all__ = ["PROMPT_GRADS", "StepOutput", "longstraw_step", "sample", "score", "validate_group"]

@@ -1,0 +1,178 @@
+"""Configuration of the decoder family: the architecture (:class:`DecoderConfig`, HF field names) and the
+memory knobs that never change the numbers (:class:`MemoryConfig`).
+
+Both are dataclasses validated in ``__post_init__``; every error names the offending numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def _positive(name: str, value, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
+
+
+@dataclass
+class DecoderConfig:
+    """A Llama / Qwen2 / Qwen3-shaped causal decoder, with transformers' field names.
+
+    Args:
+        vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads: as in HF.
+        num_key_value_heads: K/V heads (GQA); None = ``num_attention_heads``.
+        head_dim: per-head width; None = ``hidden_size // num_attention_heads`` (Qwen3 sets it explicitly).
+        rope_theta: RoPE base (default rope only: no scaling).
+        rms_norm_eps: epsilon of every RMSNorm (also the q/k norms).
+        tie_word_embeddings: ``lm_head.weight`` is ``embed_tokens.weight``.
+        attention_bias: bias on q/k/v projections (and on o_proj unless ``attention_out_bias`` says otherwise).
+        qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
+        layer_types: one entry per layer; only ``"full_attention"`` is implemented.
+        attention_out_bias: bias on o_proj; None = ``attention_bias`` (Llama, Qwen3). Qwen2 is
+            ``attention_bias=True, attention_out_bias=False``.
+        pad_token_id: as HF's ``nn.Embedding(padding_idx=...)``: that row gets no gradient.
+        model_type: the HF architecture ``save_pretrained`` writes (``llama``, ``qwen2``, ``qwen3``); None =
+            inferred from the shape (qk_norm -> qwen3, q/k/v bias without o_proj bias -> qwen2, else llama).
+        initializer_range, max_position_embeddings, bos_token_id, eos_token_id: metadata kept for HF round
+            trips (``max_position_embeddings`` does not limit the sequence length; default RoPE ignores it).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    layer_types: list[str] | None = None
+    attention_out_bias: bool | None = None
+    pad_token_id: int | None = None
+    model_type: str | None = None
+    initializer_range: float = 0.02
+    max_position_embeddings: int | None = None
+    bos_token_id: int | list[int] | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            _positive(name, getattr(self, name))
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        _positive("num_key_value_heads", self.num_key_value_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}; set head_dim explicitly"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        _positive("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
+            raise ValueError(f"rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be positive")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size})")
+        if self.attention_out_bias is None:
+            self.attention_out_bias = self.attention_bias
+        self._check_layer_types()
+        self._check_model_type()
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind == LINEAR_ATTENTION:
+                raise NotImplementedError(
+                    f"layer_types[{i}]={kind!r}: hybrid linear-attention layers are not implemented yet; "
+                    f"only {FULL_ATTENTION!r} is supported"
+                )
+            if kind != FULL_ATTENTION:
+                raise ValueError(f"layer_types[{i}]={kind!r} is unknown; only {FULL_ATTENTION!r} is supported")
+
+    def _check_model_type(self) -> None:
+        inferred = self.shape_model_type()
+        if inferred is None:
+            raise ValueError(
+                f"no supported HF architecture has qk_norm={self.qk_norm}, attention_bias={self.attention_bias}, "
+                f"attention_out_bias={self.attention_out_bias}"
+            )
+        if self.model_type is None:
+            return
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type={self.model_type!r} is not one of {MODEL_TYPES}")
+        compatible = {
+            "llama": not self.qk_norm and self.attention_out_bias == self.attention_bias,
+            "qwen2": not self.qk_norm and self.attention_bias and not self.attention_out_bias,
+            "qwen3": self.qk_norm and self.attention_out_bias == self.attention_bias,
+        }[self.model_type]
+        if not compatible:
+            raise ValueError(
+                f"model_type={self.model_type!r} does not match qk_norm={self.qk_norm}, attention_bias="
+                f"{self.attention_bias}, attention_out_bias={self.attention_out_bias}"
+            )
+
+    def shape_model_type(self) -> str | None:
+        """The HF ``model_type`` this shape saves as: ``model_type`` if set, else inferred (None: none fits)."""
+        if self.model_type is not None:
+            return self.model_type
+        if self.qk_norm:
+            return "qwen3" if self.attention_out_bias == self.attention_bias else None
+        if self.attention_bias and not self.attention_out_bias:
+            return "qwen2"
+        return "llama" if self.attention_out_bias == self.attention_bias else None
+
+
+@dataclass
+class MemoryConfig:
+    """Knobs that trade compute for memory; none of them changes the loss or any gradient.
+
+    Args:
+        head_chunk_size: query heads each SP rank attends per stage of the fused attention block (UPipe's
+            C); None = all local heads at once. Must divide ``num_attention_heads / sp_size`` and divide or
+            be a multiple of the query heads per K/V head.
+        activation_checkpointing: keep only each layer's input; recompute the layer in backward.
+        offload_checkpoints: keep those layer inputs in host memory (pinned when CUDA is available; on a
+            CPU-only machine they simply stay in CPU memory). Needs ``activation_checkpointing``.
+        mlp_chunk_size: tokens per tile of the MLP (tiled MLP); None = untiled.
+        logits_chunk_size: tokens per chunk of lm_head + cross-entropy, so ``[seq, vocab]`` logits are never
+            materialised when labels are given; None = plain logits.
+    """
+
+    head_chunk_size: int | None = None
+    activation_checkpointing: bool = False
+    offload_checkpoints: bool = False
+    mlp_chunk_size: int | None = None
+    logits_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("head_chunk_size", "mlp_chunk_size", "logits_chunk_size"):
+            _positive(name, getattr(self, name), allow_none=True)
+        if self.offload_checkpoints and not self.activation_checkpointing:
+            raise ValueError(
+                "offload_checkpoints=True offloads the activation checkpoints: set activation_checkpointing=True"
+            )
+
+
+__all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "MODEL_TYPES", "DecoderConfig", "MemoryConfig"]

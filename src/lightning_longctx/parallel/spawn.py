@@ -1,0 +1,78 @@
+"""Run a function on N local CPU processes with gloo: a free port per run, a hard timeout, errors re-raised.
+
+Used by the tests, benchmarks and CPU examples. Workers are plain ``spawn`` processes that set
+``RANK``/``WORLD_SIZE``/``MASTER_*`` themselves, so no launcher ever re-runs the calling script (or pytest).
+A hung collective fails after ``timeout`` seconds instead of stalling the caller. ``fn`` must be importable
+(defined at module level) and its return value picklable.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, threads, fn, args, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, threads: int = 1) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank.
+
+    Raises:
+        AssertionError: with the failing rank's traceback, or when no result arrives within ``timeout``.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, threads, fn, args, queue))
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    except Exception as exc:  # queue.Empty on timeout
+        errors.append(f"timed out after {timeout}s waiting for workers ({exc!r})")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
