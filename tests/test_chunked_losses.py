@@ -43,7 +43,9 @@ def test_logprobs_entropy_and_grads_match_full_log_softmax(chunk_size):
     hidden, weight, targets = _inputs()
     upstream = torch.randn(TOKENS, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
-    logprobs, entropy = chunked_token_logprobs(hidden, weight, targets, chunk_size=chunk_size, return_entropy=True)
+    logprobs, entropy = chunked_token_logprobs(
+        hidden, weight, targets, chunk_size=chunk_size, return_entropy=True
+    )
     grads = torch.autograd.grad(logprobs, (hidden, weight), upstream)
     ref_logprobs, ref_entropy = _plain_logprobs_and_entropy(hidden, weight, targets)
     ref_grads = torch.autograd.grad(ref_logprobs, (hidden, weight), upstream)

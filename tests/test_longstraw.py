@@ -247,8 +247,10 @@ def _sp_worker(rank, world):
         sp_scores = score(model, prompt, responses, group=dist.group.WORLD)
         for a, b in zip(sp_scores, score(ref_model, prompt, responses)):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
-    greedy = sample(tiny_model(), make_group(1)[0], 1, max_new_tokens=4, temperature=0.0, group=dist.group.WORLD)
-    assert greedy[0].tolist() == sample(tiny_model(), make_group(1)[0], 1, max_new_tokens=4, temperature=0.0)[0].tolist()
+    prompt = make_group(1)[0]
+    greedy_sp = sample(tiny_model(), prompt, 1, max_new_tokens=4, temperature=0.0, group=dist.group.WORLD)
+    greedy = sample(tiny_model(), prompt, 1, max_new_tokens=4, temperature=0.0)
+    assert greedy_sp[0].tolist() == greedy[0].tolist()
     return worst
 
 

@@ -2,9 +2,11 @@
 
 Main API:
 
-- :func:`attention` / :func:`attention_with_lse`: memory-efficient attention ``[batch, seq, heads, head_dim]``
-  that also returns its log-sum-exp; :func:`attention_forward` / :func:`attention_backward` are the raw
-  passes segmented attention is built from.
+- :func:`attention_with_lse`: memory-efficient attention ``[batch, seq, heads, head_dim]`` that also
+  returns its log-sum-exp; :func:`attention_forward` / :func:`attention_backward` are the raw passes
+  segmented attention is built from. The plain ``attention`` function is not re-exported here: the name
+  would shadow the ``ops.attention`` submodule (import it as ``from lightning_longctx.ops.attention import
+  attention``).
 - :func:`merge_attention_outputs` merges partial attentions by LSE; :func:`prefix_attention` attends new
   tokens to a cached prefix plus themselves (causally).
 - :func:`chunked_token_logprobs` / :func:`chunked_cross_entropy`: lm_head log-probs and summed loss
@@ -14,7 +16,7 @@ Main API:
   tensor bytes of a block of code, to pin memory bounds in tests.
 """
 
-from .attention import attention, attention_backward, attention_forward, attention_with_lse
+from .attention import attention_backward, attention_forward, attention_with_lse
 from .losses import chunked_cross_entropy, chunked_token_logprobs
 from .memory import CudaMemoryTracker, MemoryTracker, track_memory
 from .merge import merge_attention_outputs, prefix_attention
@@ -23,7 +25,6 @@ from .mlp import tiled_mlp
 __all__ = [
     "CudaMemoryTracker",
     "MemoryTracker",
-    "attention",
     "attention_backward",
     "attention_forward",
     "attention_with_lse",

@@ -83,7 +83,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         acc = lse_T.dtype
         grad_T = grad_logprobs_T.to(acc).masked_fill(~valid_T, 0.0)  # ignored tokens get no gradient
         grad_hidden_TH = torch.empty_like(hidden_TH) if need_hidden else None
-        grad_weight_VH = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_weight else None
+        grad_weight_VH = (
+            torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_weight else None
+        )
         for start, end in _chunk_bounds(hidden_TH.shape[0], ctx.chunk_size):
             hidden_CH = hidden_TH[start:end]
             logits_CV = (hidden_CH @ weight_VH.T).to(acc)
@@ -156,5 +158,7 @@ def chunked_cross_entropy(
         ``F.cross_entropy(hidden @ weight.T, targets, reduction="sum")``, and an int64 scalar tensor
         counting non-ignored targets (kept on device: no host sync).
     """
-    logprobs_T = chunked_token_logprobs(hidden, weight, targets, chunk_size=chunk_size, ignore_index=ignore_index)
+    logprobs_T = chunked_token_logprobs(
+        hidden, weight, targets, chunk_size=chunk_size, ignore_index=ignore_index
+    )
     return -logprobs_T.sum(), (targets != ignore_index).sum()

@@ -31,14 +31,16 @@ def _check_no_hidden_leaves(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -
     Such a tensor (captured by ``fn`` but not passed as ``params``) would silently get no gradient, since
     the forward ran without a graph.
     """
+    # Sets of ids, with the objects kept alive by `inputs` and `seen` so no id can be reused meanwhile.
     stop = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}  # non-leaf inputs: do not look past
     leaves = {id(t) for t in inputs}
-    seen, stack = set(), [out.grad_fn]
+    seen: dict[int, object] = {}
+    stack = [out.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen or id(node) in stop:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
         if variable is not None and id(variable) not in leaves:
             raise RuntimeError(

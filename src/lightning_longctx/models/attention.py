@@ -1,0 +1,270 @@
+"""The decoder's attention block, fused and head-chunked as UPipe (Untied Ulysses) runs it.
+
+Dimension legend (DeepSpeed ALST style):
+    ``P``   ranks in the sequence-parallel group       ``s_l`` local tokens, ``s = P * s_l``
+    ``E``   hidden size                               ``d``   head_dim
+    ``H``   query heads, ``H_kv`` K/V heads           ``g = H / H_kv``
+    ``C``   ``head_chunk_size``: query heads each rank attends per stage; ``H / (P * C)`` stages
+    ``m``   K/V heads a rank receives per stage, ``max(1, C / g)``
+
+Per stage (the schedule of :func:`lightning_longctx.parallel.head_schedule`): project q for the stage's
+``C * P`` local query heads and k/v for the K/V heads they use from ``x [b, s_l, E]`` (only those weight
+rows), apply q/k RMSNorm (Qwen3) and RoPE at the global positions, all-to-all to ``[b, s, C, d]``, attend,
+all-to-all back into a preallocated ``[b, s_l, H, d]`` output. :class:`FusedAttention` saves only ``x``, the
+output and each stage's log-sum-exp; its backward recomputes each stage's projections and all-to-alls, runs
+the attention backward with the saved output/LSE, and backpropagates through the stage's projections with
+``torch.autograd.grad`` on that stage's weight slices. ``o_proj`` stays outside (a plain ``nn.Linear``).
+
+The KV-cache path (``return_kv`` / ``prefix_kv``, for LongStraw) runs the same stages as a plain autograd
+composition, still one stage at a time. Its cache layout on rank ``r`` is ``[b, s_full, n_r, d]``: the K/V
+heads the stage loop's all-to-all delivered to ``r``, each distinct head once, in stage order (without SP
+simply ``[b, s, H_kv, d]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from ..ops.attention import attention_backward, attention_forward, attention_with_lse
+from ..ops.merge import prefix_attention
+from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size, head_schedule, head_to_seq, seq_to_head
+from ..parallel.ulysses import _validate_local
+from .config import DecoderConfig
+from .norm import RMSNorm, rms_norm
+from .rope import apply_rope, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the head-chunked schedule, seen from one rank.
+
+    ``q_rows``/``k_rows`` index the rows of W_q / W_k (and W_v) this stage projects; ``kv_send`` expands the
+    ``len(k_rows) / d`` projected K/V heads into the ``P * m`` heads sent rank by rank (None: already in
+    order). ``cache_start`` is where this rank's ``m`` received K/V heads sit in its cache layout and
+    ``cache_new`` whether this stage is the first to deliver them.
+    """
+
+    q_start: int
+    q_stop: int
+    k_rows: torch.Tensor
+    kv_send: torch.Tensor | None
+    cache_start: int
+    cache_new: bool
+
+
+def build_stages(
+    heads: int, kv_heads: int, head_dim: int, world: int, rank: int, chunk: int, device
+) -> list[Stage]:
+    """The per-rank stage plan for ``heads``/``kv_heads`` over ``world`` ranks, ``chunk`` heads per stage."""
+    stages, cache_heads, last = [], 0, None
+    for start, stop, kv_index in head_schedule(heads, kv_heads, world, chunk):
+        # A K/V head sent to several ranks (fewer K/V heads than ranks) is projected once and replicated.
+        unique, inverse = torch.unique(kv_index, sorted=True, return_inverse=True)
+        k_rows = (unique[:, None] * head_dim + torch.arange(head_dim)).flatten()
+        identity = unique.numel() == kv_index.numel()  # unique is sorted and kv_index ascends
+        m = kv_index.numel() // world
+        mine = tuple(kv_index[rank * m:(rank + 1) * m].tolist())
+        new = mine != last  # consecutive stages receive the same K/V heads or disjoint ones
+        if new:
+            cache_heads, last = cache_heads + (m if last is not None else 0), mine
+        stages.append(Stage(
+            start, stop, k_rows.to(device), None if identity else inverse.to(device), cache_heads, new,
+        ))
+    return stages
+
+
+def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send, head_dim, eps):
+    """Local q ``[b, s_l, C*P, d]`` and k, v ``[b, s_l, P*m, d]`` of one stage from its weight slices."""
+    b, s_l, _ = x_BSE.shape
+    q = F.linear(x_BSE, wq, bq).view(b, s_l, -1, head_dim)
+    k = F.linear(x_BSE, wk, bk).view(b, s_l, -1, head_dim)
+    v = F.linear(x_BSE, wv, bv).view(b, s_l, -1, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if kv_send is not None:
+        k, v = k.index_select(2, kv_send), v.index_select(2, kv_send)
+    return q, k, v
+
+
+def _stage_weights(weights, stage: Stage, head_dim: int):
+    """Slices ``(wq, bq, wk, bk, wv, bv)`` of the stage's rows (differentiable; None biases stay None)."""
+    wq, bq, wk, bk, wv, bv = weights
+    q = slice(stage.q_start * head_dim, stage.q_stop * head_dim)
+    rows = stage.k_rows
+
+    def pick(t, index):
+        return None if t is None else (t[index] if isinstance(index, slice) else t.index_select(0, index))
+
+    return pick(wq, q), pick(bq, q), pick(wk, rows), pick(bk, rows), pick(wv, rows), pick(bv, rows)
+
+
+class FusedAttention(torch.autograd.Function):
+    """``x [b, s_l, E]`` -> attention output ``[b, s_l, H, d]`` (before o_proj), stage by stage.
+
+    Inputs after ``x, cos, sin``: ``wq, bq, wk, bk, wv, bv, q_norm, k_norm`` (biases and norms may be None),
+    then the static ``stages, group, head_dim, eps, softmax_scale, backend``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, stages, group, head_dim, eps, scale,
+                backend):
+        heads = wq.shape[0] // head_dim
+        weights = (wq, bq, wk, bk, wv, bv)
+        out = x.new_empty(x.shape[0], x.shape[1], heads, head_dim)  # [b, s_l, H, d]
+        lses = []
+        for st in stages:
+            q, k, v = _stage_qkv(x, cos, sin, *_stage_weights(weights, st, head_dim), q_norm, k_norm, st.kv_send,
+                                 head_dim, eps)
+            q_st, k_st, v_st = seq_to_head(q, group), seq_to_head(k, group), seq_to_head(v, group)  # [b, s, C|m, d]
+            del q, k, v
+            out_st, lse_st = attention_forward(q_st, k_st, v_st, causal=True, softmax_scale=scale, backend=backend)
+            del q_st, k_st, v_st
+            out[:, :, st.q_start:st.q_stop] = head_to_seq(out_st, group)
+            lses.append(lse_st)  # [b, C, s]
+        ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, out, *lses)
+        ctx.static = (stages, group, head_dim, eps, scale, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, out, *lses = ctx.saved_tensors
+        stages, group, head_dim, eps, scale, backend = ctx.static
+        need = ctx.needs_input_grad
+        full = (x, None, None, wq, bq, wk, bk, wv, bv, q_norm, k_norm)
+        grads = [torch.zeros_like(t) if t is not None and need[i] else None for i, t in enumerate(full)]
+        grad_out = grad_out.contiguous()
+        x_leaf = x.detach().requires_grad_(need[0])
+        norms = [None if t is None else t.detach().requires_grad_(need[i]) for i, t in ((9, q_norm), (10, k_norm))]
+        for st, lse_st in zip(stages, lses):
+            with torch.enable_grad():
+                sliced = [None if t is None else t.detach().requires_grad_(need[3 + i])
+                          for i, t in enumerate(_stage_weights(full[3:9], st, head_dim))]
+                q, k, v = _stage_qkv(x_leaf, cos, sin, *sliced, *norms, st.kv_send, head_dim, eps)
+            q_st, k_st, v_st = (seq_to_head(t.detach(), group) for t in (q, k, v))
+            out_st = seq_to_head(out[:, :, st.q_start:st.q_stop], group)
+            do_st = seq_to_head(grad_out[:, :, st.q_start:st.q_stop], group)
+            dq_st, dk_st, dv_st = attention_backward(do_st, q_st, k_st, v_st, out_st, lse_st, causal=True,
+                                                     softmax_scale=scale, backend=backend)
+            del q_st, k_st, v_st, out_st, do_st
+            pairs = [(t, head_to_seq(g, group)) for t, g in ((q, dq_st), (k, dk_st), (v, dv_st)) if t.requires_grad]
+            del dq_st, dk_st, dv_st
+            leaves = [(i, t) for i, t in zip((0, 3, 4, 5, 6, 7, 8, 9, 10), (x_leaf, *sliced, *norms))
+                      if t is not None and t.requires_grad]
+            if not pairs or not leaves:
+                continue
+            found = torch.autograd.grad([t for t, _ in pairs], [t for _, t in leaves], [g for _, g in pairs],
+                                        allow_unused=True)
+            for (i, _), g in zip(leaves, found):
+                if g is None:
+                    continue
+                if i in (3, 4):  # W_q / b_q rows of this stage: a contiguous slice
+                    grads[i][st.q_start * head_dim:st.q_stop * head_dim] += g
+                elif i in (5, 6, 7, 8):  # W_k, b_k, W_v, b_v rows of this stage's K/V heads
+                    grads[i].index_add_(0, st.k_rows, g)
+                else:
+                    grads[i] += g
+        return (*grads, None, None, None, None, None, None)
+
+
+def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, eps, scale, backend,
+                          prefix_kv, return_kv):
+    """Plain-autograd twin of :class:`FusedAttention` that also returns / consumes the K/V cache."""
+    outs, keys, values = [], [], []
+    for st in stages:
+        q, k, v = _stage_qkv(x, cos, sin, *_stage_weights(weights, st, head_dim), q_norm, k_norm, st.kv_send,
+                             head_dim, eps)
+        q_st, k_st, v_st = SeqToHead.apply(q, group), SeqToHead.apply(k, group), SeqToHead.apply(v, group)
+        if return_kv and st.cache_new:
+            keys.append(k_st)
+            values.append(v_st)
+        if prefix_kv is None:
+            out_st, _ = attention_with_lse(q_st, k_st, v_st, causal=True, softmax_scale=scale, backend=backend)
+        else:
+            m = k_st.shape[2]
+            k_cache = prefix_kv[0][:, :, st.cache_start:st.cache_start + m]
+            v_cache = prefix_kv[1][:, :, st.cache_start:st.cache_start + m]
+            out_st, _ = prefix_attention(q_st, k_cache, v_cache, k_st, v_st, softmax_scale=scale, backend=backend)
+        outs.append(HeadToSeq.apply(out_st, group))  # [b, s_l, C * P, d]
+    out = torch.cat(outs, dim=2)  # stages cover the local query heads in order
+    kv = (torch.cat(keys, dim=2), torch.cat(values, dim=2)) if return_kv else None
+    return out, kv
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention of one decoder layer; parameters named as in HF (``q_proj`` ... ``o_proj``, ``q_norm``).
+
+    ``sp_group``: the sequence-parallel group (None = local), set by
+    :func:`lightning_longctx.parallel.set_sequence_parallel_group`. ``head_chunk_size``: see
+    :class:`~lightning_longctx.models.MemoryConfig`. ``backend``: see :mod:`lightning_longctx.ops.attention`.
+    """
+
+    def __init__(self, config: DecoderConfig, head_chunk_size: int | None = None) -> None:
+        super().__init__()
+        e, h, h_kv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, h_kv, d
+        self.rope_theta, self.eps = config.rope_theta, config.rms_norm_eps
+        self.q_proj = nn.Linear(e, h * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(e, h_kv * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(e, h_kv * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(h * d, e, bias=config.attention_out_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.sp_group: dist.ProcessGroup | None = None
+        self.head_chunk_size = head_chunk_size
+        self.backend = "auto"
+        self._stages: dict[tuple, list[Stage]] = {}
+
+    def stages(self, device) -> list[Stage]:
+        """The stage plan for the current SP group, rank and head_chunk_size (validated, cached)."""
+        world, rank = group_size(self.sp_group), group_rank(self.sp_group)
+        key = (world, rank, self.head_chunk_size, str(device))
+        if key not in self._stages:
+            meta = dict(device="meta")
+            chunk = _validate_local(torch.empty(1, 1, self.num_heads, self.head_dim, **meta),
+                                    torch.empty(1, 1, self.num_kv_heads, self.head_dim, **meta),
+                                    torch.empty(1, 1, self.num_kv_heads, self.head_dim, **meta),
+                                    world, self.head_chunk_size)
+            self._stages[key] = build_stages(self.num_heads, self.num_kv_heads, self.head_dim, world, rank, chunk,
+                                             device)
+        return self._stages[key]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        return_kv: bool = False,
+    ):
+        """Attention over the (possibly sequence-sharded) normed hidden states.
+
+        Args:
+            hidden: ``[b, s_l, E]``, this rank's contiguous slice of the sequence.
+            position_ids: ``[b, s_l]`` global positions of those tokens.
+            prefix_kv: ``(k_cache, v_cache)`` in cache layout ``[b, s_prefix, n_r, d]`` for earlier tokens:
+                every token attends to the whole cache and causally to the new tokens.
+            return_kv: also return this call's ``(k, v)`` in cache layout ``[b, s, n_r, d]`` (after k-norm
+                and RoPE), differentiable.
+        Returns:
+            ``[b, s_l, E]``, and with ``return_kv`` the tuple ``(out, (k, v))``.
+        """
+        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, hidden.dtype)
+        stages = self.stages(hidden.device)
+        weights = (self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias, self.v_proj.weight,
+                   self.v_proj.bias)
+        q_norm = None if self.q_norm is None else self.q_norm.weight
+        k_norm = None if self.k_norm is None else self.k_norm.weight
+        static = (stages, self.sp_group, self.head_dim, self.eps, None, self.backend)
+        if prefix_kv is None and not return_kv:
+            out = FusedAttention.apply(hidden, cos, sin, *weights, q_norm, k_norm, *static)
+            kv = None
+        else:
+            out, kv = _attention_with_cache(hidden, cos, sin, weights, q_norm, k_norm, *static, prefix_kv, return_kv)
+        out = self.o_proj(out.flatten(2))  # [b, s_l, E]
+        return (out, kv) if return_kv else out

@@ -1,0 +1,275 @@
+"""``DecoderLM``: a Llama / Qwen2 / Qwen3-shaped causal LM built for long context.
+
+Token-wise work (embeddings, norms, MLP, lm_head) runs on this rank's slice of the sequence; attention is
+the fused head-chunked block of :mod:`.attention`. Parameter names mirror transformers'
+(``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, ..., ``model.norm``, ``lm_head``), so HF
+checkpoints map one to one (:mod:`.hf_io`).
+
+Loss under sequence parallelism: each rank sums the cross-entropy of its valid tokens and divides by the
+valid-token count of the *whole* sequence (an all-reduce over ``sp_group``, outside the graph). Each rank's
+``loss`` is then its share: the sum over the SP group is the mean loss, and summing parameter gradients over
+the group gives exactly the single-device gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..ops.losses import IGNORE_INDEX, chunked_cross_entropy
+from ..ops.mlp import tiled_mlp
+from ..parallel import group_rank, group_size, shift_labels as shift_hf_labels
+from .attention import DecoderAttention
+from .config import DecoderConfig, MemoryConfig
+from .norm import RMSNorm
+
+
+@dataclass
+class DecoderOutput:
+    """``loss``: scalar (this rank's share under SP, see module doc) or None without labels.
+    ``logits``: ``[batch, seq_local, vocab]``, or None when chunked logits were used for the loss."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor | None
+
+
+def sp_token_mean(loss_sum: torch.Tensor, valid_count: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``loss_sum / (valid tokens over the whole SP group)``: this rank's share of the global token mean.
+
+    ``valid_count`` is all-reduced over ``group`` without a graph; a group without any valid token gives 0.
+    """
+    count = valid_count.detach().to(torch.int64).clone()
+    if group_size(group) > 1:
+        dist.all_reduce(count, group=group)
+    return loss_sum / count.clamp(min=1).to(loss_sum.dtype)
+
+
+def default_position_ids(input_ids: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Global positions ``[batch, s_l]`` of this rank's contiguous slice (rank r starts at ``r * s_l``)."""
+    s_l = input_ids.shape[1]
+    start = group_rank(group) * s_l
+    return torch.arange(start, start + s_l, device=input_ids.device).expand(input_ids.shape[0], s_l)
+
+
+class DecoderMLP(nn.Module):
+    """SwiGLU MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``."""
+
+    def __init__(self, config: DecoderConfig, memory: MemoryConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, memory.head_chunk_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config)
+        self.mlp_chunk_size = memory.mlp_chunk_size
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        return_kv: bool = False,
+    ):
+        """``hidden [b, s_l, E]`` at global ``position_ids [b, s_l]`` -> ``[b, s_l, E]``.
+
+        With ``prefix_kv=(k_cache, v_cache)`` (cache layout, earlier tokens at earlier positions) the tokens
+        attend to the whole cache and causally to themselves; with ``return_kv`` the layer also returns its
+        own ``(k, v)`` in cache layout (see :mod:`.attention`). Both stay differentiable.
+        """
+        attn = self.self_attn(self.input_layernorm(hidden), position_ids, prefix_kv=prefix_kv, return_kv=return_kv)
+        attn, kv = attn if return_kv else (attn, None)
+        hidden = hidden + attn
+        hidden = hidden + tiled_mlp(self.mlp, self.post_attention_layernorm(hidden), self.mlp_chunk_size)
+        return (hidden, kv) if return_kv else hidden
+
+
+class DecoderModel(nn.Module):
+    """The backbone's parameters (HF's ``model.``): ``embed_tokens``, ``layers``, ``norm``."""
+
+    def __init__(self, config: DecoderConfig, memory: MemoryConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config, memory) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """Causal LM over ``[batch, seq_local]`` token slices; see the module docstring for the SP loss.
+
+    Args:
+        config: the architecture.
+        memory: memory knobs (:class:`MemoryConfig`); change them later with :meth:`configure_memory`.
+
+    Attributes:
+        sp_group: the sequence-parallel group (None = local), set on this module and every attention module
+            by :func:`lightning_longctx.parallel.set_sequence_parallel_group`.
+    """
+
+    def __init__(self, config: DecoderConfig, memory: MemoryConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.memory = memory or MemoryConfig()
+        self.model = DecoderModel(config, self.memory)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.sp_group: dist.ProcessGroup | None = None
+        self.apply(self._init_weights)
+        self.tie_weights()
+
+    # ------------------------------------------------------------------------------------------ structure
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the embedding matrix when ``tie_word_embeddings``."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def configure_memory(self, memory: MemoryConfig) -> None:
+        """Switch memory knobs in place (the numbers do not change; only memory and time do)."""
+        self.memory = memory
+        for layer in self.layers:
+            layer.self_attn.head_chunk_size = memory.head_chunk_size
+            layer.mlp_chunk_size = memory.mlp_chunk_size
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers (``model.layers``)."""
+        return self.model.layers
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The lm_head weight ``[vocab, E]`` (the embedding matrix when tied)."""
+        return self.lm_head.weight
+
+    # ------------------------------------------------------------------------------------ prefix-state API
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [b, s_l]`` -> hidden ``[b, s_l, E]``."""
+        return self.model.embed_tokens(input_ids)
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm: what ``output_weight`` multiplies."""
+        return self.model.norm(hidden)
+
+    # ------------------------------------------------------------------------------------------- forward
+    def _run_layer(self, layer: DecoderLayer, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if not (self.memory.activation_checkpointing and torch.is_grad_enabled()):
+            return layer(hidden, position_ids)
+        offload = self.memory.offload_checkpoints
+        # The checkpoint saves only the layer's inputs, through the ambient saved-tensor hooks: save_on_cpu
+        # keeps them in (pinned, with CUDA) host memory and brings them back for the recomputation.
+        hooks = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload
+                 else contextlib.nullcontext())
+        with hooks:
+            return checkpoint(layer, hidden, position_ids, use_reentrant=False)
+
+    def _check_sp_shapes(self, input_ids: torch.Tensor) -> None:
+        world = group_size(self.sp_group)
+        mine = torch.tensor(input_ids.shape, dtype=torch.int64, device=input_ids.device)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=self.sp_group)
+        shapes = [tuple(t.tolist()) for t in every]
+        if len(set(shapes)) != 1:
+            raise ValueError(f"ranks of the sequence-parallel group hold different input_ids shapes {shapes}; "
+                             "every rank needs the same [batch, seq_local] (pad the sequence to a multiple of sp)")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+    ) -> DecoderOutput:
+        """Logits and/or the next-token loss of this rank's token slice.
+
+        Args:
+            input_ids: ``[batch, seq_local]`` (the whole sequence without SP).
+            position_ids: ``[batch, seq_local]`` global positions; default ``rank * seq_local + arange``.
+            labels: HF-style labels ``[batch, seq]`` (shifted here); only without SP.
+            shift_labels: pre-shifted targets ``[batch, seq_local]`` (the SP strategy's shards); ``-100``
+                never counts.
+        Returns:
+            :class:`DecoderOutput`; ``loss`` is the mean over valid tokens (under SP: this rank's share,
+            local sum / global count); ``logits`` is None when ``logits_chunk_size`` is set and labels are given.
+        Raises:
+            ValueError: for ``labels`` under SP, both ``labels`` and ``shift_labels``, or SP ranks whose
+                ``input_ids`` shapes differ.
+        """
+        world = group_size(self.sp_group)
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass either labels (HF-style, unshifted) or shift_labels, not both")
+        if labels is not None:
+            if world > 1:
+                raise ValueError(f"labels are shifted across shard boundaries: under sequence parallelism "
+                                 f"(sp_size={world}) pass pre-shifted shift_labels shards instead")
+            shift_labels = shift_hf_labels(labels, IGNORE_INDEX)
+        if world > 1:
+            self._check_sp_shapes(input_ids)
+        if position_ids is None:
+            position_ids = default_position_ids(input_ids, self.sp_group)
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = self._run_layer(layer, hidden, position_ids)
+        hidden = self.final_hidden(hidden)
+        if shift_labels is None:
+            return DecoderOutput(loss=None, logits=self.lm_head(hidden))
+        return self._loss(hidden, shift_labels)
+
+    def _loss(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> DecoderOutput:
+        if shift_labels.shape != hidden.shape[:2]:
+            raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must match input_ids "
+                             f"{tuple(hidden.shape[:2])}")
+        targets = shift_labels.reshape(-1)
+        chunk = self.memory.logits_chunk_size
+        if chunk is not None:
+            hidden_TE = hidden.reshape(-1, hidden.shape[-1])
+            loss_sum, count = chunked_cross_entropy(hidden_TE, self.output_weight, targets, chunk_size=chunk)
+            logits = None
+        else:
+            logits = self.lm_head(hidden)
+            acc = torch.promote_types(logits.dtype, torch.float32)  # as HF: the loss in (at least) float32
+            loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), targets,
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            count = (targets != IGNORE_INDEX).sum()
+        return DecoderOutput(loss=sp_token_mean(loss_sum, count, self.sp_group), logits=logits)
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    @classmethod
+    def from_pretrained(cls, path, memory: MemoryConfig | None = None, *, dtype: torch.dtype | None = None):
+        """Load a local HF directory (llama, qwen2, qwen3); see :func:`.hf_io.load_pretrained`."""
+        from .hf_io import load_pretrained
+
+        return load_pretrained(cls, path, memory=memory, dtype=dtype)
+
+    def save_pretrained(self, path, *, max_shard_size: int | None = None) -> None:
+        """Write a directory transformers loads back; see :func:`.hf_io.save_pretrained`."""
+        from .hf_io import save_pretrained
+
+        save_pretrained(self, path, max_shard_size=max_shard_size)
