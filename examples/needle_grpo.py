@@ -17,44 +17,13 @@ import argparse
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import lightning_longctx  # noqa: F401  (registers strategy="ulysses")
-from lightning_longctx import LongStrawModule
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+from lightning_longctx.tasks.needle import NeedleGRPO, NeedleHaystack, collate_prompt_groups
 
-PAD, KEY_MARK, QUERY_MARK = 0, 2, 3
-KEYS = range(4, 12)  # 8 possible needles
-FILLER = range(12, 64)
 VOCAB = 64
-
-
-class NeedleHaystack(Dataset):
-    """Prompt groups: ``prompt_ids [haystack + 3]`` with ``KEY_MARK key`` hidden inside, and the answer."""
-
-    def __init__(self, num_prompts: int, haystack: int, seed: int = 0) -> None:
-        self.num_prompts, self.haystack, self.seed = num_prompts, haystack, seed
-
-    def __len__(self) -> int:
-        return self.num_prompts
-
-    def __getitem__(self, index: int) -> dict:
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + index)
-        filler = torch.randint(FILLER.start, FILLER.stop, (self.haystack,), generator=gen)
-        key = int(torch.randint(KEYS.start, KEYS.stop, (1,), generator=gen))
-        depth = int(torch.randint(0, self.haystack, (1,), generator=gen))
-        prompt = torch.cat([filler[:depth], torch.tensor([KEY_MARK, key]), filler[depth:], torch.tensor([QUERY_MARK])])
-        return {"prompt_ids": prompt, "answer": key}
-
-
-def collate(items: list[dict]) -> dict:
-    return {"prompt_ids": [it["prompt_ids"] for it in items], "answer": [it["answer"] for it in items]}
-
-
-class NeedleGRPO(LongStrawModule):
-    def reward(self, prompt_ids, responses, answer):
-        first = torch.tensor([int(r[0]) for r in responses])
-        return (first == answer).float() + 0.25 * ((first != answer) & (first >= KEYS.start) & (first < KEYS.stop))
 
 
 def main(argv=None):
@@ -77,7 +46,7 @@ def main(argv=None):
         logger=TensorBoardLogger(args.logdir, name="needle_grpo"), log_every_n_steps=1,
         enable_checkpointing=False, enable_model_summary=False,
     )
-    data = DataLoader(NeedleHaystack(args.steps, args.haystack), batch_size=1, collate_fn=collate)
+    data = DataLoader(NeedleHaystack(args.steps, args.haystack, VOCAB), batch_size=1, collate_fn=collate_prompt_groups)
     trainer.fit(module, data)
     if trainer.is_global_zero:
         print(f"TensorBoard logs: {trainer.logger.log_dir}")

@@ -248,7 +248,7 @@ def sample(
         for _ in range(max_new_tokens):
             draft = torch.tensor(tokens + [0], dtype=prompt_ids.dtype, device=prompt_ids.device)
             branch = make_branch(state, draft)  # the last position predicts the next token
-            logits = _last_logits(model, state, branch, vocab, group)
+            logits = _last_logits(model, state, branch, draft.numel() - 1, vocab, group)
             token = _draw(logits, temperature, top_p, generator)
             tokens.append(token)
             if token == eos_token_id:
@@ -257,16 +257,16 @@ def sample(
     return results
 
 
-def _last_logits(model, state, branch, vocab, group) -> torch.Tensor:
+def _last_logits(model, state, branch, last: int, vocab: int, group) -> torch.Tensor:
+    """Logits ``[vocab]`` at response position ``last`` (held by one rank), on every rank."""
     hidden = model.embed(branch.input_ids)
     for index, layer in enumerate(model.layers):
         prefix = (state.keys[index], state.values[index]) if state.keys else None
         hidden = layer(hidden, branch.position_ids, prefix_kv=prefix)
     hidden = model.final_hidden(hidden)[0]
-    last = int(branch.response_index.max()) if bool((branch.response_index >= 0).any()) else -1
     logits = hidden.new_zeros(vocab, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     mine = (branch.response_index == last).nonzero()
-    if last >= 0 and mine.numel():
+    if mine.numel():
         logits += (hidden[mine[-1, 0]] @ model.output_weight.T).to(logits.dtype)
     if group_size(group) > 1:
         dist.all_reduce(logits, group=group)  # exactly one rank holds the last position

@@ -43,47 +43,51 @@ from .rope import apply_rope, rope_cos_sin
 class Stage:
     """One stage of the head-chunked schedule, seen from one rank.
 
-    ``q_rows``/``k_rows`` index the rows of W_q / W_k (and W_v) this stage projects; ``kv_send`` expands the
-    ``len(k_rows) / d`` projected K/V heads into the ``P * m`` heads sent rank by rank (None: already in
-    order). ``cache_start`` is where this rank's ``m`` received K/V heads sit in its cache layout and
+    The stage projects local query heads ``[q_start, q_stop)`` and K/V heads ``[kv_start, kv_stop)`` (always a
+    contiguous range); ``kv_send`` expands those into the ``P * m`` heads sent rank by rank (None: already
+    in order). ``cache_start`` is where this rank's ``m`` received K/V heads sit in its cache layout and
     ``cache_new`` whether this stage is the first to deliver them.
     """
 
     q_start: int
     q_stop: int
-    k_rows: torch.Tensor
+    kv_start: int
+    kv_stop: int
     kv_send: torch.Tensor | None
     cache_start: int
     cache_new: bool
 
 
-def build_stages(
-    heads: int, kv_heads: int, head_dim: int, world: int, rank: int, chunk: int, device
-) -> list[Stage]:
+def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, device) -> list[Stage]:
     """The per-rank stage plan for ``heads``/``kv_heads`` over ``world`` ranks, ``chunk`` heads per stage."""
     stages, cache_heads, last = [], 0, None
     for start, stop, kv_index in head_schedule(heads, kv_heads, world, chunk):
-        # A K/V head sent to several ranks (fewer K/V heads than ranks) is projected once and replicated.
-        unique, inverse = torch.unique(kv_index, sorted=True, return_inverse=True)
-        k_rows = (unique[:, None] * head_dim + torch.arange(head_dim)).flatten()
-        identity = unique.numel() == kv_index.numel()  # unique is sorted and kv_index ascends
+        # kv_index ascends by steps of 0 or 1: its distinct heads form a range. A K/V head sent to several
+        # ranks (fewer K/V heads than ranks) is projected once and replicated by kv_send.
+        # (UPipe's GQA schedule would also reuse a K/V head across the g / C stages whose queries share it;
+        # here each of those stages re-projects it: 2 * s_l * E * d extra flops per stage, no extra memory.)
+        kv_start, kv_stop = int(kv_index[0]), int(kv_index[-1]) + 1
+        assert kv_stop - kv_start == len(set(kv_index.tolist())), f"non-contiguous K/V heads {kv_index.tolist()}"
+        identity = kv_stop - kv_start == kv_index.numel()
         m = kv_index.numel() // world
         mine = tuple(kv_index[rank * m:(rank + 1) * m].tolist())
         new = mine != last  # consecutive stages receive the same K/V heads or disjoint ones
         if new:
             cache_heads, last = cache_heads + (m if last is not None else 0), mine
-        stages.append(Stage(
-            start, stop, k_rows.to(device), None if identity else inverse.to(device), cache_heads, new,
-        ))
+        send = None if identity else (kv_index - kv_start).to(device)
+        stages.append(Stage(start, stop, kv_start, kv_stop, send, cache_heads, new))
     return stages
 
 
 def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send, head_dim, eps):
     """Local q ``[b, s_l, C*P, d]`` and k, v ``[b, s_l, P*m, d]`` of one stage from its weight slices."""
     b, s_l, _ = x_BSE.shape
-    q = F.linear(x_BSE, wq, bq).view(b, s_l, -1, head_dim)
-    k = F.linear(x_BSE, wk, bk).view(b, s_l, -1, head_dim)
-    v = F.linear(x_BSE, wv, bv).view(b, s_l, -1, head_dim)
+    # One matmul for the stage's q/k/v rows (a small copy of the weight slices): a single pass over x, and a
+    # single ``d x`` product in backward, instead of three narrow ones.
+    w = torch.cat((wq, wk, wv))
+    bias = None if bq is None else torch.cat((bq, bk, bv))
+    q, k, v = F.linear(x_BSE, w, bias).split((wq.shape[0], wk.shape[0], wv.shape[0]), dim=-1)
+    q, k, v = (t.view(b, s_l, -1, head_dim) for t in (q, k, v))
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -92,16 +96,16 @@ def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send,
     return q, k, v
 
 
+def _row_slices(stage: Stage, head_dim: int) -> tuple[slice, slice]:
+    """Rows of W_q/b_q and of W_k, b_k, W_v, b_v that this stage projects."""
+    return (slice(stage.q_start * head_dim, stage.q_stop * head_dim),
+            slice(stage.kv_start * head_dim, stage.kv_stop * head_dim))
+
+
 def _stage_weights(weights, stage: Stage, head_dim: int):
-    """Slices ``(wq, bq, wk, bk, wv, bv)`` of the stage's rows (differentiable; None biases stay None)."""
-    wq, bq, wk, bk, wv, bv = weights
-    q = slice(stage.q_start * head_dim, stage.q_stop * head_dim)
-    rows = stage.k_rows
-
-    def pick(t, index):
-        return None if t is None else (t[index] if isinstance(index, slice) else t.index_select(0, index))
-
-    return pick(wq, q), pick(bq, q), pick(wk, rows), pick(bk, rows), pick(wv, rows), pick(bv, rows)
+    """Views ``(wq, bq, wk, bk, wv, bv)`` of the stage's rows (None biases stay None)."""
+    q_rows, kv_rows = _row_slices(stage, head_dim)
+    return tuple(None if t is None else t[rows] for t, rows in zip(weights, (q_rows, q_rows) + (kv_rows,) * 4))
 
 
 class FusedAttention(torch.autograd.Function):
@@ -160,15 +164,10 @@ class FusedAttention(torch.autograd.Function):
                 continue
             found = torch.autograd.grad([t for t, _ in pairs], [t for _, t in leaves], [g for _, g in pairs],
                                         allow_unused=True)
+            q_rows, kv_rows = _row_slices(st, head_dim)
             for (i, _), g in zip(leaves, found):
-                if g is None:
-                    continue
-                if i in (3, 4):  # W_q / b_q rows of this stage: a contiguous slice
-                    grads[i][st.q_start * head_dim:st.q_stop * head_dim] += g
-                elif i in (5, 6, 7, 8):  # W_k, b_k, W_v, b_v rows of this stage's K/V heads
-                    grads[i].index_add_(0, st.k_rows, g)
-                else:
-                    grads[i] += g
+                if g is not None:  # weight slices add into their rows; x and the norm weights in full
+                    grads[i][q_rows if i in (3, 4) else kv_rows if i in (5, 6, 7, 8) else slice(None)] += g
         return (*grads, None, None, None, None, None, None)
 
 
@@ -230,8 +229,7 @@ class DecoderAttention(nn.Module):
                                     torch.empty(1, 1, self.num_kv_heads, self.head_dim, **meta),
                                     torch.empty(1, 1, self.num_kv_heads, self.head_dim, **meta),
                                     world, self.head_chunk_size)
-            self._stages[key] = build_stages(self.num_heads, self.num_kv_heads, self.head_dim, world, rank, chunk,
-                                             device)
+            self._stages[key] = build_stages(self.num_heads, self.num_kv_heads, world, rank, chunk, device)
         return self._stages[key]
 
     def forward(

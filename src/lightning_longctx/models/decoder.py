@@ -24,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops.losses import IGNORE_INDEX, chunked_cross_entropy
 from ..ops.mlp import tiled_mlp
-from ..parallel import group_rank, group_size, shift_labels as shift_hf_labels
+from ..parallel import group_rank, group_size
+from ..parallel import shift_labels as shift_hf_labels
 from .attention import DecoderAttention
 from .config import DecoderConfig, MemoryConfig
 from .norm import RMSNorm

@@ -1,0 +1,160 @@
+"""Ulysses sequence parallelism for any transformers causal LM, through its attention-function registry.
+
+Main API: :func:`install_ulysses` (and :func:`uninstall_ulysses` / the returned handle's ``remove()``).
+
+How it works (as DeepSpeed ALST's ``UlyssesSPAttentionHF.register_with_transformers``): the entry the model
+already uses in ``transformers.AttentionInterface`` (its ``config._attn_implementation``, e.g. ``"sdpa"``)
+is overridden by a dispatcher, so every branch the model takes on ``_attn_implementation`` keeps working and
+no model code is patched. The dispatcher routes an attention module that was installed on (it carries an
+``sp_group`` attribute and a marker) to :func:`lightning_longctx.parallel.ulysses_attention`; every other
+module, and installed ones whose ``sp_group`` is None, to the original function. The original entry is
+restored when the last installation using it is removed.
+
+Contract under SP (what the caller must do; see ``parallel.shard_batch``):
+- ``input_ids`` is this rank's contiguous slice ``[batch, s_l]``, every rank the same ``s_l``;
+- ``position_ids`` are the slice's GLOBAL positions (RoPE runs before the all-to-all, inside the model);
+- the loss is computed from ``shift_labels`` shifted before sharding, as local sum / global valid count
+  (``models.sp_token_mean``); transformers' own ``labels=`` loss would be a per-rank mean.
+
+transformers hands attention functions ``query [batch, heads, s_l, head_dim]`` and ``key/value
+[batch, kv_heads, s_l, head_dim]``; Ulysses attends causally over the GLOBAL sequence, so the
+``attention_mask`` argument (built by the model for its local slice) is ignored. Only full causal
+language-model training without padding holes is supported: no padding inside sequences (right padding
+whose labels are -100 is fine), no packed sequences, no sliding window, no attention dropout, no
+non-causal (encoder) attention. These raise where they can be detected.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel import ulysses_attention
+
+_MARK = "_longctx_ulysses"  # attribute on installed attention modules: their head_chunk_size
+_ORIGINALS: dict[str, object] = {}  # registry name -> the function the model used before we overrode it
+_SAVED: dict[str, tuple] = {}  # registry name -> (global entry, local entry or None) to restore
+_USERS: dict[str, int] = {}  # registry name -> installations currently using our dispatcher
+
+
+def _registry():
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return AttentionInterface, ALL_ATTENTION_FUNCTIONS
+
+
+def _dispatch(name: str):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        group = getattr(module, "sp_group", None)
+        if not hasattr(module, _MARK) or group is None:
+            return _ORIGINALS[name](module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                    **kwargs)
+        if dropout:
+            raise NotImplementedError(f"Ulysses attention has no dropout (got dropout={dropout}); set the "
+                                      "model's attention_dropout to 0 or call model.eval()")
+        if kwargs.get("sliding_window") is not None:
+            raise NotImplementedError(f"sliding_window={kwargs['sliding_window']} is not supported under Ulysses")
+        if not getattr(module, "is_causal", True):
+            raise NotImplementedError(f"{type(module).__name__} is not causal; Ulysses here is causal-LM only")
+        # [b, h, s_l, d] -> [b, s_l, h, d]; attention_mask ignored: causal over the global sequence.
+        out = ulysses_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), group=group,
+                                causal=True, head_chunk_size=getattr(module, _MARK), softmax_scale=scaling)
+        return out, None  # [b, s_l, h, d], as transformers' attention functions return it
+
+    attention.__name__ = f"ulysses_dispatch_{name}"
+    return attention
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    """transformers attention modules: they carry ``is_causal``, ``scaling`` and ``head_dim``."""
+    return [m for m in model.modules() if all(hasattr(m, a) for a in ("is_causal", "scaling", "head_dim"))]
+
+
+class UlyssesHandle:
+    """Undo for :func:`install_ulysses`: ``remove()`` (idempotent), or use as a context manager."""
+
+    def __init__(self, name: str, modules: list[nn.Module], model_id: int) -> None:
+        self.name, self.modules, self.model_id, self.active = name, modules, model_id, True
+
+    def remove(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        _HANDLES.pop(self.model_id, None)
+        for module in self.modules:
+            for attr in (_MARK, "sp_group"):
+                if hasattr(module, attr):
+                    delattr(module, attr)
+        _USERS[self.name] -= 1
+        if _USERS[self.name] == 0:
+            interface, functions = _registry()
+            saved_global, saved_local = _SAVED.pop(self.name)
+            if saved_global is None:
+                interface._global_mapping.pop(self.name, None)
+            else:
+                interface.register(self.name, saved_global)
+            if saved_local is not None:
+                functions[self.name] = saved_local
+            del _USERS[self.name], _ORIGINALS[self.name]
+
+    def __enter__(self) -> UlyssesHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+_HANDLES: dict[int, UlyssesHandle] = {}  # id(model) -> its installation
+
+
+def install_ulysses(
+    model: nn.Module, group: dist.ProcessGroup | None, head_chunk_size: int | None = None
+) -> UlyssesHandle:
+    """Run every attention layer of a transformers model as Ulysses attention over ``group``.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (e.g. ``LlamaForCausalLM``) whose ``config._attn_implementation``
+            is a registry entry (``"sdpa"``, ``"flash_attention_2"``, ``"flex_attention"``; not ``"eager"``).
+        group: the sequence-parallel group; None installs but computes with the original function until
+            ``set_sequence_parallel_group`` gives the modules a group.
+        head_chunk_size: query heads each rank attends per stage (see ``ulysses_attention``).
+    Returns:
+        A :class:`UlyssesHandle`; ``handle.remove()`` or :func:`uninstall_ulysses` restores the model and,
+        once no installation uses it, the registry entry.
+    Raises:
+        ValueError: if the model is already installed, uses ``"eager"``, or has no attention modules.
+    """
+    if id(model) in _HANDLES:
+        raise ValueError("install_ulysses: this model is already installed; uninstall_ulysses(model) first")
+    config = getattr(model, "config", None)
+    name = getattr(config, "_attn_implementation", None)
+    interface, functions = _registry()
+    if name is None or name == "eager" or name not in functions:
+        raise ValueError(f"install_ulysses needs config._attn_implementation to be an AttentionInterface entry "
+                         f"(e.g. 'sdpa'), got {name!r}; load the model with attn_implementation='sdpa'")
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(f"install_ulysses found no attention module in {type(model).__name__}")
+    if name not in _USERS:
+        _ORIGINALS[name] = functions[name]
+        saved_local = functions._local_mapping.get(name)
+        _SAVED[name] = (interface._global_mapping.get(name), saved_local)
+        dispatcher = _dispatch(name)
+        interface.register(name, dispatcher)
+        if saved_local is not None:  # a local override would shadow the global entry
+            functions[name] = dispatcher
+        _USERS[name] = 0
+    _USERS[name] += 1
+    for module in modules:
+        setattr(module, _MARK, head_chunk_size)
+        module.sp_group = group
+    handle = _HANDLES[id(model)] = UlyssesHandle(name, modules, id(model))
+    return handle
+
+
+def uninstall_ulysses(model: nn.Module) -> None:
+    """Undo :func:`install_ulysses` on ``model`` (no-op if it is not installed)."""
+    handle = _HANDLES.get(id(model))
+    if handle is not None:
+        handle.remove()

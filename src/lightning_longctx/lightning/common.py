@@ -1,0 +1,119 @@
+"""What the Trainer strategy and the Fabric strategy share: the DP x SP layout, batch sharding, parallelize.
+
+Layout: ``world = devices x num_nodes`` ranks on a ``("dp", "sp")`` device mesh of shape
+``(world / sp_size, sp_size)`` (:func:`lightning_longctx.parallel.build_dp_sp_mesh`: SP groups are contiguous
+ranks, so the all-to-all stays inside a node when ``sp_size`` divides the devices of a node). The distributed
+sampler runs over ``dp`` only: the ``sp_size`` ranks of a group read the same samples and each keeps its slice
+of every sequence (:mod:`.batch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel import build_dp_sp_mesh, check_sp_size
+from .batch import shard_sequence_batch
+from .parallelize import SHARDING_MODES, broadcast_replicas, parallelize
+
+
+def _check_args(sp_size: int | None, head_chunk_size: int | None, sharding: str) -> None:
+    for name, value in (("sp_size", sp_size), ("head_chunk_size", head_chunk_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer or None")
+    if sharding not in SHARDING_MODES:
+        raise ValueError(f"sharding={sharding!r} must be one of {SHARDING_MODES}")
+
+
+class UlyssesMixin:
+    """The Ulysses half of :class:`~.strategy.UlyssesStrategy` and :class:`~.fabric.UlyssesFabricStrategy`.
+
+    Mixed in before Lightning's ``ModelParallelStrategy`` (pytorch or fabric); uses its ``num_nodes``,
+    ``num_processes``, ``world_size``, ``root_device`` and ``_device_mesh``.
+    """
+
+    _namespace_hint = ""  # set by the subclasses: which Lightning namespace they belong to
+
+    def _init_ulysses(self, sp_size: int | None, head_chunk_size: int | None, sharding: str) -> None:
+        _check_args(sp_size, head_chunk_size, sharding)
+        self._requested_sp_size = sp_size
+        self.head_chunk_size = head_chunk_size
+        self.sharding = sharding
+        self._sp_group: dist.ProcessGroup | None = None
+        self._sp_rank = 0
+        self._layout: tuple[int, int] | None = None
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(sp_size={self._requested_sp_size}, head_chunk_size={self.head_chunk_size}, "
+                f"sharding={self.sharding!r}) {self._namespace_hint}")
+
+    # ------------------------------------------------------------------------------------------------ layout
+    def _resolve_layout(self) -> tuple[int, int]:
+        """``(dp_size, sp_size)`` from devices x nodes; ``sp_size=None`` = the devices of one node."""
+        world = self.num_nodes * self.num_processes
+        sp = self._requested_sp_size or self.num_processes
+        check_sp_size(world, sp)
+        return world // sp, sp
+
+    def _configure_launcher(self) -> None:
+        self._resolve_layout()  # bad sizes fail when the Trainer / Fabric is built, before any process starts
+        super()._configure_launcher()
+
+    def _setup_layout(self) -> None:
+        """After the process group exists: the ``("dp", "sp")`` mesh and this rank's SP group."""
+        dp, sp = self._resolve_layout()
+        if dp * sp != self.world_size:
+            raise RuntimeError(f"devices x num_nodes = {dp * sp} but the process group has {self.world_size} ranks")
+        self._device_mesh = build_dp_sp_mesh(sp, self.root_device.type)
+        self._sp_group = self._device_mesh.get_group("sp")
+        self._sp_rank = self._device_mesh.get_local_rank("sp")
+        self._layout = (dp, sp)
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks per sequence-parallel group (known once the processes exist)."""
+        return self._layout[1] if self._layout else self._resolve_layout()[1]
+
+    @property
+    def dp_size(self) -> int:
+        return self._layout[0] if self._layout else self._resolve_layout()[0]
+
+    @property
+    def sp_rank(self) -> int:
+        return self._sp_rank
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """This rank's sequence-parallel group (None before setup)."""
+        return self._sp_group
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    # ------------------------------------------------------------------------------------------------ batches
+    def shard_batch(self, batch: Any) -> dict[str, Any]:
+        """This rank's shard of a dict batch of full sequences (see :mod:`lightning_longctx.lightning.batch`)."""
+        return shard_sequence_batch(batch, sp_rank=self._sp_rank, sp_size=self.sp_size)
+
+    def sp_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of ``tensor`` over the SP group, detached: e.g. the whole sequence's loss from this rank's
+        share, for logging (each rank's ``loss`` is only its share: local sum / global count)."""
+        total = tensor.detach().clone()
+        if self.sp_size > 1:
+            dist.all_reduce(total, group=self._sp_group)
+        return total
+
+    # ------------------------------------------------------------------------------------------------- model
+    def _parallelize(self, module: nn.Module, roots: list[nn.Module]) -> nn.Module:
+        dp, sp = self._layout
+        return parallelize(module, roots, sp_group=self._sp_group, sp_size=sp, dp_size=dp, sharding=self.sharding,
+                           head_chunk_size=self.head_chunk_size, device_type=self.root_device.type)
+
+    def _sync_replicas(self, module: nn.Module) -> None:
+        if self.sharding == "replicate":
+            broadcast_replicas(module)

@@ -1,0 +1,78 @@
+"""``UlyssesFabricStrategy``: ``Fabric(strategy="ulysses")``, the Fabric twin of :class:`~.strategy.UlyssesStrategy`.
+
+- ``setup_module(model)`` parallelizes the model (:mod:`.parallelize`; the model itself is the FSDP root, its
+  ``forward`` is what Fabric calls). Create the optimizer AFTER it (``fabric.setup_module`` then
+  ``fabric.setup_optimizers``): FSDP2 replaces the parameters.
+- ``setup_dataloaders`` gives a distributed sampler over dp and yields this rank's shards of dict batches of
+  full sequences (:mod:`.batch`), so the loop is ``loss = model(**batch).loss; fabric.backward(loss)``.
+- ``fabric.save`` / ``fabric.load`` write and read distributed checkpoints (any dp x sp layout on reload).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from torch import nn
+from torch.optim import Optimizer
+
+from .batch import ShardingLoader
+from .common import UlyssesMixin
+
+
+class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
+    """Ulysses sequence parallelism x data parallelism for ``lightning.fabric.Fabric``.
+
+    Args: as :class:`lightning_longctx.lightning.UlyssesStrategy` (``sp_size``, ``head_chunk_size``,
+    ``sharding``, ``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
+    """
+
+    _namespace_hint = "[a lightning.fabric strategy: use lightning.fabric.Fabric, not lightning_fabric.Fabric]"
+
+    def __init__(
+        self,
+        sp_size: int | None = None,
+        head_chunk_size: int | None = None,
+        sharding: str = "fsdp",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            parallelize_fn=self._parallelize_root,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._init_ulysses(sp_size, head_chunk_size, sharding)
+
+    def setup_environment(self) -> None:
+        super(ModelParallelStrategy, self).setup_environment()  # the accelerator's device
+        self._setup_distributed()
+        self._setup_layout()
+
+    def _parallelize_root(self, module: nn.Module, mesh: Any) -> nn.Module:
+        return self._parallelize(module, [module])
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = self._parallelize_root(module, self.device_mesh)
+        _materialize_distributed_module(module, self.root_device)
+        self._sync_replicas(module)
+        return module
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None):
+        module = self.setup_module(module)
+        params = {id(p) for p in module.parameters()}
+        if any(id(p) not in params for opt in optimizers for group in opt.param_groups for p in group["params"]):
+            raise ValueError(
+                "the optimizer holds the model's parameters from before sharding (FSDP2 replaces them): with the "
+                "Ulysses strategy call model = fabric.setup_module(model), then create the optimizer from "
+                "model.parameters() and call fabric.setup_optimizers(optimizer)"
+            )
+        return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return ShardingLoader(dataloader, self.shard_batch)

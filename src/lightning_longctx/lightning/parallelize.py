@@ -1,0 +1,211 @@
+"""Make a model sequence-parallel and data-parallel on a DP x SP layout (what both Ulysses strategies run).
+
+Order (:func:`parallelize`), everything checked before the first collective:
+
+1. :func:`check_attention_heads`: every attention shape the model declares must split over ``sp_size``.
+2. :func:`wire_sequence_parallel`: transformers models get :func:`lightning_longctx.integrations.hf.
+   install_ulysses`; every module declaring ``sp_group`` (``DecoderLM``, its attention, installed HF
+   attention) gets the SP group, and ``head_chunk_size`` when one is given.
+3. :func:`shard_modules`: FSDP2 ``fully_shard`` on each block (the elements of the outermost
+   ``nn.ModuleList`` s) and then on each root, over all ``dp * sp`` ranks:
+   ``"fsdp"`` shards parameters, gradients and optimizer state (ZeRO-3); ``"replicate"`` keeps full replicas
+   (an HSDP mesh ``(dp * sp, 1)``) and all-reduces gradients.
+
+Gradients: each SP rank's loss is ``local sum / global valid count`` of its sample, so the gradient of the
+sample is the SUM of the SP ranks' gradients, and data parallelism takes the MEAN over DP ranks. FSDP would
+divide the sum over all ``dp * sp`` ranks by ``dp * sp``; the gradient divide factor is set to ``dp``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..parallel import set_sequence_parallel_group
+from ..parallel.ulysses import _validate_local
+
+SHARDING_MODES = ("fsdp", "replicate")
+_HEAD_ATTRS = ("num_heads", "num_attention_heads")
+_KV_HEAD_ATTRS = ("num_kv_heads", "num_key_value_heads")
+
+
+def _first_int(obj, names) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def attention_shapes(module: nn.Module) -> dict[tuple[int, int, int | None], str]:
+    """``(heads, kv_heads, head_chunk_size) -> where`` for every attention shape ``module`` declares.
+
+    Looked up on modules that declare ``sp_group`` (``num_heads``/``num_kv_heads``, ``head_chunk_size``) and
+    on any ``config`` carrying ``num_attention_heads`` (``DecoderLM``, transformers models and attention).
+    """
+    shapes: dict[tuple[int, int, int | None], str] = {}
+    for name, sub in module.named_modules():
+        where = f"{type(module).__name__}{'.' + name if name else ''}"
+        heads = _first_int(sub, _HEAD_ATTRS)
+        if hasattr(sub, "sp_group") and heads is not None:
+            kv = _first_int(sub, _KV_HEAD_ATTRS) or heads
+            shapes.setdefault((heads, kv, getattr(sub, "head_chunk_size", None)), where)
+        config = getattr(sub, "config", None)
+        heads = _first_int(config, ("num_attention_heads",)) if config is not None else None
+        if heads is not None:
+            kv = _first_int(config, ("num_key_value_heads",)) or heads
+            shapes.setdefault((heads, kv, None), f"{where}.config")
+    return shapes
+
+
+def check_attention_heads(module: nn.Module, sp_size: int, head_chunk_size: int | None = None) -> None:
+    """Raise ``ValueError`` naming the numbers if any attention shape of ``module`` cannot run on ``sp_size``
+    ranks (the rules of :func:`lightning_longctx.parallel.ulysses_attention`, checked on meta tensors)."""
+    for (heads, kv, chunk), where in attention_shapes(module).items():
+        chunk = head_chunk_size if head_chunk_size is not None else chunk
+        q = torch.empty(1, 1, heads, 2, device="meta")
+        k = torch.empty(1, 1, kv, 2, device="meta")
+        try:
+            _validate_local(q, k, k, sp_size, chunk)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+def pretrained_models(module: nn.Module) -> list[nn.Module]:
+    """The outermost transformers ``PreTrainedModel`` s inside ``module`` (none if transformers isn't loaded)."""
+    if "transformers" not in sys.modules:
+        return []
+    from transformers import PreTrainedModel
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel) and not any(name.startswith(outer + ".") or outer == ""
+                                                        for outer, _ in found):
+            found.append((name, sub))
+    return [sub for _, sub in found]
+
+
+def wire_sequence_parallel(module: nn.Module, group: dist.ProcessGroup | None, sp_size: int,
+                           head_chunk_size: int | None = None) -> int:
+    """Hand ``group`` to the model's attention (see the module docstring); returns how many modules took it.
+
+    Raises:
+        ValueError: if ``sp_size > 1`` and no module declares ``sp_group``: attention would silently see only
+            this rank's slice of the sequence.
+    """
+    if sp_size > 1:
+        hf_models = pretrained_models(module)
+        if hf_models:
+            from ..integrations.hf import install_ulysses, uninstall_ulysses
+
+            for model in hf_models:
+                uninstall_ulysses(model)  # no-op unless a previous run installed it
+                install_ulysses(model, group, head_chunk_size=head_chunk_size)
+    count = set_sequence_parallel_group(module, group)
+    if sp_size > 1 and count == 0:
+        raise ValueError(
+            f"sp_size={sp_size} but no submodule of {type(module).__name__} declares an `sp_group` attribute, so "
+            "attention would only see this rank's slice of each sequence. Use lightning_longctx.models.DecoderLM, "
+            "a transformers model, or attention modules with an `sp_group` attribute that they pass to "
+            "lightning_longctx.parallel.ulysses_attention(..., group=self.sp_group)."
+        )
+    if head_chunk_size is not None:
+        for sub in module.modules():
+            if hasattr(sub, "sp_group") and hasattr(sub, "head_chunk_size"):
+                sub.head_chunk_size = head_chunk_size
+    return count
+
+
+def blocks(root: nn.Module) -> list[nn.Module]:
+    """The elements (with parameters) of the outermost ``nn.ModuleList`` s of ``root``: the layers."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in root.named_modules():
+        if not isinstance(sub, nn.ModuleList) or any(name.startswith(done + ".") for done, _ in found):
+            continue
+        for index, block in enumerate(sub):
+            if any(True for _ in block.parameters()):
+                found.append((f"{name}.{index}" if name else str(index), block))
+    return [block for _, block in found]
+
+
+def fsdp_mesh(sharding: str, device_type: str) -> DeviceMesh:
+    """The mesh FSDP2 runs on: all ranks sharding (``"fsdp"``) or replicating (``"replicate"``)."""
+    world = dist.get_world_size()
+    if sharding == "fsdp":
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_sp",))
+    return init_device_mesh(device_type, (world, 1), mesh_dim_names=("dp_sp", "shard"))
+
+
+def shard_modules(module: nn.Module, roots: list[nn.Module], *, sharding: str, dp_size: int, mesh: DeviceMesh) -> None:
+    """FSDP2 on every block of every root, then on each root; gradients become sum over SP, mean over DP."""
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = None if sharding == "fsdp" else False  # replicas have nothing to free after forward
+    for root in roots:
+        for block in blocks(root):
+            fully_shard(block, mesh=mesh, reshard_after_forward=True if reshard is None else reshard)
+        fully_shard(root, mesh=mesh, reshard_after_forward=reshard)
+    set_gradient_reduction(module, sharding=sharding, dp_size=dp_size)
+
+
+def set_gradient_reduction(module: nn.Module, *, sharding: str, dp_size: int) -> None:
+    """Every FSDP2 module of ``module`` reduces gradients as sum over all ranks / ``dp_size``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(float(dp_size))
+            # gloo has no PREMUL_SUM: sum, then divide. Only with a real shard dim: with a shard dim of one rank
+            # torch (2.13) would divide twice.
+            sub.set_force_sum_reduction_for_comms(sharding == "fsdp")
+
+
+@torch.no_grad()
+def broadcast_replicas(module: nn.Module, src: int = 0) -> None:
+    """Make every replica equal to rank ``src``'s (``"replicate"`` mode: ranks may have initialised apart)."""
+    from torch.distributed.tensor import DTensor
+
+    for param in module.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param.data
+        if local.device.type != "meta":
+            dist.broadcast(local, src=src)
+
+
+def already_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(sub, FSDPModule) for sub in module.modules())
+
+
+def parallelize(
+    module: nn.Module,
+    roots: list[nn.Module],
+    *,
+    sp_group: dist.ProcessGroup | None,
+    sp_size: int,
+    dp_size: int,
+    sharding: str,
+    head_chunk_size: int | None,
+    device_type: str,
+) -> nn.Module:
+    """Steps 1-3 of the module docstring on ``module``, sharding ``roots`` (submodules of ``module`` whose
+    ``forward`` runs; ``module`` itself when it is called). A module parallelized before (e.g. by an earlier
+    ``fit``) is only re-wired to the current group and divide factor."""
+    check_attention_heads(module, sp_size, head_chunk_size)
+    wire_sequence_parallel(module, sp_group if sp_size > 1 else None, sp_size, head_chunk_size)
+    if getattr(module, "_longctx_parallelized", None) == sharding:
+        set_gradient_reduction(module, sharding=sharding, dp_size=dp_size)
+        return module
+    if already_sharded(module):
+        raise ValueError(
+            f"{type(module).__name__} already has FSDP-sharded submodules: the Ulysses strategy shards the model "
+            "itself (sharding='fsdp' or 'replicate'); build the model in configure_model() without calling "
+            "fully_shard"
+        )
+    shard_modules(module, roots, sharding=sharding, dp_size=dp_size, mesh=fsdp_mesh(sharding, device_type))
+    module._longctx_parallelized = sharding
+    return module

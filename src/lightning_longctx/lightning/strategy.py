@@ -1,0 +1,118 @@
+"""``UlyssesStrategy``: ``Trainer(strategy="ulysses")``, Ulysses sequence parallelism on a DP x SP mesh.
+
+Built on Lightning's ``ModelParallelStrategy`` (process group, distributed checkpoints, launcher), with:
+
+- ``setup_environment``: a ``("dp", "sp")`` device mesh (:mod:`.common`); the distributed sampler runs over dp.
+- ``setup``: the model is parallelized by the strategy (no ``configure_model`` override needed, see
+  :mod:`.parallelize`): SP group wired into the attention, FSDP2 over all ranks (``sharding="fsdp"``) or
+  replicas with all-reduced gradients (``"replicate"``); gradients are summed over SP and averaged over DP.
+- ``batch_to_device``: after the batch reaches the device (and the module's batch-transfer hooks ran), the
+  dict of full sequences becomes this rank's shard (:mod:`.batch`), so ``training_step`` can be
+  ``return self.model(**batch).loss`` on one device and under SP alike.
+
+Each rank's loss is its share (local sum / global valid count); :meth:`UlyssesMixin.sp_reduce` gives the
+whole sequence's loss for logging. A LightningModule that shards sequences and reduces gradients itself
+(``LongStrawModule``) sets ``handles_sequence_parallel = True`` and gets only the mesh and sampler.
+
+With DP, the optimised loss is the mean over DP ranks of each rank's token mean (as with DDP), which
+equals the global token mean when the DP ranks hold equally many valid tokens.
+
+Registered as ``"ulysses"`` when ``lightning_longctx`` is imported (Lightning has no entry points for
+strategies): ``import lightning_longctx`` must come before ``Trainer(strategy="ulysses")`` (a Hydra
+``_target_`` under ``lightning_longctx`` does it).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from .common import UlyssesMixin
+from .parallelize import broadcast_replicas, check_attention_heads
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    import torch
+
+
+class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
+    """Ulysses sequence parallelism x data parallelism for ``lightning.pytorch.Trainer``.
+
+    Args:
+        sp_size: ranks per sequence-parallel group; None = all devices of a node. ``devices x num_nodes``
+            must be divisible by it; the rest is data parallelism (``dp = world / sp_size``).
+        head_chunk_size: query heads each rank attends per stage (UPipe's chunking; 1 = least memory);
+            None keeps the model's own setting (``MemoryConfig.head_chunk_size``; plain Ulysses by default).
+        sharding: ``"fsdp"`` (FSDP2 ZeRO-3 over all ``dp x sp`` ranks: parameters, gradients and optimizer
+            state sharded; needed for 8B+ models at long context) or ``"replicate"`` (full replicas,
+            gradients all-reduced).
+        save_distributed_checkpoint, process_group_backend, timeout: as in ``ModelParallelStrategy``.
+    """
+
+    strategy_name = "ulysses"
+    _namespace_hint = "[a lightning.pytorch strategy: use lightning.pytorch.Trainer, not pytorch_lightning.Trainer]"
+
+    def __init__(
+        self,
+        sp_size: int | None = None,
+        head_chunk_size: int | None = None,
+        sharding: str = "fsdp",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._init_ulysses(sp_size, head_chunk_size, sharding)
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()  # accelerator device + process group (ModelParallelStrategy's)
+        self._setup_layout()
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if module._parameters:
+            raise ValueError(
+                f"{type(module).__name__} owns parameters directly ({sorted(module._parameters)}); the Ulysses "
+                "strategy shards the submodules training_step calls (e.g. self.model): move them into one"
+            )
+        if self._module_handles_sp():
+            # e.g. LongStrawModule: it shards sequences and reduces gradients itself; keep plain replicas.
+            check_attention_heads(module, self.sp_size, self.head_chunk_size)
+            _materialize_distributed_module(self.model, self.root_device)
+            broadcast_replicas(self.model)
+        else:
+            roots = [child for child in module.children() if any(True for _ in child.parameters())]
+            self._parallelize(module, roots)
+            _materialize_distributed_module(self.model, self.root_device)
+            self._sync_replicas(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return batch if self._module_handles_sp() else self.shard_batch(batch)
+
+    def _module_handles_sp(self) -> bool:
+        """A LightningModule with ``handles_sequence_parallel = True`` gets the mesh (``self.device_mesh``,
+        dims ``"dp"``/``"sp"``) and the dp sampler only: no batch sharding, no FSDP, no gradient reduction."""
+        return bool(getattr(self.lightning_module, "handles_sequence_parallel", False))

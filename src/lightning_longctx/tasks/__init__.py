@@ -1,0 +1,1 @@
+"""Ready-made training tasks used by the examples and ``longctx-train``."""

@@ -1,0 +1,91 @@
+"""Tiny decoder configs and comparison helpers shared by the ``test_models_*`` and HF-integration tests."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+
+SHAPES = {
+    # Llama: GQA 8 query heads over 2 K/V heads (4 query heads per K/V head).
+    "llama": dict(num_key_value_heads=2),
+    # Qwen2: q/k/v bias, no o_proj bias, no GQA.
+    "qwen2": dict(num_key_value_heads=8, attention_bias=True, attention_out_bias=False),
+    # Qwen3: qk-norm, head_dim 8 != hidden 32 / 8 heads, biases everywhere, tied embeddings.
+    "qwen3": dict(num_key_value_heads=4, head_dim=8, qk_norm=True, attention_bias=True, tie_word_embeddings=True),
+}
+
+
+def tiny_config(shape: str = "llama", **overrides) -> DecoderConfig:
+    fields = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+                  rope_theta=500.0, initializer_range=0.2)
+    fields.update(SHAPES[shape])
+    fields.update(overrides)
+    return DecoderConfig(**fields)
+
+
+def tiny_model(config: DecoderConfig, memory: MemoryConfig | None = None, *, seed: int = 0,
+               dtype=torch.float64) -> DecoderLM:
+    """A DecoderLM whose every parameter (norm weights and biases too) is random, so every gradient matters."""
+    torch.manual_seed(seed)
+    model = DecoderLM(config, memory).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    return model
+
+
+def copy_model(model: DecoderLM, memory: MemoryConfig | None = None) -> DecoderLM:
+    twin = DecoderLM(model.config, memory).to(next(model.parameters()).dtype)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (plain max abs error when want is all zero)."""
+    scale = want.abs().max().item() or 1.0
+    return (got - want).abs().max().item() / scale
+
+
+def assert_close_rel(got, want, tol: float, what: str) -> None:
+    err = rel_err(got, want)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e} (got max {got.abs().max().item():.6e}, " \
+        f"want max {want.abs().max().item():.6e})"
+
+
+def assert_grads_match(got: dict, want: dict, tol: float, what: str) -> None:
+    assert got.keys() == want.keys(), f"{what}: parameters with grads differ: {sorted(got.keys() ^ want.keys())}"
+    for name in want:
+        assert_close_rel(got[name], want[name], tol, f"{what}: grad of {name}")
+
+
+def random_batch(config: DecoderConfig, batch: int = 2, seq: int = 24, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # some ignored tokens (e.g. a prompt)
+    return ids, labels
+
+
+def run_whole(model, ids, positions):
+    """Final hidden states of a sequence run through the layers in one piece."""
+    hidden = model.embed(ids)
+    for layer in model.layers:
+        hidden = layer(hidden, positions)
+    return model.final_hidden(hidden)
+
+
+def run_split(model, prefix_ids, prefix_pos, rest_ids, rest_pos):
+    """The same sequence as [prefix; rest]: the prefix with ``return_kv``, the rest with ``prefix_kv``."""
+    h_prefix, h_rest = model.embed(prefix_ids), model.embed(rest_ids)
+    for layer in model.layers:
+        h_prefix, kv = layer(h_prefix, prefix_pos, return_kv=True)
+        h_rest = layer(h_rest, rest_pos, prefix_kv=kv)
+    return model.final_hidden(h_prefix), model.final_hidden(h_rest)

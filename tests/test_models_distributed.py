@@ -1,0 +1,116 @@
+"""DecoderLM sequence-parallel on 2 and 4 gloo ranks == one process (float64, 1e-10 relative).
+
+Each worker builds the same seeded model and batch, computes the one-process loss and gradients itself
+(``sp_group=None``), then hands the model the WORLD group, runs its shard from ``shard_batch`` (sequence
+length 22: padded for 4 ranks), and all-reduces (sums) its loss share and gradients. Cases cover GQA with
+fewer K/V heads than ranks (replicated K/V), head chunking, every memory knob (checkpointing and offload on
+2 ranks), and the prefix-state API
+([prefix; rest] with return_kv / prefix_kv, gradients through the head-sharded cache). One spawn per world
+size; all cases inside.
+"""
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from lightning_longctx.models import MemoryConfig
+from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch, shard_sequence
+from models_common import (
+    assert_close_rel,
+    assert_grads_match,
+    copy_model,
+    grads,
+    random_batch,
+    run_split,
+    run_whole,
+    tiny_config,
+    tiny_model,
+)
+
+TOL = 1e-10
+MODEL_CASES = [
+    ("llama", dict()),  # H_kv=2: on 4 ranks each K/V head is replicated to 2 ranks
+    ("llama", dict(head_chunk_size=1, logits_chunk_size=5)),
+    ("qwen2", dict(head_chunk_size=2, mlp_chunk_size=4)),
+    ("qwen3", dict(head_chunk_size=1, mlp_chunk_size=3, logits_chunk_size=4)),
+]
+# Checkpointing (recomputation replays the all-to-alls in backward) on 2 ranks only: its first call imports
+# torch._dynamo (~3 s per process), which 4 processes on a 2-core CI machine pay at the same time.
+CHECKPOINTING = {"qwen2": dict(activation_checkpointing=True),
+                 "qwen3": dict(activation_checkpointing=True, offload_checkpoints=True)}
+
+
+def _all_reduce(tensors):
+    import torch.distributed as dist
+
+    for t in tensors:
+        dist.all_reduce(t)
+
+
+def _check_model(rank, world, group, shape, memory):
+    config = tiny_config(shape)
+    reference = tiny_model(config)
+    ids, labels = random_batch(config, seq=22)
+    out = reference(ids, labels=labels)
+    out.loss.backward()
+    want_loss, want = out.loss.detach(), grads(reference)
+
+    model = copy_model(reference, memory)
+    assert set_sequence_parallel_group(model, group) == 1 + config.num_hidden_layers
+    shard = shard_batch(ids, labels, sp_rank=rank, sp_size=world)
+    out = model(**shard)
+    if memory.logits_chunk_size is None:
+        assert out.logits.shape == (2, shard["input_ids"].shape[1], config.vocab_size)
+    out.loss.backward()
+    loss, got = out.loss.detach().clone(), grads(model)
+    _all_reduce([loss, *got.values()])
+    what = f"world={world} {shape} {memory}"
+    assert_close_rel(loss, want_loss, TOL, f"{what}: summed loss shares")
+    assert_grads_match(got, want, TOL, what)
+
+
+def _check_prefix(rank, world, group, shape, chunk):
+    config = tiny_config(shape)
+    reference = tiny_model(config)
+    g = torch.Generator().manual_seed(5)
+    split, rest = 2 * world, 3 * world
+    ids = torch.randint(0, config.vocab_size, (2, split + rest), generator=g)
+    positions = torch.arange(split + rest).expand_as(ids)
+    probe = torch.randn(2, split + rest, config.hidden_size, generator=g, dtype=torch.float64)
+    probe[:, :split] = 0  # loss on the rest only: the prefix gets gradient only through the cache
+    whole = run_whole(reference, ids, positions)
+    (whole * probe).sum().backward()
+    want = grads(reference)
+
+    model = copy_model(reference, MemoryConfig(head_chunk_size=chunk))
+    set_sequence_parallel_group(model, group)
+
+    def mine(t, part):
+        t = t[:, :split] if part == 0 else t[:, split:]
+        return shard_sequence(t, rank, world).contiguous()
+
+    h_prefix, h_rest = run_split(model, mine(ids, 0), mine(positions, 0), mine(ids, 1), mine(positions, 1))
+    ((h_rest * mine(probe, 1)).sum() + (h_prefix * mine(probe, 0)).sum()).backward()
+    what = f"world={world} prefix {shape} chunk={chunk}"
+    assert_close_rel(h_prefix, mine(whole, 0), TOL, f"{what}: prefix hidden")
+    assert_close_rel(h_rest, mine(whole, 1), TOL, f"{what}: rest hidden")
+    got = grads(model)
+    _all_reduce(got.values())
+    assert_grads_match(got, want, TOL, what)
+
+
+def _check_all(rank, world):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    for shape, knobs in MODEL_CASES:
+        extra = CHECKPOINTING.get(shape, {}) if world == 2 else {}
+        _check_model(rank, world, group, shape, MemoryConfig(**knobs, **extra))
+    for shape, chunk in (("llama", None), ("llama", 1), ("qwen3", 1)):
+        _check_prefix(rank, world, group, shape, chunk)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_decoder_matches_one_process(world):
+    assert all(run_distributed(_check_all, world))
