@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Run a test module's tiny models on one thread (import it into the module to enable it).
+
+    Their ops are microseconds of work: a second OpenMP thread adds nothing, and on a busy 2-core machine
+    its barriers can stall a single-head attention backward for ~0.3 s.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 SHAPES = {
     # Llama: GQA 8 query heads over 2 K/V heads (4 query heads per K/V head).
@@ -87,5 +102,6 @@ def run_split(model, prefix_ids, prefix_pos, rest_ids, rest_pos):
     h_prefix, h_rest = model.embed(prefix_ids), model.embed(rest_ids)
     for layer in model.layers:
         h_prefix, kv = layer(h_prefix, prefix_pos, return_kv=True)
+        assert kv[0].shape[2] == layer.self_attn.kv_cache_heads(), "cache layout head count"
         h_rest = layer(h_rest, rest_pos, prefix_kv=kv)
     return model.final_hidden(h_prefix), model.final_hidden(h_rest)

@@ -231,7 +231,8 @@ def fit(strategy, world: int, batch_size: int, *, max_steps: int = 3, ckpt_path=
     return full_params(module, "model."), probe
 
 
-def fabric_fit(strategy, world: int, batch_size: int, *, steps: int = 3):
+def fabric_fit(strategy, world: int, batch_size: int, *, steps: int = 3, save_at=None, load_from=None):
+    """Fabric loop; ``save_at=(step, path)`` saves a checkpoint after that step, ``load_from`` resumes one."""
     from lightning.fabric import Fabric
     from torch.utils.data import DataLoader
 
@@ -241,7 +242,9 @@ def fabric_fit(strategy, world: int, batch_size: int, *, steps: int = 3):
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=batch_size))
     grads, step = None, 0
-    while step < steps:
+    if load_from is not None:
+        step = fabric.load(load_from, {"model": model, "optimizer": optimizer})["step"]
+    while step < steps:  # Fabric does not shuffle: every epoch reads the same order
         for batch in loader:
             loss = model(**batch).loss
             fabric.backward(loss)
@@ -250,9 +253,72 @@ def fabric_fit(strategy, world: int, batch_size: int, *, steps: int = 3):
             optimizer.step()
             optimizer.zero_grad()
             step += 1
+            if save_at is not None and step == save_at[0]:
+                fabric.save(save_at[1], {"model": model, "optimizer": optimizer, "step": step})
             if step == steps:
                 break
     return full_params(model.module), grads
+
+
+# ---------------------------------------------------------------------------------------- transformers
+def _hf_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, initializer_range=0.2, attn_implementation="sdpa",
+    ))
+
+
+def _hf_loss(model, input_ids, shift_labels, position_ids=None, group=None):
+    """HF logits -> local CE sum / global valid count (transformers' own ``labels=`` loss is a per-rank mean)."""
+    from torch.nn import functional as F
+
+    from lightning_longctx.models import sp_token_mean
+
+    logits = model(input_ids=input_ids, position_ids=position_ids).logits
+    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), shift_labels.flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+    return sp_token_mean(loss_sum, (shift_labels != IGNORE).sum(), group)
+
+
+def hf_check(world: int) -> tuple[float, float]:
+    """A transformers Llama in a LightningModule: the strategy installs Ulysses into it; 3 steps == one process."""
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from lightning_longctx.lightning import UlyssesStrategy
+    from lightning_longctx.parallel import shift_labels
+
+    model = _hf_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(3):
+        batch = rank_batches(1, 4, step, shuffle=True)[0]
+        _hf_loss(model, batch["input_ids"], shift_labels(batch["labels"])).backward()
+        if step == 0:
+            grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    class HFModule(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _hf_model()
+
+        def training_step(self, batch, batch_idx):
+            return _hf_loss(self.model, batch["input_ids"], batch["shift_labels"], batch["position_ids"],
+                            self.trainer.strategy.sp_group)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+    module, probe = HFModule(), _probe()
+    L.Trainer(strategy=UlyssesStrategy(head_chunk_size=1), accelerator="cpu", devices=world, max_steps=3,
+              logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              callbacks=[probe]).fit(module, DataLoader(dataset(), batch_size=4))
+    return max_error(probe.grads, grads0), max_error(full_params(module, "model."), want)
 
 
 def _errors(world: int) -> dict[str, str]:
@@ -276,6 +342,15 @@ def _errors(world: int) -> dict[str, str]:
                   enable_model_summary=False).fit(_lightning_module(), DataLoader(tuples, batch_size=4))
     except TypeError as exc:
         errors["batch"] = str(exc)
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(strategy="ulysses", accelerator="cpu", devices=world)
+    fabric.launch()
+    model = make_model()
+    try:
+        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))  # optimizer made before sharding
+    except ValueError as exc:
+        errors["fabric_optimizer"] = str(exc)
     return errors
 
 
@@ -294,8 +369,11 @@ def two_rank_checks(rank: int, world: int, ckpt_dir: str) -> dict:
     uninterrupted = params
     params, probe = fit(UlyssesStrategy(sharding="replicate", head_chunk_size=1), world, 4)
     out["trainer_replicate"] = (max_error(probe.grads, grads0), max_error(params, final), abs(probe.loss - loss0))
-    params, grads = fabric_fit("ulysses", world, 4)
+    fabric_ckpt = str(Path(ckpt_dir) / "fabric_step2")
+    params, grads = fabric_fit("ulysses", world, 4, save_at=(2, fabric_ckpt))
     out["fabric_fsdp"] = (max_error(grads, fabric_grads0), max_error(params, fabric_final))
+    resumed, _ = fabric_fit("ulysses", world, 4, load_from=fabric_ckpt)
+    out["fabric_resume_bitwise"] = bitwise_equal(resumed, params)
     params, grads = fabric_fit(UlyssesFabricStrategy(sharding="replicate"), world, 4)
     out["fabric_replicate"] = (max_error(grads, fabric_grads0), max_error(params, fabric_final))
 
@@ -304,6 +382,7 @@ def two_rank_checks(rank: int, world: int, ckpt_dir: str) -> dict:
     params, _ = fit("ulysses", world, 4, ckpt_path=str(ckpt))
     out["resume_bitwise"] = bitwise_equal(params, uninterrupted)
     out["resume_error"] = max_error(params, uninterrupted)
+    out["hf_trainer_fsdp"] = hf_check(world)
     out["errors"] = _errors(world)
     if rank == 0:
         torch.save(uninterrupted, Path(ckpt_dir) / "uninterrupted_dp1_sp2.pt")
@@ -323,6 +402,9 @@ def four_rank_checks(rank: int, world: int, ckpt_dir: str) -> dict:
     out["trainer_replicate"] = (max_error(probe.grads, grads0), max_error(params, final), abs(probe.loss - loss0))
     params, grads = fabric_fit(UlyssesFabricStrategy(sp_size=2), world, 2)
     out["fabric_fsdp"] = (max_error(grads, fabric_grads0), max_error(params, fabric_final))
+    _, _, fabric_mixed = reference_run([(1, 4), (1, 4), (2, 2)], shuffle=False)
+    params, _ = fabric_fit(UlyssesFabricStrategy(sp_size=2), world, 2, load_from=str(Path(ckpt_dir) / "fabric_step2"))
+    out["fabric_resume_dp2"] = max_error(params, fabric_mixed)
 
     ckpt = str(Path(ckpt_dir) / "step=2.ckpt")
     # Same DP semantics (dp1), SP 2 -> 4: equals the uninterrupted dp1 x sp2 run.

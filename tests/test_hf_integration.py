@@ -16,7 +16,7 @@ from distributed import run_distributed  # noqa: E402
 from lightning_longctx.integrations import install_ulysses, uninstall_ulysses  # noqa: E402
 from lightning_longctx.models import sp_token_mean  # noqa: E402
 from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch  # noqa: E402
-from models_common import assert_close_rel, assert_grads_match, grads  # noqa: E402
+from models_common import assert_close_rel, assert_grads_match, grads, single_thread  # noqa: F401, E402
 
 # (transformers' RMSNorm rounds to float32 even in a float64 model; SP and one process differ by ~1e-16
 # before that rounding, so a flipped float32 bit is a ~1e-9 chance per element: measured errors are ~1e-15.)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_longctx.models import DecoderAttention
-from models_common import assert_close_rel, tiny_config
+from models_common import assert_close_rel, single_thread, tiny_config  # noqa: F401
 from reference import eager_attention
 
 TOL = 1e-10

@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_longctx.models import DecoderConfig, MemoryConfig
-from models_common import tiny_config
+from models_common import single_thread, tiny_config  # noqa: F401
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8)
 

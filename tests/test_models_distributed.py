@@ -15,7 +15,7 @@ import torch
 from distributed import run_distributed
 from lightning_longctx.models import MemoryConfig
 from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch, shard_sequence
-from models_common import (
+from models_common import (  # noqa: F401 - single_thread is an autouse fixture
     assert_close_rel,
     assert_grads_match,
     copy_model,
@@ -23,6 +23,7 @@ from models_common import (
     random_batch,
     run_split,
     run_whole,
+    single_thread,
     tiny_config,
     tiny_model,
 )

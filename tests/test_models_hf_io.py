@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lightning_longctx.models import DecoderLM, MemoryConfig  # noqa: E402
-from models_common import assert_close_rel  # noqa: E402
+from models_common import assert_close_rel, single_thread  # noqa: F401, E402
 
 TOL = 1e-5
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,

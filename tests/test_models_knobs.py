@@ -10,7 +10,16 @@ import torch
 
 from lightning_longctx.models import MemoryConfig
 from lightning_longctx.parallel import shift_labels
-from models_common import assert_close_rel, assert_grads_match, copy_model, grads, random_batch, tiny_config, tiny_model
+from models_common import (  # noqa: F401
+    assert_close_rel,
+    assert_grads_match,
+    copy_model,
+    grads,
+    random_batch,
+    single_thread,
+    tiny_config,
+    tiny_model,
+)
 
 TOL = 1e-10
 KNOBS = {

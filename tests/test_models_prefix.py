@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from lightning_longctx.models import MemoryConfig
-from models_common import assert_close_rel, assert_grads_match, grads, run_split, run_whole, tiny_config, tiny_model
+from models_common import (  # noqa: F401
+    assert_close_rel,
+    assert_grads_match,
+    grads,
+    run_split,
+    run_whole,
+    single_thread,
+    tiny_config,
+    tiny_model,
+)
 
 TOL = 1e-10
 

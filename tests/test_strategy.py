@@ -50,7 +50,9 @@ def _assert_matches(name, errors):
         assert err < TOL, f"{name}: {label} differ from one process by {err:.3e} (tolerance {TOL})"
 
 
-@pytest.mark.parametrize("case", ["trainer_fsdp", "trainer_replicate", "fabric_fsdp", "fabric_replicate"])
+@pytest.mark.parametrize(
+    "case", ["trainer_fsdp", "trainer_replicate", "fabric_fsdp", "fabric_replicate", "hf_trainer_fsdp"]
+)
 def test_dp1_sp2_matches_one_process(two_ranks, case):
     _assert_matches(f"devices=2 {case}", two_ranks[case])
 
@@ -68,12 +70,14 @@ def test_gradients_are_large_enough_to_expose_an_sp_factor(two_ranks):
 def test_resume_at_step_2_equals_uninterrupted_run_bitwise(two_ranks):
     assert two_ranks["ckpt_is_distributed"], "the Trainer checkpoint should be a distributed checkpoint folder"
     assert two_ranks["resume_bitwise"], f"resumed run differs by {two_ranks['resume_error']:.3e}"
+    assert two_ranks["fabric_resume_bitwise"], "Fabric: resumed run differs from the uninterrupted one"
 
 
 def test_resume_into_other_layouts(four_ranks):
     err, bitwise = four_ranks["resume_sp4"]
     assert err < 1e-6, f"dp1 x sp2 -> dp1 x sp4 resume differs from the uninterrupted run by {err:.3e}"
     assert four_ranks["resume_dp2"] < TOL, f"dp1 x sp2 -> dp2 x sp2 resume: {four_ranks['resume_dp2']:.3e}"
+    assert four_ranks["fabric_resume_dp2"] < TOL, f"Fabric dp1 -> dp2 resume: {four_ranks['fabric_resume_dp2']:.3e}"
 
 
 def test_setup_errors_name_the_numbers(two_ranks):
@@ -81,6 +85,7 @@ def test_setup_errors_name_the_numbers(two_ranks):
     assert "num_attention_heads=3 must be divisible by sp_size=2" in errors["heads"]
     assert "num_key_value_heads=3 must divide or be divisible by sp_size=2" in errors["kv_heads"]
     assert "expects each batch to be a dict of full sequences" in errors["batch"]
+    assert "call model = fabric.setup_module(model), then create the optimizer" in errors["fabric_optimizer"]
 
 
 # ------------------------------------------------------------------------------------------- in-process

@@ -38,6 +38,10 @@ class LongStrawModule(pl.LightningModule):
         seed: sampling seed, identical on all ranks of an SP group.
     """
 
+    # The strategy hands us the DP x SP mesh and the DP sampler but leaves the batch whole and the model
+    # unsharded: longstraw_step shards the prompt itself and owns the gradient reduction.
+    handles_sequence_parallel = True
+
     def __init__(
         self,
         model: torch.nn.Module,

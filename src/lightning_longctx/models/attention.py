@@ -75,7 +75,7 @@ def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, d
         if new:
             cache_heads, last = cache_heads + (m if last is not None else 0), mine
         send = None if identity else (kv_index - kv_start).to(device)
-        stages.append(Stage(start, stop, kv_start, kv_stop, send, cache_heads, new))
+        stages.append(Stage(start, stop, kv_start, kv_stop, send, m, cache_heads, new))
     return stages
 
 
@@ -185,9 +185,8 @@ def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, h
         if prefix_kv is None:
             out_st, _ = attention_with_lse(q_st, k_st, v_st, causal=True, softmax_scale=scale, backend=backend)
         else:
-            m = k_st.shape[2]
-            k_cache = prefix_kv[0][:, :, st.cache_start:st.cache_start + m]
-            v_cache = prefix_kv[1][:, :, st.cache_start:st.cache_start + m]
+            heads = slice(st.cache_start, st.cache_start + st.kv_per_rank)
+            k_cache, v_cache = prefix_kv[0][:, :, heads], prefix_kv[1][:, :, heads]
             out_st, _ = prefix_attention(q_st, k_cache, v_cache, k_st, v_st, softmax_scale=scale, backend=backend)
         outs.append(HeadToSeq.apply(out_st, group))  # [b, s_l, C * P, d]
     out = torch.cat(outs, dim=2)  # stages cover the local query heads in order
@@ -231,6 +230,11 @@ class DecoderAttention(nn.Module):
                                     world, self.head_chunk_size)
             self._stages[key] = build_stages(self.num_heads, self.num_kv_heads, world, rank, chunk, device)
         return self._stages[key]
+
+    def kv_cache_heads(self, device=None) -> int:
+        """``n_r``: K/V heads in this rank's cache layout (``H_kv`` without SP) for the current group and chunk."""
+        stages = self.stages(device or self.q_proj.weight.device)
+        return stages[-1].cache_start + stages[-1].kv_per_rank
 
     def forward(
         self,

@@ -203,7 +203,7 @@ def save_pretrained(model, path, *, max_shard_size: int | None = None) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight")
     dtype = next(iter(state.values())).dtype
