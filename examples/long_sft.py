@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--answer-len", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=1, help="samples per DP rank per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=5e-3)
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)

@@ -14,15 +14,12 @@ data with seed 0; Fabric keeps the order).
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from distributed import free_port
+from distributed import run_distributed
 
 VOCAB, SEQ, SAMPLES, LR = 32, 15, 8, 0.5
 MOMENTUM = 0.9
@@ -30,49 +27,9 @@ IGNORE = -100
 
 
 # ----------------------------------------------------------------------------------------------- spawning
-def _worker(rank, world, port, fn, args, queue):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
-        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-    )
-    try:
-        torch.set_num_threads(1)
-        queue.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list:
     """``fn(rank, world, *args)`` on ``world`` fresh processes WITHOUT an initialised process group."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, errors = {}, []
-    try:
-        for _ in range(world):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                break
-    except Exception as exc:  # queue.Empty on timeout
-        errors.append(f"timed out after {timeout}s waiting for workers ({exc!r})")
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world)]
+    return run_distributed(fn, world, *args, timeout=timeout, init_group=False)
 
 
 # ------------------------------------------------------------------------------------------- model, data
@@ -260,6 +217,44 @@ def fabric_fit(strategy, world: int, batch_size: int, *, steps: int = 3, save_at
     return full_params(model.module), grads
 
 
+def self_sharding_resume(world: int, ckpt_dir: str) -> tuple[bool, bool]:
+    """A module with ``handles_sequence_parallel = True`` (as LongStrawModule): plain replicas, manual
+    optimisation; a step-2 checkpoint (one file, like DDP) resumed to step 3 == the uninterrupted run."""
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    class SelfSharding(L.LightningModule):
+        handles_sequence_parallel = True
+
+        def __init__(self):
+            super().__init__()
+            self.model = make_model()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):  # full sequences on every rank: no sync needed
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self.model(**batch).loss)
+            opt.step()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def run(ckpt_path=None, callbacks=()):
+        module = SelfSharding()
+        L.Trainer(strategy="ulysses", accelerator="cpu", devices=world, max_steps=3, logger=False,
+                  enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
+                  callbacks=list(callbacks)).fit(module, DataLoader(dataset(), batch_size=4), ckpt_path=ckpt_path)
+        return full_params(module, "model.")
+
+    folder = Path(ckpt_dir) / "self_sharding"
+    uninterrupted = run(callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1,
+                                                   filename="{step}")])
+    resumed = run(ckpt_path=str(folder / "step=2.ckpt"))
+    return (folder / "step=2.ckpt").is_file(), bitwise_equal(resumed, uninterrupted)
+
+
 # ---------------------------------------------------------------------------------------- transformers
 def _hf_model():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -383,6 +378,7 @@ def two_rank_checks(rank: int, world: int, ckpt_dir: str) -> dict:
     out["resume_bitwise"] = bitwise_equal(params, uninterrupted)
     out["resume_error"] = max_error(params, uninterrupted)
     out["hf_trainer_fsdp"] = hf_check(world)
+    out["self_sharding_resume"] = self_sharding_resume(world, ckpt_dir)
     out["errors"] = _errors(world)
     if rank == 0:
         torch.save(uninterrupted, Path(ckpt_dir) / "uninterrupted_dp1_sp2.pt")

@@ -73,6 +73,12 @@ def test_resume_at_step_2_equals_uninterrupted_run_bitwise(two_ranks):
     assert two_ranks["fabric_resume_bitwise"], "Fabric: resumed run differs from the uninterrupted one"
 
 
+def test_module_that_handles_sp_itself_saves_and_resumes_like_ddp(two_ranks):
+    is_file, bitwise = two_ranks["self_sharding_resume"]
+    assert is_file, "plain replicas should be saved as one checkpoint file"
+    assert bitwise, "resumed run differs from the uninterrupted one"
+
+
 def test_resume_into_other_layouts(four_ranks):
     err, bitwise = four_ranks["resume_sp4"]
     assert err < 1e-6, f"dp1 x sp2 -> dp1 x sp4 resume differs from the uninterrupted run by {err:.3e}"
@@ -170,7 +176,9 @@ def test_bad_batches_are_rejected():
 
 def test_example_runs_with_two_processes():
     # seq-len 201 is odd: the padding path runs too. Lightning's launcher re-runs the script for rank 1.
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    launcher_vars = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+                     "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars and not k.startswith("SLURM_")}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "long_sft.py"), "--steps", "3", "--seq-len", "201"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,

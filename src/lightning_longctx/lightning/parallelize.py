@@ -144,11 +144,11 @@ def shard_modules(module: nn.Module, roots: list[nn.Module], *, sharding: str, d
     """FSDP2 on every block of every root, then on each root; gradients become sum over SP, mean over DP."""
     from torch.distributed.fsdp import fully_shard
 
-    reshard = None if sharding == "fsdp" else False  # replicas have nothing to free after forward
+    sharded = sharding == "fsdp"  # replicas have nothing to free after forward
     for root in roots:
         for block in blocks(root):
-            fully_shard(block, mesh=mesh, reshard_after_forward=True if reshard is None else reshard)
-        fully_shard(root, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(block, mesh=mesh, reshard_after_forward=sharded)
+        fully_shard(root, mesh=mesh, reshard_after_forward=None if sharded else False)  # None: FSDP's root default
     set_gradient_reduction(module, sharding=sharding, dp_size=dp_size)
 
 

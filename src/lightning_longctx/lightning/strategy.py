@@ -112,6 +112,34 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         batch = super().batch_to_device(batch, device, dataloader_idx)
         return batch if self._module_handles_sp() else self.shard_batch(batch)
 
+    # ------------------------------------------------------------------------------------------ checkpoints
+    # A parallelized module: distributed checkpoints (ModelParallelStrategy's; any dp x sp layout on resume).
+    # A module that handles SP itself keeps plain replicas: saved like DDP (rank 0 writes one file).
+    def _checkpointing(self):
+        return super(ModelParallelStrategy, self) if self._module_handles_sp() else super()
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return self._module_handles_sp()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._checkpointing().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return self._checkpointing().optimizer_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        self._checkpointing().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        self._checkpointing().load_optimizer_state_dict(checkpoint)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        self._checkpointing().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        return self._checkpointing().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
     def _module_handles_sp(self) -> bool:
         """A LightningModule with ``handles_sequence_parallel = True`` gets the mesh (``self.device_mesh``,
         dims ``"dp"``/``"sp"``) and the dp sampler only: no batch sharding, no FSDP, no gradient reduction."""

@@ -23,6 +23,7 @@ simply ``[b, s, H_kv, d]``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +46,8 @@ class Stage:
 
     The stage projects local query heads ``[q_start, q_stop)`` and K/V heads ``[kv_start, kv_stop)`` (always a
     contiguous range); ``kv_send`` expands those into the ``P * m`` heads sent rank by rank (None: already
-    in order). ``cache_start`` is where this rank's ``m`` received K/V heads sit in its cache layout and
-    ``cache_new`` whether this stage is the first to deliver them.
+    in order). Each rank receives ``kv_per_rank`` (``m``) K/V heads; ``cache_start`` is where they sit in
+    its cache layout and ``cache_new`` whether this stage is the first to deliver them.
     """
 
     q_start: int
@@ -54,6 +55,7 @@ class Stage:
     kv_start: int
     kv_stop: int
     kv_send: torch.Tensor | None
+    kv_per_rank: int
     cache_start: int
     cache_new: bool
 
@@ -87,10 +89,13 @@ def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send,
     w = torch.cat((wq, wk, wv))
     bias = None if bq is None else torch.cat((bq, bk, bv))
     q, k, v = F.linear(x_BSE, w, bias).split((wq.shape[0], wk.shape[0], wv.shape[0]), dim=-1)
-    q, k, v = (t.view(b, s_l, -1, head_dim) for t in (q, k, v))
+    # v is the only one of the three that stays a view of the fused output: copy it out so the [s_l, (C*P +
+    # 2*P*m) * d] buffer dies once RoPE has produced q and k (RoPE's products save only cos/sin).
+    q, k, v = q.view(b, s_l, -1, head_dim), k.view(b, s_l, -1, head_dim), v.reshape(b, s_l, -1, head_dim).clone()
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k = q.to(v.dtype), k.to(v.dtype)  # no-op, except under autocast (norm weights / cos promote)
     if kv_send is not None:
         k, v = k.index_select(2, kv_send), v.index_select(2, kv_send)
     return q, k, v
@@ -120,7 +125,7 @@ class FusedAttention(torch.autograd.Function):
                 backend):
         heads = wq.shape[0] // head_dim
         weights = (wq, bq, wk, bk, wv, bv)
-        out = x.new_empty(x.shape[0], x.shape[1], heads, head_dim)  # [b, s_l, H, d]
+        out = None  # [b, s_l, H, d], allocated at the first stage in the attention's dtype (autocast)
         lses = []
         for st in stages:
             q, k, v = _stage_qkv(x, cos, sin, *_stage_weights(weights, st, head_dim), q_norm, k_norm, st.kv_send,
@@ -129,10 +134,15 @@ class FusedAttention(torch.autograd.Function):
             del q, k, v
             out_st, lse_st = attention_forward(q_st, k_st, v_st, causal=True, softmax_scale=scale, backend=backend)
             del q_st, k_st, v_st
+            if out is None:
+                out = out_st.new_empty(x.shape[0], x.shape[1], heads, head_dim)
             out[:, :, st.q_start:st.q_stop] = head_to_seq(out_st, group)
             lses.append(lse_st)  # [b, C, s]
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, out, *lses)
         ctx.static = (stages, group, head_dim, eps, scale, backend)
+        device = x.device.type  # the recomputation in backward must see forward's autocast state
+        amp = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        ctx.autocast = (device, torch.get_autocast_dtype(device)) if amp else None
         return out
 
     @staticmethod
@@ -141,12 +151,15 @@ class FusedAttention(torch.autograd.Function):
         stages, group, head_dim, eps, scale, backend = ctx.static
         need = ctx.needs_input_grad
         full = (x, None, None, wq, bq, wk, bk, wv, bv, q_norm, k_norm)
-        grads = [torch.zeros_like(t) if t is not None and need[i] else None for i, t in enumerate(full)]
-        grad_out = grad_out.contiguous()
+        # Weight grads accumulate row slices into zeros; x's and the norms' take the first stage's tensor.
+        grads = [torch.zeros_like(t) if t is not None and need[i] and 3 <= i <= 8 else None
+                 for i, t in enumerate(full)]
+        grad_out = grad_out.to(out.dtype).contiguous()
         x_leaf = x.detach().requires_grad_(need[0])
         norms = [None if t is None else t.detach().requires_grad_(need[i]) for i, t in ((9, q_norm), (10, k_norm))]
         for st, lse_st in zip(stages, lses):
-            with torch.enable_grad():
+            amp = torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()
+            with torch.enable_grad(), amp:
                 sliced = [None if t is None else t.detach().requires_grad_(need[3 + i])
                           for i, t in enumerate(_stage_weights(full[3:9], st, head_dim))]
                 q, k, v = _stage_qkv(x_leaf, cos, sin, *sliced, *norms, st.kv_send, head_dim, eps)
@@ -165,9 +178,15 @@ class FusedAttention(torch.autograd.Function):
             found = torch.autograd.grad([t for t, _ in pairs], [t for _, t in leaves], [g for _, g in pairs],
                                         allow_unused=True)
             q_rows, kv_rows = _row_slices(st, head_dim)
+            del pairs, q, k, v
             for (i, _), g in zip(leaves, found):
-                if g is not None:  # weight slices add into their rows; x and the norm weights in full
+                if g is None:
+                    continue
+                if grads[i] is None:
+                    grads[i] = g
+                else:  # weight slices add into their rows; x and the norm weights in full
                     grads[i][q_rows if i in (3, 4) else kv_rows if i in (5, 6, 7, 8) else slice(None)] += g
+            del found
         return (*grads, None, None, None, None, None, None)
 
 

@@ -22,16 +22,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, threads, fn, args, queue):
+def _worker(rank, world_size, port, threads, init_group, fn, args, queue):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0",
     )
     try:
         import torch
 
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -41,8 +42,13 @@ def _worker(rank, world_size, port, threads, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, threads: int = 1) -> list:
+def run_distributed(
+    fn, world_size: int, *args, timeout: float = 180.0, threads: int = 1, init_group: bool = True
+) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank.
+
+    With ``init_group=False`` the workers only get the environment variables and ``fn`` (e.g. a Lightning
+    Trainer, which then skips its own launcher) creates the process group itself.
 
     Raises:
         AssertionError: with the failing rank's traceback, or when no result arrives within ``timeout``.
@@ -51,7 +57,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, threads:
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, threads, fn, args, queue))
+        ctx.Process(target=_worker, args=(rank, world_size, port, threads, init_group, fn, args, queue))
         for rank in range(world_size)
     ]
     for p in procs:

@@ -1,0 +1,682 @@
+"""Analytic per-rank memory model: bytes for a model x cluster x memory-knob choice, and the largest context.
+
+Main API: :func:`plan` (one sequence length, ``mode="sft"`` or ``"longstraw"``) -> :class:`Plan` with a
+per-rank byte breakdown, the phase that sets the peak and ``fits``; :func:`max_context` (binary search over
+the sequence length); :func:`check_budget` (raises :class:`PlanError` naming what to change). Pure Python:
+no torch, no Lightning, so it runs before any process group exists.
+
+Dimension legend (DeepSpeed ALST style): ``S`` sequence (SFT) or prompt (LongStraw) tokens, ``P`` SP ranks,
+``s_l = ceil(S / P)`` local tokens, ``s = P * s_l``; ``E`` hidden, ``I`` intermediate, ``V`` vocab, ``H`` /
+``H_kv`` query / K/V heads, ``d`` head_dim, ``g = H / H_kv``; ``C`` query heads a rank attends per stage
+(``head_chunk_size``; ``H / P`` for plain Ulysses), ``m = max(1, C / g)`` K/V heads per stage;
+``b`` = bytes of the compute dtype, ``a = 4`` (float32 statistics: LSE, RMSNorm, log-softmax).
+
+Every formula counts the tensors this package's code keeps alive (``models/``, ``ops/``, ``longstraw/``), as
+the live-tensor tracker (:func:`lightning_longctx.ops.track_memory`) sees them; the peak of a step is the
+persistent part plus the largest transient of its phases (see :func:`sft_phases` /
+:func:`longstraw_phases`). Validated against the tracker on CPU runs of the tiny presets and checked
+against published figures: ``docs/memory_planner.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+GIB = 2**30
+FLOAT32 = 4
+INT64 = 8
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8}
+BACKENDS = ("eager", "flash")
+MODES = ("sft", "longstraw")
+SHARDINGS = ("fsdp", "replicate")
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
+class PlanError(RuntimeError):
+    """A plan does not fit its memory budget (raised by :func:`check_budget`); the message says what to change."""
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping):
+        value = cfg.get(name, default)
+    else:
+        value = getattr(cfg, name, default)
+    return default if value is None else value
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture numbers the planner needs, read from an HF-style config (dict, DictConfig, dataclass).
+
+    ``layer_types`` entries are ``"full_attention"`` or ``"linear_attention"`` (Gated DeltaNet, as in
+    transformers' ``qwen3_5_text``, with its ``linear_*`` fields); ``attn_output_gate`` doubles ``q_proj``
+    (Qwen3.5's gated attention).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    layer_types: tuple[str, ...] = ()
+    attn_output_gate: bool = False
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ModelShape:
+        heads = int(_get(cfg, "num_attention_heads"))
+        hidden = int(_get(cfg, "hidden_size"))
+        layers = int(_get(cfg, "num_hidden_layers"))
+        types = tuple(_get(cfg, "layer_types", None) or [FULL_ATTENTION] * layers)
+        if len(types) != layers:
+            raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers={layers}")
+        unknown = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+        if unknown:
+            raise ValueError(f"unknown layer_types {unknown}; use {FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}")
+        defaults = {f: cls.__dataclass_fields__[f].default for f in cls.__dataclass_fields__}
+        return cls(
+            vocab_size=int(_get(cfg, "vocab_size")), hidden_size=hidden,
+            intermediate_size=int(_get(cfg, "intermediate_size")), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=int(_get(cfg, "num_key_value_heads", heads)),
+            head_dim=int(_get(cfg, "head_dim", hidden // heads)),
+            tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
+            attention_bias=bool(_get(cfg, "attention_bias", False)), qk_norm=bool(_get(cfg, "qk_norm", False)),
+            layer_types=types, attn_output_gate=bool(_get(cfg, "attn_output_gate", False)),
+            **{f: int(_get(cfg, f, defaults[f])) for f in (
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim")},
+        )
+
+    @property
+    def full_layers(self) -> int:
+        return sum(t == FULL_ATTENTION for t in self.layer_types)
+
+    @property
+    def linear_layers(self) -> int:
+        return sum(t == LINEAR_ATTENTION for t in self.layer_types)
+
+    @property
+    def linear_qk_dim(self) -> int:
+        """Width of the linear layer's q (and k) projections: ``linear_num_key_heads * linear_key_head_dim``."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_v_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    def full_layer_parameters(self) -> int:
+        e, h, kv, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        q = e * h * d * (2 if self.attn_output_gate else 1)
+        bias = (h * d * (2 if self.attn_output_gate else 1) + 2 * kv * d + e) if self.attention_bias else 0
+        return q + 2 * e * kv * d + h * d * e + bias + (2 * d if self.qk_norm else 0)
+
+    def linear_layer_parameters(self) -> int:
+        e, nv = self.hidden_size, self.linear_num_value_heads
+        qkvz = e * (2 * self.linear_qk_dim + 2 * self.linear_v_dim)
+        conv = (2 * self.linear_qk_dim + self.linear_v_dim) * self.linear_conv_kernel_dim
+        return qkvz + e * 2 * nv + conv + 2 * nv + self.linear_value_head_dim + self.linear_v_dim * e
+
+    def num_parameters(self) -> int:
+        """``V E (x2 untied) + E`` + per layer: mixer + ``3 E I`` (SwiGLU) + ``2 E`` (norms)."""
+        e = self.hidden_size
+        embed = self.vocab_size * e * (1 if self.tie_word_embeddings else 2) + e
+        per_layer = 3 * e * self.intermediate_size + 2 * e
+        mixers = self.full_layers * self.full_layer_parameters() + self.linear_layers * self.linear_layer_parameters()
+        return embed + self.num_hidden_layers * per_layer + mixers
+
+    def largest_layer_parameters(self) -> int:
+        mixer = max(self.full_layer_parameters() if self.full_layers else 0,
+                    self.linear_layer_parameters() if self.linear_layers else 0)
+        return mixer + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """``devices`` per node x ``num_nodes``; ``sp_size`` ranks per sequence-parallel group (None = devices)."""
+
+    devices: int = 1
+    num_nodes: int = 1
+    sp_size: int | None = None
+    sharding: str = "fsdp"
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ClusterShape:
+        sp = _get(cfg, "sp_size", None)
+        return cls(devices=int(_get(cfg, "devices", 1)), num_nodes=int(_get(cfg, "num_nodes", 1)),
+                   sp_size=None if sp is None else int(sp), sharding=str(_get(cfg, "sharding", "fsdp")))
+
+    @property
+    def world(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def sp(self) -> int:
+        return self.devices if self.sp_size is None else self.sp_size
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp
+
+    def validate(self) -> None:
+        if self.devices < 1 or self.num_nodes < 1:
+            raise ValueError(f"devices={self.devices} and num_nodes={self.num_nodes} must be >= 1")
+        if self.sp < 1 or self.world % self.sp:
+            raise ValueError(f"world size {self.world} (devices x nodes) must be divisible by sp_size={self.sp}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding={self.sharding!r} must be one of {SHARDINGS}")
+
+
+@dataclass(frozen=True)
+class MemoryKnobs:
+    """A memory budget per rank and the knobs that trade compute for memory (``MemoryConfig`` + runtime).
+
+    ``attention_backend``: ``"eager"`` counts the copies of this package's CPU/pure-torch kernels (GQA K/V
+    expanded per stage, transposed copies); ``"flash"`` those of flash-attn on GPU (native GQA).
+    ``reserve_gib``: what the runtime holds outside tensors (CUDA context, allocator fragmentation, NCCL).
+    """
+
+    budget_gib: float = 80.0
+    dtype: str = "bfloat16"
+    head_chunk_size: int | None = None
+    activation_checkpointing: bool = False
+    offload_checkpoints: bool = False
+    mlp_chunk_size: int | None = None
+    logits_chunk_size: int | None = None
+    attention_backend: str = "flash"
+    reserve_gib: float = 0.0
+    optimizer_states: int = 2
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> MemoryKnobs:
+        def opt_int(name):
+            value = _get(cfg, name, None)
+            return None if value is None else int(value)
+
+        return cls(
+            budget_gib=float(_get(cfg, "budget_gib", 80.0)), dtype=str(_get(cfg, "dtype", "bfloat16")),
+            head_chunk_size=opt_int("head_chunk_size"),
+            activation_checkpointing=bool(_get(cfg, "activation_checkpointing", False)),
+            offload_checkpoints=bool(_get(cfg, "offload_checkpoints", False)),
+            mlp_chunk_size=opt_int("mlp_chunk_size"), logits_chunk_size=opt_int("logits_chunk_size"),
+            attention_backend=str(_get(cfg, "attention_backend", "flash")),
+            reserve_gib=float(_get(cfg, "reserve_gib", 0.0)), optimizer_states=int(_get(cfg, "optimizer_states", 2)),
+        )
+
+    @property
+    def dtype_bytes(self) -> int:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        return DTYPE_BYTES[self.dtype]
+
+
+# --------------------------------------------------------------------------------------------- result
+@dataclass
+class Plan:
+    """Per-rank bytes of one configuration at one sequence length.
+
+    ``breakdown``: every component (persistent ones and each transient), bytes per rank. ``phases``: the
+    total of each phase of the step; ``peak_phase`` the largest; ``total_bytes`` = its total + reserve.
+    ``host_bytes``: offloaded checkpoints (pinned host memory, not in the budget).
+    """
+
+    mode: str
+    seq_len: int
+    group_size: int
+    response_len: int
+    sp: int
+    dp: int
+    local_tokens: int
+    head_chunk_size: int
+    breakdown: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    total_bytes: int
+    budget_bytes: int
+    host_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.budget_bytes
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GIB
+
+    def table(self) -> str:
+        """A human-readable breakdown (GiB per rank), the phases and the verdict."""
+        what = f"LongStraw, G={self.group_size}, response {self.response_len}" if self.mode == "longstraw" else "SFT"
+        lines = [f"{what}: {self.seq_len:,} tokens, sp={self.sp} x dp={self.dp}, {self.local_tokens:,} tokens/rank, "
+                 f"head_chunk_size={self.head_chunk_size}",
+                 f"  {'component':<26}{'GiB/rank':>12}"]
+        lines += [f"  {name:<26}{value / GIB:>12.3f}" for name, value in self.breakdown.items() if value]
+        lines.append("  phases (persistent + transients alive together):")
+        lines += [f"  {'* ' if name == self.peak_phase else '  '}{name:<24}{value / GIB:>12.3f}"
+                  for name, value in self.phases.items()]
+        if self.host_bytes:
+            lines.append(f"  host memory (offloaded checkpoints): {self.host_bytes / GIB:.3f} GiB/rank")
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(f"  peak {self.total_gib:.3f} GiB/rank ({self.peak_phase}) vs budget "
+                     f"{self.budget_bytes / GIB:.3f} GiB: {verdict}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- building blocks
+def _stage(model: ModelShape, sp: int, head_chunk_size: int | None) -> tuple[int, int, int]:
+    """``(C, m, stages)`` of the head-chunked schedule; raises with the numbers when it cannot run."""
+    h, kv = model.num_attention_heads, model.num_key_value_heads
+    if h % sp:
+        raise ValueError(f"num_attention_heads={h} must be divisible by sp_size={sp}")
+    if kv % sp and sp % kv:
+        raise ValueError(f"num_key_value_heads={kv} must divide or be divisible by sp_size={sp}")
+    local = h // sp
+    chunk = local if head_chunk_size is None else head_chunk_size
+    if chunk < 1 or local % chunk:
+        raise ValueError(f"head_chunk_size={head_chunk_size} must divide num_attention_heads/sp_size={h}/{sp}={local}")
+    g = h // kv
+    if g % chunk and chunk % g:
+        raise ValueError(f"head_chunk_size={chunk} must divide or be a multiple of the query heads per K/V head ({g})")
+    return chunk, max(1, chunk // g), local // chunk
+
+
+def attention_stage_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, local_tokens: int) -> dict[str, int]:
+    """Transient bytes of one stage of the fused head-chunked attention, forward and backward.
+
+    In units ``u = s * d * b`` (one head over the full sequence, what a rank holds after the all-to-all):
+
+    - forward: ``5C + 2m``: the stage's q, k, v (``C + 2m``), RoPE temporaries (``2C``), the stage output and
+      its all-to-all (``2C``, counting the send/receive copies as one).
+    - backward (eager kernels): ``8C + m`` (recomputed q, k, v, the transposed copies of out and grad-out, the
+      GQA-expanded K/V and dq/dk/dv) ``+ 2(C + 2m)`` when there are several stages (the previous stage's
+      q/k/v and their gradients are still referenced when the next starts) ``+ 2(C + 2m)`` under SP (the
+      all-to-all copies); plus ``s_l (2E + H d) b`` outside the stages (grad of x, its per-stage partial,
+      the grad of the attention output). With flash-attn (native GQA, no transposed copies) the stage
+      term is ``4C + 4m`` instead of ``8C + m``.
+
+    The counts were read off the code and fitted to the tracker (``docs/memory_planner.md``).
+    """
+    c, m, stages = _stage(model, sp, knobs.head_chunk_size)
+    b, d = knobs.dtype_bytes, model.head_dim
+    unit = local_tokens * sp * d * b
+    stage_bwd = (8 * c + m) if knobs.attention_backend == "eager" else (4 * c + 4 * m)
+    stage_bwd += 2 * (c + 2 * m) * (stages > 1) + 2 * (c + 2 * m) * (sp > 1)
+    outside = local_tokens * (2 * model.hidden_size + model.num_attention_heads * d) * b
+    return {"forward": (5 * c + 2 * m) * unit, "backward": stage_bwd * unit + outside}
+
+
+def _norm_saved(e: int, b: int) -> int:
+    """Per token, one RMSNorm: a float32 copy of a half input, ``x * rsqrt`` and the output, the rsqrt."""
+    return e * ((FLOAT32 if b < FLOAT32 else 0) + 2 * b) + FLOAT32
+
+
+def layer_saved_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, kind: str) -> dict[str, int]:
+    """Bytes per local token a layer keeps for backward (no checkpointing), split at the attention.
+
+    ``pre``: input RMSNorm (:func:`_norm_saved`) + the attention's output ``H d b``, per-stage LSE ``a H``
+    (``H / P`` heads x ``s`` tokens) and RoPE cos/sin ``2 d b``. ``post``: the two residual sums ``2 E b``,
+    the post-attention RMSNorm and the SwiGLU intermediates ``4 I b`` (gate, silu, up, product; 0 when the
+    MLP is tiled). A linear-attention layer (not implemented by ``DecoderLM`` yet; estimate) keeps its q, k,
+    v, z projections and gates ``(2 q_k + 2 v + 2 n_v) b`` per token in place of the attention terms.
+    """
+    e, b, d, h = model.hidden_size, knobs.dtype_bytes, model.head_dim, model.num_attention_heads
+    if kind == FULL_ATTENTION:
+        mixer = h * d * b + FLOAT32 * h + 2 * d * b
+    else:
+        mixer = (2 * model.linear_qk_dim + 2 * model.linear_v_dim + 2 * model.linear_num_value_heads) * b
+    tiled = knobs.mlp_chunk_size is not None
+    post = 2 * e * b + _norm_saved(e, b) + (0 if tiled else 4 * model.intermediate_size * b)
+    return {"pre": _norm_saved(e, b) + mixer, "post": post}
+
+
+def _mlp_transients(model: ModelShape, knobs: MemoryKnobs, local_tokens: int) -> dict[str, int]:
+    """SwiGLU transients beyond the saved intermediates: ``I b`` per token each way untiled (the next
+    intermediate while the others are saved; in backward each new gradient replaces a freed input); tiled
+    with ``c``-token tiles, one tile's ``4 I b`` forward, its recompute plus gradients ``7 I b`` in backward,
+    and the grad-of-x buffer ``E b`` over all local tokens."""
+    b, e, i = knobs.dtype_bytes, model.hidden_size, model.intermediate_size
+    chunk = knobs.mlp_chunk_size
+    if chunk is None or chunk >= local_tokens:
+        return {"forward": local_tokens * i * b, "backward": local_tokens * i * b}
+    return {"forward": chunk * 4 * i * b, "backward": chunk * 7 * i * b + local_tokens * e * b}
+
+
+def _logits(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> dict[str, int]:
+    """lm_head + cross-entropy: saved per token and the forward/backward transients.
+
+    Plain: saves the float32 log-softmax ``a V``; transients ``V b`` (+ ``a V`` upcast when half) forward,
+    ``2 a V + V b`` backward. Chunked (``c`` tokens): saves the LSE, int64 targets and mask ``a + 9``;
+    transients ``c V (b + 2a)`` each way, plus the float32 lm_head gradient ``a V E`` in backward.
+    """
+    b, v, e = knobs.dtype_bytes, model.vocab_size, model.hidden_size
+    half = FLOAT32 if b < FLOAT32 else 0
+    chunk = knobs.logits_chunk_size
+    if chunk is None or chunk >= tokens:
+        return {"saved": tokens * (FLOAT32 * v + INT64), "forward": tokens * v * (b + half),
+                "backward": tokens * v * (2 * FLOAT32 + b)}
+    return {"saved": tokens * (FLOAT32 + INT64 + 1), "forward": chunk * v * (b + 2 * FLOAT32),
+            "backward": chunk * v * (b + 2 * FLOAT32) + FLOAT32 * v * e}
+
+
+def _static(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs) -> dict[str, int]:
+    """Parameters, gradients and optimizer states (``optimizer_states`` tensors per parameter, AdamW: 2, in
+    the parameter dtype as torch keeps them). ``fsdp``: each divided by the world size, plus the gathered
+    full parameters of two layers (current + prefetch) and one layer's unsharded gradients."""
+    n, b = model.num_parameters(), knobs.dtype_bytes
+    if cluster.sharding == "replicate" or cluster.world == 1:
+        return {"params": n * b, "grads": n * b, "optimizer": knobs.optimizer_states * n * b, "fsdp_buffers": 0}
+    w = cluster.world
+    shard = math.ceil(n / w)
+    return {"params": shard * b, "grads": shard * b, "optimizer": knobs.optimizer_states * shard * b,
+            "fsdp_buffers": 3 * model.largest_layer_parameters() * b}
+
+
+def _recurrent_state(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
+    """Per rank, all linear layers: the float32 state ``n_v/P x d_k x d_v`` twice (the running state and its
+    chunk-boundary copy) plus the conv state ``(K - 1)(2 q_k + v) b / P``."""
+    if not model.linear_layers:
+        return 0
+    nv = max(1, model.linear_num_value_heads // sp)
+    state = nv * model.linear_key_head_dim * model.linear_value_head_dim * FLOAT32
+    conv = (model.linear_conv_kernel_dim - 1) * (2 * model.linear_qk_dim + model.linear_v_dim) * knobs.dtype_bytes
+    return model.linear_layers * (2 * state + math.ceil(conv / sp))
+
+
+def kv_cache_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, cached_tokens: int) -> int:
+    """Per rank: ``2 x full layers x S' x max(1, H_kv / P) x d x b`` (K and V of every full-attention layer,
+    head-sharded; fewer K/V heads than ranks are replicated). ``P = 1`` gives the KV bytes per token x S'."""
+    n_r = max(1, model.num_key_value_heads // sp)
+    return 2 * model.full_layers * cached_tokens * n_r * model.head_dim * knobs.dtype_bytes
+
+
+# ------------------------------------------------------------------------------------------ the phases
+def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int):
+    """Components and phases of one SFT step (forward, backward, optimizer step) on one rank.
+
+    Persistent: ``static`` (:func:`_static`) and either the saved activations (embedding output + every
+    layer's :func:`layer_saved_bytes` + final norm + logits) or, with checkpointing, one ``E b`` input per
+    layer (host memory when offloaded). Phases add the transients alive together: the logits (forward,
+    backward), the last layer's MLP backward, its attention forward and backward (with checkpointing: after
+    recomputing that layer), and the optimizer step (``static`` + one parameter-sized AdamW temporary).
+    """
+    sp = cluster.sp
+    s_l = math.ceil(seq_len / sp)
+    b, e = knobs.dtype_bytes, model.hidden_size
+    static = _static(model, cluster, knobs)
+    base = sum(static.values())
+    kinds = list(model.layer_types)
+    per_kind = {k: layer_saved_bytes(model, knobs, sp, k) for k in set(kinds)}
+    last = kinds[-1]
+    saved_layers = s_l * sum(per_kind[k]["pre"] + per_kind[k]["post"] for k in kinds)
+    logits = _logits(model, knobs, s_l)
+    top = s_l * _norm_saved(e, b) + logits["saved"]  # final norm and the loss
+    attn = attention_stage_bytes(model, knobs, sp, s_l) if model.full_layers else {"forward": 0, "backward": 0}
+    mlp = _mlp_transients(model, knobs, s_l)
+    grad_stream = 2 * s_l * e * b  # the residual's gradient and the branch gradient entering it
+    attn_stream = s_l * e * b  # at the attention only the residual's gradient (the rest is in attn["backward"])
+    layer_pre, layer_full = s_l * per_kind[last]["pre"], s_l * (per_kind[last]["pre"] + per_kind[last]["post"])
+    comp = dict(static)
+    host = 0
+    if knobs.activation_checkpointing:
+        ckpt = (model.num_hidden_layers + 1) * s_l * e * b
+        host = ckpt if knobs.offload_checkpoints else 0
+        comp.update(saved_activations=0, checkpoints=0 if host else ckpt)
+        kept = comp["checkpoints"]
+        below = kept - (0 if host else s_l * e * b)  # in backward the last layer's output is no longer needed
+        recompute = layer_full
+        phases = {
+            "forward layer": base + kept + s_l * (per_kind[last]["pre"]) + attn["forward"],
+            "forward logits": base + kept + top + logits["forward"],
+            "backward logits": base + kept + top + logits["backward"],
+            "backward mlp": base + below + recompute + grad_stream + mlp["backward"],
+            "backward attention": base + below + layer_pre + attn_stream + attn["backward"],
+        }
+        comp["layer_recompute"] = recompute
+    else:
+        kept = s_l * e * b + saved_layers  # embedding output + every layer's saved tensors
+        comp.update(saved_activations=kept + top, checkpoints=0)
+        below = kept - layer_full
+        phases = {
+            "forward attention": base + below + layer_pre + attn["forward"],
+            "forward logits": base + kept + top + logits["forward"],
+            "backward logits": base + kept + top + logits["backward"],
+            "backward mlp": base + kept + grad_stream + mlp["backward"],
+            "backward attention": base + below + layer_pre + attn_stream + attn["backward"],
+        }
+    phases["optimizer step"] = base + static["params"]
+    comp.update(attention_stage=max(attn.values()), mlp_tiles=max(mlp.values()),
+                logits_chunk=max(logits["forward"], logits["backward"]), grad_stream=grad_stream)
+    return comp, phases, host
+
+
+def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int, group_size: int,
+                     response_len: int, prompt_grad: str = "full"):
+    """Components and phases of one exact LongStraw group step on one rank (``seq_len`` = prompt tokens).
+
+    Persistent through the step: ``static``, the KV cache of the cached prompt ``S' = P floor((S-1)/P)``
+    (:func:`kv_cache_bytes`), the recurrent states of linear layers, and with ``prompt_grad="full"`` the
+    accumulated cache gradients (same size: the LongStraw accumulators) and one ``E b`` checkpoint per layer
+    and local token (host memory when offloaded). Phases:
+
+    - prefill: one layer's no-grad forward over ``s_l`` tokens (attention stage, MLP, norms);
+    - replay of one branch of ``T = response_len`` tokens: its activations (``T`` tokens through every
+      layer) plus, per layer, the cache gradient's full-size temporaries (slice backward: ``2x`` one
+      layer's K/V) and the stage's GQA-expanded prefix K/V and their gradients ``(6C + 2m) S' d b`` (eager;
+      flash: ``2m``);
+    - grouped backward: one layer recomputed with autograd from its checkpoint (all its stages' tensors
+      saved: ``2(H/P + 2m x stages) s d b`` on top of :func:`layer_saved_bytes`) and back-propagated.
+
+    G never appears: nothing of a branch outlives its replay.
+    """
+    sp = cluster.sp
+    cached = sp * ((seq_len - 1) // sp)
+    s_l = max(cached // sp, 1)
+    b, e, d = knobs.dtype_bytes, model.hidden_size, model.head_dim
+    static = _static(model, cluster, knobs)
+    base = sum(static.values())
+    kv = kv_cache_bytes(model, knobs, sp, cached)
+    state = _recurrent_state(model, knobs, sp)
+    full = prompt_grad == "full"
+    ckpt = model.num_hidden_layers * s_l * e * b if full else 0
+    host = ckpt if knobs.offload_checkpoints else 0
+    ckpt_dev = 0 if host else ckpt
+    acc = (kv + state) if full else 0
+    comp = dict(static)
+    comp.update(kv_cache=kv, recurrent_state=state, checkpoints=ckpt_dev, longstraw_accumulators=acc)
+    persistent = base + kv + state + ckpt_dev
+    kinds = set(model.layer_types)
+    per_kind = {k: layer_saved_bytes(model, knobs, sp, k) for k in kinds}
+    worst_layer = max(v["pre"] + v["post"] for v in per_kind.values())
+    mlp = _mlp_transients(model, knobs, s_l)
+    comp["mlp_tiles"] = max(mlp.values())
+    if model.full_layers:
+        c, m, stages = _stage(model, sp, knobs.head_chunk_size)
+        attn = attention_stage_bytes(model, knobs, sp, s_l)
+        unit = cached * d * b
+        expand = (6 * c + 2 * m) if knobs.attention_backend == "eager" else 2 * m
+        layer_kv = kv // model.full_layers
+        replay_cache = 2 * layer_kv + expand * unit
+        graph_stages = 2 * (model.num_attention_heads // sp + 2 * m * stages) * s_l * sp * d * b
+    else:
+        attn, replay_cache, graph_stages = {"forward": 0, "backward": 0}, 0, 0
+    comp["attention_stage"] = max(attn.values())
+    t = response_len + sp  # the branch: the prompt tail (< P tokens) + the response
+    t_l = math.ceil(t / sp)
+    branch = t_l * (sum(per_kind[k]["pre"] + per_kind[k]["post"] for k in model.layer_types) + 2 * e * b)
+    branch += _logits(model, knobs, t_l)["saved"] + _logits(model, knobs, t_l)["backward"]
+    prefill = s_l * (2 * e * b + _norm_saved(e, b)) + attn["forward"] + mlp["forward"]
+    grouped = s_l * worst_layer + graph_stages + 2 * s_l * e * b + max(attn["backward"], mlp["backward"])
+    comp.update(replay_branch=branch + replay_cache, layer_recompute=s_l * worst_layer + graph_stages)
+    phases = {
+        "prefill": persistent + prefill,
+        "replay": persistent + acc + branch + replay_cache,
+    }
+    if full:
+        phases["grouped backward"] = persistent + acc + grouped
+    phases["optimizer step"] = base + static["params"]
+    return comp, phases, host
+
+
+# ------------------------------------------------------------------------------------------------ API
+def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mode: str = "sft", group_size: int = 8,
+         response_len: int = 1024, prompt_grad: str = "full") -> Plan:
+    """Per-rank bytes of one training step at ``seq_len`` tokens (SFT sequence or LongStraw prompt).
+
+    Args:
+        model_cfg: HF-style architecture (dict / DictConfig / ``DecoderConfig``); see :class:`ModelShape`.
+        cluster_cfg: ``devices``, ``num_nodes``, ``sp_size``, ``sharding``; see :class:`ClusterShape`.
+        memory_cfg: ``budget_gib``, ``dtype``, the knobs; see :class:`MemoryKnobs`.
+        seq_len: tokens per sequence (SFT) or per prompt (LongStraw).
+        mode: ``"sft"`` or ``"longstraw"``.
+        group_size, response_len, prompt_grad: the LongStraw group (G responses of ``response_len`` tokens).
+    Returns:
+        :class:`Plan`. Raises ValueError for an impossible layout (heads vs sp, chunk sizes).
+    """
+    model = model_cfg if isinstance(model_cfg, ModelShape) else ModelShape.from_config(model_cfg)
+    cluster = cluster_cfg if isinstance(cluster_cfg, ClusterShape) else ClusterShape.from_config(cluster_cfg)
+    knobs = memory_cfg if isinstance(memory_cfg, MemoryKnobs) else MemoryKnobs.from_config(memory_cfg)
+    cluster.validate()
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} must be one of {MODES}")
+    if knobs.attention_backend not in BACKENDS:
+        raise ValueError(f"attention_backend={knobs.attention_backend!r} must be one of {BACKENDS}")
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len} must be >= 2")
+    if knobs.offload_checkpoints and not knobs.activation_checkpointing and mode == "sft":
+        raise ValueError("offload_checkpoints=True needs activation_checkpointing=True")
+    chunk = _stage(model, cluster.sp, knobs.head_chunk_size)[0] if model.full_layers else 0
+    if mode == "sft":
+        comp, phases, host = sft_phases(model, cluster, knobs, seq_len)
+        local = math.ceil(seq_len / cluster.sp)
+    else:
+        comp, phases, host = longstraw_phases(model, cluster, knobs, seq_len, group_size, response_len, prompt_grad)
+        local = (seq_len - 1) // cluster.sp
+    reserve = int(knobs.reserve_gib * GIB)
+    comp["reserve"] = reserve
+    peak_phase = max(phases, key=phases.get)
+    notes = []
+    if model.linear_layers:
+        notes.append(f"{model.linear_layers} linear-attention layers: activation terms are estimates "
+                     "(DecoderLM does not implement them yet)")
+    return Plan(mode=mode, seq_len=seq_len, group_size=group_size, response_len=response_len, sp=cluster.sp,
+                dp=cluster.dp, local_tokens=local, head_chunk_size=chunk, breakdown=comp, phases=phases,
+                peak_phase=peak_phase, total_bytes=phases[peak_phase] + reserve,
+                budget_bytes=int(knobs.budget_gib * GIB), host_bytes=host, notes=notes)
+
+
+def max_context(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, mode: str = "sft", granularity: int = 1024,
+                limit: int = 2**34, **kwargs) -> int:
+    """The largest sequence length (a multiple of ``granularity``) whose :func:`plan` fits; 0 if none does.
+
+    Peak bytes grow monotonically with the length, so this is a binary search over ``[granularity, limit]``.
+    ``kwargs`` go to :func:`plan` (``group_size``, ``response_len``, ``prompt_grad``).
+    """
+    def fits(tokens: int) -> bool:
+        return plan(model_cfg, cluster_cfg, memory_cfg, seq_len=tokens, mode=mode, **kwargs).fits
+
+    lo, hi = 0, limit // granularity
+    if not fits(granularity):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * granularity):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * granularity
+
+
+def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mode: str = "sft",
+                **kwargs) -> list[tuple[str, float]]:
+    """Single changes (Hydra override strings) that make an over-budget plan fit, with their peak GiB.
+
+    Tries, one at a time: ``memory.head_chunk_size=1``, activation checkpointing, offloading, a tiled MLP,
+    chunked logits, all memory knobs together, twice the devices / nodes (SP over more ranks), FSDP sharding.
+    """
+    model = ModelShape.from_config(model_cfg) if not isinstance(model_cfg, ModelShape) else model_cfg
+    cluster = cluster_cfg if isinstance(cluster_cfg, ClusterShape) else ClusterShape.from_config(cluster_cfg)
+    knobs = memory_cfg if isinstance(memory_cfg, MemoryKnobs) else MemoryKnobs.from_config(memory_cfg)
+    all_knobs = replace(knobs, head_chunk_size=1, activation_checkpointing=True, offload_checkpoints=True,
+                        mlp_chunk_size=knobs.mlp_chunk_size or 8192, logits_chunk_size=knobs.logits_chunk_size or 8192)
+    candidates = [
+        ("memory.head_chunk_size=1", cluster, replace(knobs, head_chunk_size=1)),
+        ("memory.activation_checkpointing=true", cluster, replace(knobs, activation_checkpointing=True)),
+        ("memory.activation_checkpointing=true memory.offload_checkpoints=true", cluster,
+         replace(knobs, activation_checkpointing=True, offload_checkpoints=True)),
+        ("memory.mlp_chunk_size=8192", cluster, replace(knobs, mlp_chunk_size=8192)),
+        ("memory.logits_chunk_size=8192", cluster, replace(knobs, logits_chunk_size=8192)),
+        ("memory.head_chunk_size=1 memory.activation_checkpointing=true memory.offload_checkpoints=true "
+         f"memory.mlp_chunk_size={all_knobs.mlp_chunk_size} memory.logits_chunk_size={all_knobs.logits_chunk_size}",
+         cluster, all_knobs),
+        (f"cluster.devices={2 * cluster.devices}", replace(cluster, devices=2 * cluster.devices), knobs),
+        (f"cluster.num_nodes={2 * cluster.num_nodes} cluster.sp_size={2 * cluster.sp}",
+         replace(cluster, num_nodes=2 * cluster.num_nodes, sp_size=2 * cluster.sp), knobs),
+        ("cluster.sharding=fsdp", replace(cluster, sharding="fsdp"), knobs),
+    ]
+    out, seen = [], set()
+    for override, cl, kn in candidates:
+        if override in seen or (cl == cluster and kn == knobs):
+            continue
+        seen.add(override)
+        try:
+            p = plan(model, cl, kn, seq_len=seq_len, mode=mode, **kwargs)
+        except ValueError:
+            continue  # e.g. heads not divisible by the larger SP group
+        if p.fits:
+            out.append((override, p.total_gib))
+    return sorted(out, key=lambda item: (len(item[0].split()), item[1]))
+
+
+def check_budget(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mode: str = "sft",
+                 **kwargs) -> Plan:
+    """:func:`plan`, raising :class:`PlanError` with what to change when it does not fit.
+
+    The message names the peak and the budget, e.g. ``plan needs 97.3 GiB per rank > budget 80 GiB: set
+    memory.head_chunk_size=1 or cluster.devices=16 ...``, and the largest context that fits as is.
+    """
+    p = plan(model_cfg, cluster_cfg, memory_cfg, seq_len=seq_len, mode=mode, **kwargs)
+    if p.fits:
+        return p
+    fixes = suggestions(model_cfg, cluster_cfg, memory_cfg, seq_len=seq_len, mode=mode, **kwargs)
+    longest = max_context(model_cfg, cluster_cfg, memory_cfg, mode=mode, **kwargs)
+    what = " or ".join(f"set {o} ({g:.1f} GiB)" for o, g in fixes[:4]) or "no single change fits"
+    raise PlanError(
+        f"plan needs {p.total_gib:.1f} GiB per rank > budget {p.budget_bytes / GIB:.1f} GiB "
+        f"({p.mode}, {seq_len:,} tokens, peak in {p.peak_phase}): {what}; "
+        f"or shorten the context to <= {longest:,} tokens. Run longctx-plan with the same overrides for the "
+        "breakdown."
+    )
+
+
+__all__ = [
+    "GIB",
+    "ClusterShape",
+    "MemoryKnobs",
+    "ModelShape",
+    "Plan",
+    "PlanError",
+    "attention_stage_bytes",
+    "check_budget",
+    "kv_cache_bytes",
+    "layer_saved_bytes",
+    "longstraw_phases",
+    "max_context",
+    "plan",
+    "sft_phases",
+    "suggestions",
+]
