@@ -5,7 +5,7 @@ marker and the policy must answer with the key. Reward: 1 for the key, 0.25 for 
 otherwise (verifiable, no reward model). Each step samples G responses from one prefill of the prompt
 (sharded over the 2 SP ranks), scores them and takes one exact grouped step.
 
-    python examples/needle_grpo.py                         # 2 CPU processes, a few minutes
+    python examples/needle_grpo.py                         # 2 CPU processes, about 2 minutes
     python examples/needle_grpo.py --steps 40 --haystack 4096
     tensorboard --logdir tb_logs                           # reward curve: train/reward_mean
 """
@@ -29,10 +29,10 @@ VOCAB = 64
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--haystack", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--haystack", type=int, default=1024)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--logdir", default="tb_logs")
     args = parser.parse_args(argv)
 
@@ -49,7 +49,10 @@ def main(argv=None):
     data = DataLoader(NeedleHaystack(args.steps, args.haystack, VOCAB), batch_size=1, collate_fn=collate_prompt_groups)
     trainer.fit(module, data)
     if trainer.is_global_zero:
-        print(f"TensorBoard logs: {trainer.logger.log_dir}")
+        history = module.reward_history
+        k = max(1, len(history) // 5)
+        print(f"mean reward: first {k} steps {sum(history[:k]) / k:.3f} -> last {k} steps {sum(history[-k:]) / k:.3f}")
+        print(f"TensorBoard logs: {trainer.logger.log_dir}  (tensorboard --logdir {args.logdir})")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,11 @@ def _check_all(rank, world):
         _check_model(rank, world, group, shape, MemoryConfig(**knobs, **extra))
     for shape, chunk in (("llama", None), ("llama", 1), ("qwen3", 1)):
         _check_prefix(rank, world, group, shape, chunk)
+    model = tiny_model(tiny_config("llama"))
+    set_sequence_parallel_group(model, group)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"under sequence parallelism \\(sp_size={world}\\) pass pre-shifted"):
+        model(ids, labels=ids)
     return True
 
 

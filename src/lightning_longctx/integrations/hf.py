@@ -20,8 +20,8 @@ transformers hands attention functions ``query [batch, heads, s_l, head_dim]`` a
 [batch, kv_heads, s_l, head_dim]``; Ulysses attends causally over the GLOBAL sequence, so the
 ``attention_mask`` argument (built by the model for its local slice) is ignored. Only full causal
 language-model training without padding holes is supported: no padding inside sequences (right padding
-whose labels are -100 is fine), no packed sequences, no sliding window, no attention dropout, no
-non-causal (encoder) attention. These raise where they can be detected.
+whose labels are -100 is fine), no packed sequences, no sliding window, logit soft-capping or attention
+sinks, no attention dropout, no non-causal (encoder) attention. These raise where they can be detected.
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ def _dispatch(name: str):
         if dropout:
             raise NotImplementedError(f"Ulysses attention has no dropout (got dropout={dropout}); set the "
                                       "model's attention_dropout to 0 or call model.eval()")
-        if kwargs.get("sliding_window") is not None:
-            raise NotImplementedError(f"sliding_window={kwargs['sliding_window']} is not supported under Ulysses")
+        for option in ("sliding_window", "softcap", "s_aux"):  # would change the numbers: refuse, never ignore
+            if kwargs.get(option) is not None:
+                raise NotImplementedError(f"attention option {option}={kwargs[option]!r} is not supported under "
+                                          "Ulysses")
         if not getattr(module, "is_causal", True):
             raise NotImplementedError(f"{type(module).__name__} is not causal; Ulysses here is causal-LM only")
         # [b, h, s_l, d] -> [b, s_l, h, d]; attention_mask ignored: causal over the global sequence.

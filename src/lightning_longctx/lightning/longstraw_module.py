@@ -81,6 +81,7 @@ class LongStrawModule(pl.LightningModule):
         self.scale_rewards = scale_rewards
         self.lr, self.weight_decay, self.seed = lr, weight_decay, seed
         self._generator: torch.Generator | None = None
+        self.reward_history: list[float] = []  # mean reward of every group this rank trained on
 
     # ------------------------------------------------------------------------------------------ override
     def reward(self, prompt_ids: torch.Tensor, responses: list[torch.Tensor], **fields: Any) -> torch.Tensor:
@@ -148,6 +149,7 @@ class LongStrawModule(pl.LightningModule):
                 "train/tokens_per_s": (out.prompt_tokens + out.tokens) / seconds,
                 "train/peak_memory_gib": out.peak_bytes / 2**30,
             }
+            self.reward_history.append(last["train/reward_mean"])
             self.log_dict(last, on_step=True, prog_bar=False, batch_size=1, rank_zero_only=True)
         self.log("reward", last["train/reward_mean"], prog_bar=True, batch_size=1, rank_zero_only=True)
         return None
