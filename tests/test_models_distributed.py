@@ -1,13 +1,16 @@
-"""DecoderLM sequence-parallel on 2 and 4 gloo ranks == one process (float64, 1e-10 relative).
+"""Sequence parallelism on 2 and 4 gloo ranks == one process (float64, 1e-10 relative).
 
 Each worker builds the same seeded model and batch, computes the one-process loss and gradients itself
 (``sp_group=None``), then hands the model the WORLD group, runs its shard from ``shard_batch`` (sequence
-length 22: padded for 4 ranks), and all-reduces (sums) its loss share and gradients. Cases cover GQA with
-fewer K/V heads than ranks (replicated K/V), head chunking, every memory knob (checkpointing and offload on
-2 ranks), and the prefix-state API
-([prefix; rest] with return_kv / prefix_kv, gradients through the head-sharded cache). One spawn per world
-size; all cases inside.
+length 22: padded for 4 ranks), and all-reduces (sums) its loss share and gradients. DecoderLM cases cover
+GQA with fewer K/V heads than ranks (replicated K/V), head chunking, every memory knob (checkpointing and
+offload on 2 ranks) and the prefix-state API ([prefix; rest] with return_kv / prefix_kv, gradients through
+the head-sharded cache). The same workers then run ``test_hf_integration.check_hf_ulysses`` (transformers
+models with ``install_ulysses``) when transformers is installed. One spawn per world size for everything:
+starting gloo workers costs far more than the checks.
 """
+
+import importlib.util
 
 import pytest
 import torch
@@ -114,9 +117,16 @@ def _check_all(rank, world):
     ids = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match=f"under sequence parallelism \\(sp_size={world}\\) pass pre-shifted"):
         model(ids, labels=ids)
+    if HAS_TRANSFORMERS:
+        from test_hf_integration import check_hf_ulysses
+
+        check_hf_ulysses(rank, world)
     return True
 
 
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_decoder_matches_one_process(world):
+def test_sharded_decoder_and_hf_ulysses_match_one_process(world):
     assert all(run_distributed(_check_all, world))

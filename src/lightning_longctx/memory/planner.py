@@ -259,19 +259,20 @@ class Plan:
         return self.total_bytes / GIB
 
     def table(self) -> str:
-        """A human-readable breakdown (GiB per rank), the phases and the verdict."""
+        """A human-readable breakdown per rank (GiB, or MiB for small plans), the phases and the verdict."""
+        scale, unit = (GIB, "GiB") if self.total_bytes >= GIB else (2**20, "MiB")
         what = f"LongStraw, G={self.group_size}, response {self.response_len}" if self.mode == "longstraw" else "SFT"
         lines = [f"{what}: {self.seq_len:,} tokens, sp={self.sp} x dp={self.dp}, {self.local_tokens:,} tokens/rank, "
                  f"head_chunk_size={self.head_chunk_size}",
-                 f"  {'component':<26}{'GiB/rank':>12}"]
-        lines += [f"  {name:<26}{value / GIB:>12.3f}" for name, value in self.breakdown.items() if value]
-        lines.append("  phases (persistent + transients alive together):")
-        lines += [f"  {'* ' if name == self.peak_phase else '  '}{name:<24}{value / GIB:>12.3f}"
+                 f"  {'component':<26}{unit + '/rank':>12}"]
+        lines += [f"  {name:<26}{value / scale:>12.3f}" for name, value in self.breakdown.items() if value]
+        lines.append("  phases (persistent + transients alive together; * = peak):")
+        lines += [f"  {'* ' if name == self.peak_phase else '  '}{name:<24}{value / scale:>12.3f}"
                   for name, value in self.phases.items()]
         if self.host_bytes:
-            lines.append(f"  host memory (offloaded checkpoints): {self.host_bytes / GIB:.3f} GiB/rank")
+            lines.append(f"  host memory (offloaded checkpoints): {self.host_bytes / scale:.3f} {unit}/rank")
         verdict = "fits" if self.fits else "DOES NOT FIT"
-        lines.append(f"  peak {self.total_gib:.3f} GiB/rank ({self.peak_phase}) vs budget "
+        lines.append(f"  peak {self.total_bytes / scale:.3f} {unit}/rank ({self.peak_phase}) vs budget "
                      f"{self.budget_bytes / GIB:.3f} GiB: {verdict}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -397,10 +398,30 @@ def _recurrent_state(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
     return model.linear_layers * (2 * state + math.ceil(conv / sp))
 
 
+def cache_heads_per_rank(model: ModelShape, sp: int, head_chunk_size: int | None) -> int:
+    """K/V heads in one rank's cache layout: the distinct K/V heads its stages receive (as
+    ``models.attention.build_stages`` lays them out: consecutive stages delivering the same heads share them).
+
+    Plain Ulysses gives ``max(1, H_kv / P)``; head chunking with fewer K/V heads than query heads per stage
+    can make a rank receive several K/V groups (e.g. H=24, H_kv=4, P=8, C=1: 3 heads instead of 1).
+    """
+    c, m, stages = _stage(model, sp, head_chunk_size)
+    g = model.num_attention_heads // model.num_key_value_heads
+    count, last = 0, None
+    for t in range(stages):
+        first_q = t * c * sp  # rank 0's first query head of stage t
+        mine = tuple(first_q // g + j for j in range(m))
+        if mine != last:
+            count, last = count + m, mine
+    return count
+
+
 def kv_cache_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, cached_tokens: int) -> int:
-    """Per rank: ``2 x full layers x S' x max(1, H_kv / P) x d x b`` (K and V of every full-attention layer,
-    head-sharded; fewer K/V heads than ranks are replicated). ``P = 1`` gives the KV bytes per token x S'."""
-    n_r = max(1, model.num_key_value_heads // sp)
+    """Per rank: ``2 x full layers x S' x n_r x d x b``, K and V of every full-attention layer for the cached
+    prompt, ``n_r`` = :func:`cache_heads_per_rank` (``H_kv`` without SP: the KV bytes per token x S')."""
+    if not model.full_layers:
+        return 0
+    n_r = cache_heads_per_rank(model, sp, knobs.head_chunk_size)
     return 2 * model.full_layers * cached_tokens * n_r * model.head_dim * knobs.dtype_bytes
 
 
@@ -473,13 +494,14 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     accumulated cache gradients (same size: the LongStraw accumulators) and one ``E b`` checkpoint per layer
     and local token (host memory when offloaded). Phases:
 
-    - prefill: one layer's no-grad forward over ``s_l`` tokens (attention stage, MLP, norms);
+    - prefill: one layer's no-grad forward over ``s_l`` tokens: hidden, residual and norm plus the larger
+      of the attention stage and the MLP (``3 I b`` per token, or one tile's ``4 I b``);
     - replay of one branch of ``T = response_len`` tokens: its activations (``T`` tokens through every
       layer) plus, per layer, the cache gradient's full-size temporaries (slice backward: ``2x`` one
-      layer's K/V) and the stage's GQA-expanded prefix K/V and their gradients ``(6C + 2m) S' d b`` (eager;
+      layer's K/V) and the stage's GQA-expanded prefix K/V and their gradients ``(3C + m) S' d b`` (eager;
       flash: ``2m``);
-    - grouped backward: one layer recomputed with autograd from its checkpoint (all its stages' tensors
-      saved: ``2(H/P + 2m x stages) s d b`` on top of :func:`layer_saved_bytes`) and back-propagated.
+    - grouped backward: one layer recomputed with autograd from its checkpoint: :func:`layer_saved_bytes`
+      plus, since the cache path keeps every stage in the graph, ``3.5 (H/P + 2m x stages) s d b``.
 
     G never appears: nothing of a branch outlives its replay.
     """
@@ -508,10 +530,12 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
         c, m, stages = _stage(model, sp, knobs.head_chunk_size)
         attn = attention_stage_bytes(model, knobs, sp, s_l)
         unit = cached * d * b
-        expand = (6 * c + 2 * m) if knobs.attention_backend == "eager" else 2 * m
+        expand = (3 * c + m) if knobs.attention_backend == "eager" else 2 * m
         layer_kv = kv // model.full_layers
         replay_cache = 2 * layer_kv + expand * unit
-        graph_stages = 2 * (model.num_attention_heads // sp + 2 * m * stages) * s_l * sp * d * b
+        # the cache path is plain autograd: every stage's q/k/v (local and exchanged), outputs and RoPE
+        # intermediates stay in the graph until the layer's backward (3.5 copies per head, fitted)
+        graph_stages = 7 * (model.num_attention_heads // sp + 2 * m * stages) * s_l * sp * d * b // 2
     else:
         attn, replay_cache, graph_stages = {"forward": 0, "backward": 0}, 0, 0
     comp["attention_stage"] = max(attn.values())
@@ -519,8 +543,11 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     t_l = math.ceil(t / sp)
     branch = t_l * (sum(per_kind[k]["pre"] + per_kind[k]["post"] for k in model.layer_types) + 2 * e * b)
     branch += _logits(model, knobs, t_l)["saved"] + _logits(model, knobs, t_l)["backward"]
-    prefill = s_l * (2 * e * b + _norm_saved(e, b)) + attn["forward"] + mlp["forward"]
-    grouped = s_l * worst_layer + graph_stages + 2 * s_l * e * b + max(attn["backward"], mlp["backward"])
+    chunk = knobs.mlp_chunk_size
+    mlp_nograd = (3 * s_l if chunk is None or chunk >= s_l else 4 * chunk) * model.intermediate_size * b
+    prefill = s_l * (2 * e * b + _norm_saved(e, b)) + max(attn["forward"], mlp_nograd)
+    # the layer's forward with autograd (its peak: everything saved, before the backward frees it)
+    grouped = s_l * worst_layer + graph_stages + 2 * s_l * e * b
     comp.update(replay_branch=branch + replay_cache, layer_recompute=s_l * worst_layer + graph_stages)
     phases = {
         "prefill": persistent + prefill,
@@ -534,7 +561,7 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
 
 # ------------------------------------------------------------------------------------------------ API
 def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mode: str = "sft", group_size: int = 8,
-         response_len: int = 1024, prompt_grad: str = "full") -> Plan:
+         response_len: int = 1024, prompt_grad: str = "full", param_sharding: str | None = None) -> Plan:
     """Per-rank bytes of one training step at ``seq_len`` tokens (SFT sequence or LongStraw prompt).
 
     Args:
@@ -544,6 +571,9 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         seq_len: tokens per sequence (SFT) or per prompt (LongStraw).
         mode: ``"sft"`` or ``"longstraw"``.
         group_size, response_len, prompt_grad: the LongStraw group (G responses of ``response_len`` tokens).
+        param_sharding: how parameters, gradients and optimizer states are held; None = as implemented
+            (SFT: ``cluster.sharding``; LongStraw: ``"replicate"``, since ``LongStrawModule`` handles SP itself
+            and the strategy keeps full replicas for it). ``"fsdp"`` plans LongStraw with sharded states.
     Returns:
         :class:`Plan`. Raises ValueError for an impossible layout (heads vs sp, chunk sizes).
     """
@@ -561,15 +591,20 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         raise ValueError("offload_checkpoints=True needs activation_checkpointing=True")
     chunk = _stage(model, cluster.sp, knobs.head_chunk_size)[0] if model.full_layers else 0
     if mode == "sft":
-        comp, phases, host = sft_phases(model, cluster, knobs, seq_len)
+        held = replace(cluster, sharding=param_sharding) if param_sharding else cluster
+        comp, phases, host = sft_phases(model, held, knobs, seq_len)
         local = math.ceil(seq_len / cluster.sp)
     else:
-        comp, phases, host = longstraw_phases(model, cluster, knobs, seq_len, group_size, response_len, prompt_grad)
+        held = replace(cluster, sharding=param_sharding or "replicate")
+        comp, phases, host = longstraw_phases(model, held, knobs, seq_len, group_size, response_len, prompt_grad)
         local = (seq_len - 1) // cluster.sp
     reserve = int(knobs.reserve_gib * GIB)
     comp["reserve"] = reserve
     peak_phase = max(phases, key=phases.get)
     notes = []
+    if mode == "longstraw" and cluster.world > 1 and param_sharding is None:
+        notes.append("LongStraw: parameters, gradients and optimizer states are full replicas on every rank "
+                     "(LongStrawModule handles SP itself; the strategy does not shard it)")
     if model.linear_layers:
         notes.append(f"{model.linear_layers} linear-attention layers: activation terms are estimates "
                      "(DecoderLM does not implement them yet)")
@@ -601,12 +636,27 @@ def max_context(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, mode: str 
     return lo * granularity
 
 
+def _override_text(cluster: ClusterShape, knobs: MemoryKnobs, new_cluster: ClusterShape, new_knobs: MemoryKnobs) -> str:
+    """Hydra overrides that turn (cluster, knobs) into (new_cluster, new_knobs), e.g. ``memory.head_chunk_size=1``."""
+    def fmt(value):
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    parts = [f"cluster.{f}={fmt(getattr(new_cluster, f))}" for f in ("devices", "num_nodes", "sp_size", "sharding")
+             if getattr(new_cluster, f) != getattr(cluster, f)]
+    parts += [f"memory.{f}={fmt(getattr(new_knobs, f))}" for f in ("head_chunk_size", "activation_checkpointing",
+                                                                  "offload_checkpoints", "mlp_chunk_size",
+                                                                  "logits_chunk_size")
+              if getattr(new_knobs, f) != getattr(knobs, f)]
+    return " ".join(parts)
+
+
 def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mode: str = "sft",
                 **kwargs) -> list[tuple[str, float]]:
-    """Single changes (Hydra override strings) that make an over-budget plan fit, with their peak GiB.
+    """Changes (Hydra override strings) that make an over-budget plan fit, with their peak GiB, fewest first.
 
     Tries, one at a time: ``memory.head_chunk_size=1``, activation checkpointing, offloading, a tiled MLP,
-    chunked logits, all memory knobs together, twice the devices / nodes (SP over more ranks), FSDP sharding.
+    chunked logits, all memory knobs together, twice the devices / nodes (SP over more ranks), FSDP sharding;
+    then all knobs with SP over 2, 4, ... 64 times the nodes (only the smallest that fits).
     """
     model = ModelShape.from_config(model_cfg) if not isinstance(model_cfg, ModelShape) else model_cfg
     cluster = cluster_cfg if isinstance(cluster_cfg, ClusterShape) else ClusterShape.from_config(cluster_cfg)
@@ -614,23 +664,23 @@ def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: i
     all_knobs = replace(knobs, head_chunk_size=1, activation_checkpointing=True, offload_checkpoints=True,
                         mlp_chunk_size=knobs.mlp_chunk_size or 8192, logits_chunk_size=knobs.logits_chunk_size or 8192)
     candidates = [
-        ("memory.head_chunk_size=1", cluster, replace(knobs, head_chunk_size=1)),
-        ("memory.activation_checkpointing=true", cluster, replace(knobs, activation_checkpointing=True)),
-        ("memory.activation_checkpointing=true memory.offload_checkpoints=true", cluster,
-         replace(knobs, activation_checkpointing=True, offload_checkpoints=True)),
-        ("memory.mlp_chunk_size=8192", cluster, replace(knobs, mlp_chunk_size=8192)),
-        ("memory.logits_chunk_size=8192", cluster, replace(knobs, logits_chunk_size=8192)),
-        ("memory.head_chunk_size=1 memory.activation_checkpointing=true memory.offload_checkpoints=true "
-         f"memory.mlp_chunk_size={all_knobs.mlp_chunk_size} memory.logits_chunk_size={all_knobs.logits_chunk_size}",
-         cluster, all_knobs),
-        (f"cluster.devices={2 * cluster.devices}", replace(cluster, devices=2 * cluster.devices), knobs),
-        (f"cluster.num_nodes={2 * cluster.num_nodes} cluster.sp_size={2 * cluster.sp}",
-         replace(cluster, num_nodes=2 * cluster.num_nodes, sp_size=2 * cluster.sp), knobs),
-        ("cluster.sharding=fsdp", replace(cluster, sharding="fsdp"), knobs),
+        (cluster, replace(knobs, head_chunk_size=1)),
+        (cluster, replace(knobs, activation_checkpointing=True)),
+        (cluster, replace(knobs, activation_checkpointing=True, offload_checkpoints=True)),
+        (cluster, replace(knobs, mlp_chunk_size=knobs.mlp_chunk_size or 8192)),
+        (cluster, replace(knobs, logits_chunk_size=knobs.logits_chunk_size or 8192)),
+        (cluster, all_knobs),
+        (replace(cluster, devices=2 * cluster.devices, sp_size=None if cluster.sp_size is None else 2 * cluster.sp),
+         knobs),
+        (replace(cluster, num_nodes=2 * cluster.num_nodes, sp_size=2 * cluster.sp), knobs),
+        (replace(cluster, sharding="fsdp"), knobs),
     ]
+    scale_out = [(replace(cluster, num_nodes=cluster.num_nodes * f, sp_size=cluster.sp * f), all_knobs)
+                 for f in (2, 4, 8, 16, 32, 64)]
     out, seen = [], set()
-    for override, cl, kn in candidates:
-        if override in seen or (cl == cluster and kn == knobs):
+    for index, (cl, kn) in enumerate(candidates + scale_out):
+        override = _override_text(cluster, knobs, cl, kn)
+        if not override or override in seen:
             continue
         seen.add(override)
         try:
@@ -639,6 +689,8 @@ def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: i
             continue  # e.g. heads not divisible by the larger SP group
         if p.fits:
             out.append((override, p.total_gib))
+            if index >= len(candidates):
+                break  # the smallest scale-out that fits is enough
     return sorted(out, key=lambda item: (len(item[0].split()), item[1]))
 
 
@@ -654,7 +706,7 @@ def check_budget(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: 
         return p
     fixes = suggestions(model_cfg, cluster_cfg, memory_cfg, seq_len=seq_len, mode=mode, **kwargs)
     longest = max_context(model_cfg, cluster_cfg, memory_cfg, mode=mode, **kwargs)
-    what = " or ".join(f"set {o} ({g:.1f} GiB)" for o, g in fixes[:4]) or "no single change fits"
+    what = " or ".join(f"set {o} ({g:.1f} GiB)" for o, g in fixes[:4]) or "no knob or scale-out up to 64x fits"
     raise PlanError(
         f"plan needs {p.total_gib:.1f} GiB per rank > budget {p.budget_bytes / GIB:.1f} GiB "
         f"({p.mode}, {seq_len:,} tokens, peak in {p.peak_phase}): {what}; "
@@ -671,6 +723,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "attention_stage_bytes",
+    "cache_heads_per_rank",
     "check_budget",
     "kv_cache_bytes",
     "layer_saved_bytes",

@@ -11,9 +11,10 @@ Per stage (the schedule of :func:`lightning_longctx.parallel.head_schedule`): pr
 ``C * P`` local query heads and k/v for the K/V heads they use from ``x [b, s_l, E]`` (only those weight
 rows), apply q/k RMSNorm (Qwen3) and RoPE at the global positions, all-to-all to ``[b, s, C, d]``, attend,
 all-to-all back into a preallocated ``[b, s_l, H, d]`` output. :class:`FusedAttention` saves only ``x``, the
-output and each stage's log-sum-exp (plus the weights and RoPE's ``[b, s_l, d]`` cos/sin); its backward recomputes each stage's projections and all-to-alls, runs
-the attention backward with the saved output/LSE, and backpropagates through the stage's projections with
-``torch.autograd.grad`` on that stage's weight slices. ``o_proj`` stays outside (a plain ``nn.Linear``).
+output and each stage's log-sum-exp (plus the weights and RoPE's ``[b, s_l, d]`` cos/sin); its backward
+recomputes each stage's projections and all-to-alls, runs the attention backward with the saved output and
+LSE, and backpropagates through the stage's projections with ``torch.autograd.grad`` on that stage's weight
+slices. ``o_proj`` stays outside (a plain ``nn.Linear``).
 
 The KV-cache path (``return_kv`` / ``prefix_kv``, for LongStraw) runs the same stages as a plain autograd
 composition, still one stage at a time. Its cache layout on rank ``r`` is ``[b, s_full, n_r, d]``: the K/V

@@ -1,0 +1,129 @@
+"""The console scripts: longctx-plan prints the planner's numbers, longctx-train refuses an over-budget plan
+before any process group exists, and a 2-step CPU run (2 gloo processes, the demo's defaults) writes
+TensorBoard scalars for loss and reward. Runs of longctx-train are subprocesses with a timeout: a
+multi-process fit never runs inside pytest (Lightning's launcher would re-run the pytest command)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from lightning_longctx import cli
+from lightning_longctx.memory import PlanError, max_context, plan
+
+BIN = Path(sys.executable).parent
+
+
+def run_script(name: str, *args: str, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def compose_cfg(*overrides: str, config_name: str = "config"):
+    with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+def test_plan_command_prints_the_planners_numbers(tmp_path):
+    args = ("model=llama3_8b", "cluster=node_8gpu", "memory=h100_80g", "task=long_sft", "task.seq_len=1048576")
+    out = run_script("longctx-plan", *args, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    cfg = compose_cfg(*args, config_name="plan")
+    expected = plan(cfg.model, cfg.cluster, cfg.memory, seq_len=1048576, mode="sft")
+    sft = max_context(cfg.model, cfg.cluster, cfg.memory, mode="sft")
+    text = out.stdout
+    assert expected.table() in text, text
+    assert f"SFT:       {sft:>14,} tokens" in text, text
+    assert "8.03B parameters" in text and "KV 128 KiB/token" in text, text
+    for component in ("params", "grads", "optimizer", "attention_stage", "mlp_tiles", "logits_chunk"):
+        assert component in text, component
+    assert "LongStraw:" in text
+    assert not list(tmp_path.iterdir()), "longctx-plan must not write a run directory"
+
+
+def test_plan_shows_longstraw_accumulators_and_kv_for_the_hybrid(tmp_path):
+    cfg = compose_cfg("model=qwen3_5_27b", "cluster=node_8gpu", "memory=h20_96g", "plan.seq_len=1048576",
+                      "plan.response_len=1024", config_name="plan")
+    text = cli.format_plan(cfg)
+    assert "KV 64 KiB/token in bfloat16" in text and "16 full attention, 48 linear attention" in text
+    for component in ("kv_cache", "recurrent_state", "longstraw_accumulators", "replay_branch"):
+        assert component in text, text
+
+
+def test_budget_check_refuses_an_impossible_plan_before_any_process_group(tmp_path):
+    out = run_script("longctx-train", "memory.budget_gib=0.001", f"hydra.run.dir={tmp_path}", timeout=120,
+                     cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert "plan needs" in text and "GiB per rank > budget 0.0 GiB" in text, text
+    assert "memory." in text or "cluster." in text, text  # what to change
+    assert "Initializing distributed" not in text and "GPU available" not in text, text  # no Trainer was built
+
+
+def test_budget_check_runs_before_the_trainer_and_the_process_group(monkeypatch):
+    import lightning.pytorch as pl
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("built before the plan was checked")
+
+    monkeypatch.setattr(pl, "Trainer", forbidden)
+    monkeypatch.setattr(torch.distributed, "init_process_group", forbidden)
+    cfg = compose_cfg("model=llama3_8b", "cluster=node_8gpu", "memory=h100_80g", "task=long_sft",
+                      "task.seq_len=8388608")
+    with pytest.raises(PlanError, match=r"plan needs .* GiB per rank > budget 79\.0 GiB.*(memory|cluster)\."):
+        cli.run_train(cfg)
+
+
+def test_train_hybrid_stops_with_a_clear_not_implemented_error(monkeypatch):
+    import lightning.pytorch as pl
+
+    monkeypatch.setattr(pl, "Trainer", lambda *a, **k: (_ for _ in ()).throw(AssertionError("Trainer built")))
+    with pytest.raises(NotImplementedError, match="linear_attention.*longctx-plan model=tiny_hybrid"):
+        cli.run_train(compose_cfg("model=tiny_hybrid"))
+
+
+def test_two_step_cpu_run_writes_tensorboard_loss_and_reward(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = run_script("longctx-train", "trainer=smoke", "task.seq_len=256", f"hydra.run.dir={tmp_path}",
+                     timeout=300, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "longctx-train summary" in out.stdout and "TensorBoard logdir" in out.stdout, out.stdout
+    events = sorted((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert events, f"no TensorBoard event file under {tmp_path / 'tb'}"
+    tags = set()
+    for event in events:
+        acc = EventAccumulator(str(event))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    for tag in ("train/loss", "train/reward_mean", "train/reward_std", "train/kl", "train/clip_fraction",
+                "train/entropy", "train/response_length", "train/tokens_per_s", "train/peak_memory_gib"):
+        assert tag in tags, sorted(tags)
+    hparams = (tmp_path / "tb" / "needle_grpo" / "version_0" / "hparams.yaml").read_text()
+    assert "hidden_size: 64" in hparams and "budget_gib:" in hparams, hparams  # the resolved config
+
+
+def test_long_sft_module_trains_on_one_device(tmp_path):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+    from lightning_longctx.tasks.long_sft import LongSFTModule, RecallDataset
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+                      MemoryConfig(logits_chunk_size=128))
+    data = RecallDataset(4, 256, 64, passage_len=8)
+    sample = data[0]
+    assert sample["input_ids"].shape == (256,) and int(sample["loss_mask"].sum()) == 8
+    assert torch.equal(sample["input_ids"][-8:], sample["input_ids"][sample["input_ids"].tolist().index(2) + 1:][:8])
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(LongSFTModule(model, lr=1e-3), DataLoader(data, batch_size=1))
+    assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])
