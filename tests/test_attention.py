@@ -78,3 +78,16 @@ def test_prefix_attention_matches_causal_attention_over_concatenation(backend, h
     inputs = (q, k_p, v_p, k, v)
     for got, want in zip(_grads(out, inputs, grad_out), _grads(ref_out, inputs, grad_out)):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch_cpu_flash", "blockwise"])
+def test_bfloat16_runs_forward_and_backward_close_to_float32(backend):
+    q, k, v = (t.detach().to(torch.bfloat16).requires_grad_() for t in _qkv(s=40, h_kv=2))
+    out, lse = attention_with_lse(q, k, v, backend=backend)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    grads = _grads(out.float(), (q, k, v), torch.ones_like(out, dtype=torch.float32))
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = eager_attention(*ref_inputs)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
+    for got, want in zip(grads, _grads(ref_out, ref_inputs, torch.ones_like(ref_out))):
+        torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2)

@@ -173,7 +173,8 @@ def _summary_callback(cfg: DictConfig):
             self.log_dir: str | None = None
             self.text = ""  # printed by run_train after fit, once the progress bar is gone
 
-        def on_train_start(self, trainer, pl_module) -> None:
+        def setup(self, trainer, pl_module, stage: str) -> None:
+            # before the Trainer's own hyperparameter logging, which writes hparams.yaml once
             self.log_dir = trainer.log_dir  # a collective: every rank calls it
             if trainer.logger is not None:
                 params = OmegaConf.to_container(cfg, resolve=True)

@@ -301,24 +301,23 @@ def attention_stage_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, local_
 
     In units ``u = s * d * b`` (one head over the full sequence, what a rank holds after the all-to-all):
 
-    - forward: ``5C + 2m``: the stage's q, k, v (``C + 2m``), RoPE temporaries (``2C``), the stage output and
-      its all-to-all (``2C``, counting the send/receive copies as one).
-    - backward (eager kernels): ``8C + m`` (recomputed q, k, v, the transposed copies of out and grad-out, the
-      GQA-expanded K/V and dq/dk/dv) ``+ 2(C + 2m)`` when there are several stages (the previous stage's
-      q/k/v and their gradients are still referenced when the next starts) ``+ 2(C + 2m)`` under SP (the
-      all-to-all copies); plus ``s_l (2E + H d) b`` outside the stages (grad of x, its per-stage partial,
-      the grad of the attention output). With flash-attn (native GQA, no transposed copies) the stage
-      term is ``4C + 4m`` instead of ``8C + m``.
+    - forward: ``3C + 4m``: the stage's q, k, v, the RoPE temporaries of q and k, the stage output.
+    - backward (eager kernels): ``8C + m``: the recomputed q, k, v, the transposed copies of out and
+      grad-out, the GQA-expanded K/V and dq/dk/dv; with flash-attn (native GQA, no transposed copies)
+      ``4C + 4m``; ``+ (C + 2m)`` under SP (the all-to-all copies of q, k, v and of their gradients). Plus ``s_l (2E + H d) b`` outside the stages: the grad of x, its per-stage partial, the
+      grad of the attention output.
 
-    The counts were read off the code and fitted to the tracker (``docs/memory_planner.md``).
+    The counts were read off ``models/attention.py`` and fitted to the tracker over 34 head layouts
+    (``H``, ``H_kv``, ``C``, ``P``): the attention block's backward peak within -14% / +18% of it.
     """
-    c, m, stages = _stage(model, sp, knobs.head_chunk_size)
+    c, m, _ = _stage(model, sp, knobs.head_chunk_size)
     b, d = knobs.dtype_bytes, model.head_dim
     unit = local_tokens * sp * d * b
-    stage_bwd = (8 * c + m) if knobs.attention_backend == "eager" else (4 * c + 4 * m)
-    stage_bwd += 2 * (c + 2 * m) * (stages > 1) + 2 * (c + 2 * m) * (sp > 1)
+    stage_bwd = (8 * c + m) if knobs.attention_backend == "eager" else (4 * c + 4 * m)  # units of u
+    if sp > 1:
+        stage_bwd += c + 2 * m
     outside = local_tokens * (2 * model.hidden_size + model.num_attention_heads * d) * b
-    return {"forward": (5 * c + 2 * m) * unit, "backward": stage_bwd * unit + outside}
+    return {"forward": (3 * c + 4 * m) * unit, "backward": stage_bwd * unit + outside}
 
 
 def _norm_saved(e: int, b: int) -> int:
@@ -448,8 +447,7 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
     top = s_l * _norm_saved(e, b) + logits["saved"]  # final norm and the loss
     attn = attention_stage_bytes(model, knobs, sp, s_l) if model.full_layers else {"forward": 0, "backward": 0}
     mlp = _mlp_transients(model, knobs, s_l)
-    grad_stream = 2 * s_l * e * b  # the residual's gradient and the branch gradient entering it
-    attn_stream = s_l * e * b  # at the attention only the residual's gradient (the rest is in attn["backward"])
+    grad_stream = s_l * e * b  # the residual stream's gradient (the branches' own grads are in their transients)
     layer_pre, layer_full = s_l * per_kind[last]["pre"], s_l * (per_kind[last]["pre"] + per_kind[last]["post"])
     comp = dict(static)
     host = 0
@@ -465,7 +463,7 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
             "forward logits": base + kept + top + logits["forward"],
             "backward logits": base + kept + top + logits["backward"],
             "backward mlp": base + below + recompute + grad_stream + mlp["backward"],
-            "backward attention": base + below + layer_pre + attn_stream + attn["backward"],
+            "backward attention": base + below + layer_pre + grad_stream + attn["backward"],
         }
         comp["layer_recompute"] = recompute
     else:
@@ -477,7 +475,7 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
             "forward logits": base + kept + top + logits["forward"],
             "backward logits": base + kept + top + logits["backward"],
             "backward mlp": base + kept + grad_stream + mlp["backward"],
-            "backward attention": base + below + layer_pre + attn_stream + attn["backward"],
+            "backward attention": base + below + layer_pre + grad_stream + attn["backward"],
         }
     phases["optimizer step"] = base + static["params"]
     comp.update(attention_stage=max(attn.values()), mlp_tiles=max(mlp.values()),
@@ -501,7 +499,7 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
       layer's K/V) and the stage's GQA-expanded prefix K/V and their gradients ``(3C + m) S' d b`` (eager;
       flash: ``2m``);
     - grouped backward: one layer recomputed with autograd from its checkpoint: :func:`layer_saved_bytes`
-      plus, since the cache path keeps every stage in the graph, ``3.5 (H/P + 2m x stages) s d b``.
+      plus, since the cache path keeps every stage in the graph, ``(5 H/P + 2m x stages) s d b``.
 
     G never appears: nothing of a branch outlives its replay.
     """
@@ -533,9 +531,10 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
         expand = (3 * c + m) if knobs.attention_backend == "eager" else 2 * m
         layer_kv = kv // model.full_layers
         replay_cache = 2 * layer_kv + expand * unit
-        # the cache path is plain autograd: every stage's q/k/v (local and exchanged), outputs and RoPE
-        # intermediates stay in the graph until the layer's backward (3.5 copies per head, fitted)
-        graph_stages = 7 * (model.num_attention_heads // sp + 2 * m * stages) * s_l * sp * d * b // 2
+        # the cache path is plain autograd: every stage's q (local and exchanged), output and RoPE
+        # intermediates stay in the graph until the layer's backward (5 copies per local head), and each
+        # stage's k, v (2m per stage); fitted to the tracker
+        graph_stages = (5 * model.num_attention_heads // sp + 2 * m * stages) * s_l * sp * d * b
     else:
         attn, replay_cache, graph_stages = {"forward": 0, "backward": 0}, 0, 0
     comp["attention_stage"] = max(attn.values())

@@ -207,7 +207,7 @@ def attention_backward(
         q_BHSD, k_BHSD, v_BHSD = query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         do_BHSD, o_BHSD = grad_out.transpose(1, 2), out.transpose(1, 2)
         if backend == "torch_cpu_flash":
-            lse_BHS = lse.to(query.dtype)
+            lse_BHS = lse.to(_accum_dtype(query.dtype))  # the kernel keeps lse in float32 (float64 for double)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 do_BHSD.contiguous(), q_BHSD, k_BHSD, v_BHSD, o_BHSD.contiguous(), lse_BHS, 0.0, causal,
                 scale=scale,
