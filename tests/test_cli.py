@@ -127,3 +127,12 @@ def test_long_sft_module_trains_on_one_device(tmp_path):
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(LongSFTModule(model, lr=1e-3), DataLoader(data, batch_size=1))
     assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def test_multirun_of_a_local_multi_process_run_is_refused(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(sys, "argv", ["longctx-train", "-m", "trainer.max_steps=1,2", f"hydra.sweep.dir={tmp_path}"])
+    monkeypatch.setattr(cli, "run_train", lambda cfg: pytest.fail("the run started"))
+    with pytest.raises((SystemExit, RuntimeError)) as err:
+        cli.train()
+    text = f"{err.value} {capsys.readouterr()}"
+    assert "multirun (-m) with a local multi-process run" in text and "submitit" in text, text

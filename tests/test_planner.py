@@ -109,7 +109,10 @@ def test_kv_cache_per_token_and_head_chunking_replication():
     hybrid = ModelShape.from_config(QWEN36_27B)
     assert cache_heads_per_rank(hybrid, 8, None) == 1  # 3 query heads per rank share one K/V head
     assert cache_heads_per_rank(hybrid, 8, 1) == 3  # one query head per stage: 3 stages, 3 K/V groups
-    assert cache_heads_per_rank(model, 8, 1) == 1 and cache_heads_per_rank(model, 1, None) == 8
+    # Llama3-8B on 8 ranks, one query head per stage: stage t sends query heads 8t..8t+7, i.e. K/V heads 2t and
+    # 2t+1, so rank 0 receives K/V heads 0, 2, 4, 6: 4 cache heads, not H_kv / P = 1 (models.attention agrees)
+    assert cache_heads_per_rank(model, 8, 1) == 4 and cache_heads_per_rank(model, 8, None) == 1
+    assert cache_heads_per_rank(model, 1, None) == 8
 
 
 # ---------------------------------------------------------------------------------------------- structure
@@ -146,7 +149,7 @@ def test_budget_check_names_the_numbers_and_what_to_change():
     message = str(err.value)
     total = plan(LLAMA3_8B, cluster, memory, seq_len=1 << 20).total_bytes / GIB
     assert f"plan needs {total:.1f} GiB per rank > budget 80.0 GiB" in message, message
-    assert "set memory.activation_checkpointing=true" in message and "shorten the context to <=" in message, message
+    assert "memory.activation_checkpointing=true" in message and "shorten the context to <=" in message, message
     assert check_budget(LLAMA3_8B, cluster, memory, seq_len=8192).fits
 
 
@@ -217,22 +220,31 @@ def _longstraw_peak(rank, world, seq, knobs):
 
 CPU_PRESET = dict(head_chunk_size=1, logits_chunk_size=512)  # conf/memory/cpu.yaml
 ALL_KNOBS = dict(head_chunk_size=1, activation_checkpointing=True, mlp_chunk_size=512, logits_chunk_size=512)
-
-
-@pytest.mark.parametrize("mode, world, seq, knobs", [
+CASES = [  # (mode, processes, tokens, MemoryConfig knobs)
     ("sft", 1, 4096, {}),
     ("sft", 1, 4096, ALL_KNOBS),
     ("sft", 2, 8192, CPU_PRESET),
     ("longstraw", 1, 4096, {}),
     ("longstraw", 2, 8192, dict(CPU_PRESET, mlp_chunk_size=512)),
-])
-def test_plan_matches_the_tracker_on_tiny_cpu_runs(mode, world, seq, knobs):
-    fn = _sft_peak if mode == "sft" else _longstraw_peak
-    measured = fn(0, 1, seq, knobs) if world == 1 else max(run_distributed(fn, world, seq, knobs, timeout=120))
-    p = plan(TINY, dict(devices=world, sharding="replicate"), dict(FP32_EAGER, **knobs), seq_len=seq, mode=mode,
-             group_size=4, response_len=8)
-    planned = p.total_bytes
-    if mode == "longstraw":  # the step's own tracker sees neither the parameters nor the optimizer states
-        planned -= p.breakdown["params"] + p.breakdown["optimizer"]
-    assert planned == pytest.approx(measured, rel=0.15), (
-        f"planned {planned / 2**20:.2f} MiB ({p.peak_phase}) vs measured {measured / 2**20:.2f} MiB")
+]
+
+
+def _peaks(rank, world, cases):
+    return [(_sft_peak if mode == "sft" else _longstraw_peak)(rank, world, seq, knobs) for mode, _, seq, knobs in cases]
+
+
+def test_plan_matches_the_tracker_on_tiny_cpu_runs():
+    measured = _peaks(0, 1, [c for c in CASES if c[1] == 1])
+    two = [c for c in CASES if c[1] == 2]
+    measured += [max(per_rank) for per_rank in zip(*run_distributed(_peaks, 2, two, timeout=120))]
+    failures = []
+    for (mode, world, seq, knobs), peak in zip([c for c in CASES if c[1] == 1] + two, measured):
+        p = plan(TINY, dict(devices=world, sharding="replicate"), dict(FP32_EAGER, **knobs), seq_len=seq, mode=mode,
+                 group_size=4, response_len=8)
+        planned = p.total_bytes
+        if mode == "longstraw":  # the step's own tracker sees neither the parameters nor the optimizer states
+            planned -= p.breakdown["params"] + p.breakdown["optimizer"]
+        if abs(planned - peak) > 0.15 * peak:
+            failures.append(f"{mode} P={world} S={seq} {knobs}: planned {planned / 2**20:.2f} MiB ({p.peak_phase}) "
+                            f"vs measured {peak / 2**20:.2f} MiB")
+    assert not failures, "\n".join(failures)

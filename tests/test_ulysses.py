@@ -2,7 +2,8 @@
 
 Each worker builds the same full q/k/v (seeded), keeps its sequence slice, runs ``ulysses_attention``
 forward + backward, and compares its slice of the output and of dq/dk/dv with the eager reference.
-All cases run inside one spawn per world size (process start-up dominates otherwise).
+All cases, the bad-input checks and the shard/unshard round trip run inside one spawn per world size
+(process start-up dominates otherwise); the tests below read that run's results.
 """
 
 import itertools
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from lightning_longctx.parallel import shard_sequence, ulysses_attention
+from lightning_longctx.parallel import pad_to_multiple, shard_sequence, ulysses_attention, unshard_sequence
 from reference import eager_attention
 
 CASES = [
@@ -49,10 +50,35 @@ def _check_cases(rank, world, seq):
     return worst
 
 
+def _round_trip(rank, world):
+    x = torch.randn(2, 11, 3, generator=torch.Generator().manual_seed(0))
+    local = shard_sequence(pad_to_multiple(x, world, dim=1), rank, world)
+    back = unshard_sequence(local, torch.distributed.group.WORLD, length=11)
+    return bool(torch.equal(back, x))
+
+
+def _all_checks(rank, world):
+    return {"worst": _check_cases(rank, world, 24), "errors": _bad_inputs(rank, world),
+            "round_trip": _round_trip(rank, world)}
+
+
+_RUNS: dict[int, list] = {}
+
+
+def _run(world):
+    if world not in _RUNS:
+        _RUNS[world] = run_distributed(_all_checks, world)
+    return _RUNS[world]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ulysses_matches_single_process_attention(world):
-    worst = run_distributed(_check_cases, world, 24)
-    assert max(worst) < 1e-8
+    assert max(r["worst"] for r in _run(world)) < 1e-8
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_then_unshard_round_trips_with_padding(world):
+    assert all(r["round_trip"] for r in _run(world))
 
 
 def test_ulysses_without_group_is_local_attention():
@@ -93,8 +119,7 @@ def _bad_inputs(rank, world):
 
 
 def test_bad_input_gets_clear_errors_before_communication():
-    errors = run_distributed(_bad_inputs, 4, timeout=60)
-    for rank_errors in errors:
+    for rank_errors in (r["errors"] for r in _run(4)):
         assert "num_attention_heads=6 must be divisible by sp_size=4" in rank_errors["heads"]
         assert "num_key_value_heads=3 must divide or be divisible by sp_size=4" in rank_errors["kv_heads"]
         assert "head_chunk_size=3 must divide the per-rank heads" in rank_errors["chunk"]

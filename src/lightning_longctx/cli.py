@@ -237,9 +237,31 @@ def run_train(cfg: DictConfig) -> Any:
     return trainer
 
 
+def check_launch(cfg: DictConfig) -> None:
+    """Refuse Hydra multirun (``-m``) of a local multi-process run: Lightning re-launches this script per rank,
+    and every child would re-run the whole sweep. Sweeps go through a launcher that starts the ranks itself
+    (``cluster=slurm_4x8gpu``: submitit) or through torchrun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    external = any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LOCAL_RANK"))
+    basic = "BasicLauncher" in str(hydra_cfg.launcher.get("_target_", ""))
+    if hydra_cfg.mode == RunMode.MULTIRUN and basic and not external and cfg.cluster.devices * cfg.cluster.num_nodes > 1:
+        raise RuntimeError(
+            f"Hydra multirun (-m) with a local multi-process run ({cfg.cluster.devices} devices x "
+            f"{cfg.cluster.num_nodes} nodes) is not supported by Lightning: each re-launched rank would re-run the "
+            "sweep. Use cluster=slurm_4x8gpu (hydra-submitit-launcher), run each point without -m, or start the "
+            "ranks with torchrun."
+        )
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def train(cfg: DictConfig) -> None:
     """``longctx-train``: plan, then train the task under ``strategy="ulysses"``."""
+    check_launch(cfg)
     run_train(cfg)
 
 
@@ -253,5 +275,5 @@ if __name__ == "__main__":
     train()
 
 
-__all__ = ["PlanError", "build_model", "build_task", "check_plan", "decoder_config", "format_plan", "plan",
-           "plan_request", "run_train", "train"]
+__all__ = ["PlanError", "build_model", "build_task", "check_launch", "check_plan", "decoder_config", "format_plan",
+           "plan", "plan_request", "run_train", "train"]
