@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) bench/attention.py --sp 2 --seq 8192
+	$(VENV)/bin/longctx-train
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples

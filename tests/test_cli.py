@@ -136,3 +136,30 @@ def test_multirun_of_a_local_multi_process_run_is_refused(monkeypatch, tmp_path,
         cli.train()
     text = f"{err.value} {capsys.readouterr()}"
     assert "multirun (-m) with a local multi-process run" in text and "submitit" in text, text
+
+
+def test_phase_progress_reports_the_long_phases():
+    import io
+
+    from lightning_longctx.lightning.progress import PhaseProgress
+
+    lines = []
+    progress = PhaseProgress(mode="log", min_interval_s=0.0, enabled=True, emit=lines.append)
+    for i in range(1, 4):
+        progress(f"prefill layer {i}/3")
+    for i in (3, 2, 1):  # the grouped backward counts its layers down
+        progress(f"grouped backward layer {i}/3")
+    assert [line.split(":")[0] for line in lines] == ["prefill layer 1/3", "prefill layer 2/3", "prefill layer",
+                                                      "grouped backward layer 1/3", "grouped backward layer 2/3",
+                                                      "grouped backward layer"], lines
+    assert "ETA" in lines[0] and lines[2].startswith("prefill layer: 3/3 in"), lines
+    quiet = []
+    PhaseProgress(mode="log", min_interval_s=0.0, enabled=False, emit=quiet.append)("replay branch 1/8")
+    PhaseProgress(mode="log", min_interval_s=60.0, enabled=True, emit=quiet.append)("replay branch 1/1")
+    assert quiet == []  # other ranks, and phases shorter than the interval, print nothing
+    stream = io.StringIO()
+    bar = PhaseProgress(mode="bar", enabled=True, stream=stream)
+    for i in range(1, 9):
+        bar(f"replay branch {i}/8")
+    assert "replay branch" in stream.getvalue() and "/8 [" in stream.getvalue()  # drawn, then cleared (leave=False)
+    assert bar._bar is None

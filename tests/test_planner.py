@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_distributed
 
+from distributed import run_distributed
 from lightning_longctx.memory import (
     GIB,
     ClusterShape,

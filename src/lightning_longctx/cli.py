@@ -20,8 +20,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import config_schema  # noqa: F401  (registers the structured configs)
-from .memory.planner import GIB, Plan, PlanError, check_budget, kv_cache_bytes, max_context, plan as make_plan
-from .memory.planner import MemoryKnobs, ModelShape
+from .memory.planner import GIB, MemoryKnobs, ModelShape, Plan, PlanError, check_budget, kv_cache_bytes, max_context
+from .memory.planner import plan as make_plan
 
 log = logging.getLogger("lightning_longctx.cli")
 PRECISION = {"float32": "32-true", "bfloat16": "bf16-true", "float16": "16-true", "float64": "64-true"}
@@ -221,7 +221,8 @@ def run_train(cfg: DictConfig) -> Any:
     model = build_model(cfg)
     module, data = build_task(cfg, model)
     if cfg.task.mode == "longstraw":
-        module.progress = PhaseProgress()
+        # log lines with an ETA for phases longer than 30 s (a bar would fight Lightning's own progress bar)
+        module.progress = PhaseProgress(mode="log", min_interval_s=30.0)
     cluster = cfg.cluster
     strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
                                sharding=cluster.sharding, process_group_backend=cluster.process_group_backend)
@@ -249,7 +250,8 @@ def check_launch(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     external = any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LOCAL_RANK"))
     basic = "BasicLauncher" in str(hydra_cfg.launcher.get("_target_", ""))
-    if hydra_cfg.mode == RunMode.MULTIRUN and basic and not external and cfg.cluster.devices * cfg.cluster.num_nodes > 1:
+    ranks = cfg.cluster.devices * cfg.cluster.num_nodes
+    if hydra_cfg.mode == RunMode.MULTIRUN and basic and not external and ranks > 1:
         raise RuntimeError(
             f"Hydra multirun (-m) with a local multi-process run ({cfg.cluster.devices} devices x "
             f"{cfg.cluster.num_nodes} nodes) is not supported by Lightning: each re-launched rank would re-run the "

@@ -82,6 +82,7 @@ class LongStrawModule(pl.LightningModule):
         self.lr, self.weight_decay, self.seed = lr, weight_decay, seed
         self._generator: torch.Generator | None = None
         self.reward_history: list[float] = []  # mean reward of every group this rank trained on
+        self.progress = None  # optional callable(str) for the long phases, e.g. lightning.progress.PhaseProgress
 
     # ------------------------------------------------------------------------------------------ override
     def reward(self, prompt_ids: torch.Tensor, responses: list[torch.Tensor], **fields: Any) -> torch.Tensor:
@@ -132,7 +133,7 @@ class LongStrawModule(pl.LightningModule):
                 ref = score(self.ref_model, prompt, responses, group=sp_group)
             optimizer.zero_grad(set_to_none=True)
             out = longstraw_step(self.model, prompt, responses, advantages, ref_logprobs=ref, group=sp_group,
-                                 **self.step_kwargs)
+                                 progress=self.progress, **self.step_kwargs)
             if dp_group is not None:  # average the exact per-group gradients over data-parallel replicas
                 for p in self.model.parameters():
                     if p.grad is not None:

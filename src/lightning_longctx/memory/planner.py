@@ -42,10 +42,7 @@ class PlanError(RuntimeError):
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
     if cfg is None:
         return default
-    if isinstance(cfg, Mapping):
-        value = cfg.get(name, default)
-    else:
-        value = getattr(cfg, name, default)
+    value = cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
     return default if value is None else value
 
 
@@ -304,8 +301,9 @@ def attention_stage_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, local_
     - forward: ``3C + 4m``: the stage's q, k, v, the RoPE temporaries of q and k, the stage output.
     - backward (eager kernels): ``8C + m``: the recomputed q, k, v, the transposed copies of out and
       grad-out, the GQA-expanded K/V and dq/dk/dv; with flash-attn (native GQA, no transposed copies)
-      ``4C + 4m``; ``+ (C + 2m)`` under SP (the all-to-all copies of q, k, v and of their gradients). Plus ``s_l (2E + H d) b`` outside the stages: the grad of x, its per-stage partial, the
-      grad of the attention output.
+      ``4C + 4m``; ``+ (C + 2m)`` under SP (the all-to-all copies of q, k, v and of their gradients).
+      Plus ``s_l (2E + H d) b`` outside the stages: the grad of x, its per-stage partial, the grad of the
+      attention output.
 
     The counts were read off ``models/attention.py`` and fitted to the tracker over 34 head layouts
     (``H``, ``H_kv``, ``C``, ``P``): the attention block's backward peak within -14% / +18% of it.
