@@ -108,10 +108,9 @@ def test_kv_cache_per_token_and_head_chunking_replication():
     assert kv_cache_bytes(model, MemoryKnobs(dtype="bfloat16"), 1, 1) == 2 * 32 * 8 * 128 * 2  # 128 KiB
     hybrid = ModelShape.from_config(QWEN36_27B)
     assert cache_heads_per_rank(hybrid, 8, None) == 1  # 3 query heads per rank share one K/V head
-    assert cache_heads_per_rank(hybrid, 8, 1) == 3  # one query head per stage: 3 stages, 3 K/V groups
-    # Llama3-8B on 8 ranks, one query head per stage: stage t sends query heads 8t..8t+7, i.e. K/V heads 2t and
-    # 2t+1, so rank 0 receives K/V heads 0, 2, 4, 6: 4 cache heads, not H_kv / P = 1 (models.attention agrees)
-    assert cache_heads_per_rank(model, 8, 1) == 4 and cache_heads_per_rank(model, 8, None) == 1
+    assert cache_heads_per_rank(hybrid, 8, 1) == 1  # chunked stages stay on the rank's own heads
+    assert cache_heads_per_rank(model, 8, 1) == 1 and cache_heads_per_rank(model, 8, None) == 1
+    assert cache_heads_per_rank(model, 2, 1) == 4
     assert cache_heads_per_rank(model, 1, None) == 8
 
 

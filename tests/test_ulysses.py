@@ -126,3 +126,23 @@ def test_bad_input_gets_clear_errors_before_communication():
         assert "must agree on batch, seq_local" in rank_errors["shape"]
         assert "dtype mismatch" in rank_errors["dtype"]
         assert "rank 0: batch=1 seq_local=4" in rank_errors["seq"] and "seq_local=6" in rank_errors["seq"]
+
+
+@pytest.mark.parametrize("heads,kv_heads,world", [(32, 8, 8), (32, 8, 2), (16, 2, 4), (8, 1, 2), (12, 4, 4)])
+def test_head_chunking_never_gives_a_rank_more_kv_heads_than_plain_ulysses(heads, kv_heads, world):
+    """UPipe's GQA schedule: chunked stages stay on each rank's own heads, so its K/V heads (and a KV cache
+    built from them) are those of plain Ulysses, for every chunk size."""
+    from lightning_longctx.parallel import head_schedule
+
+    def received(chunk):
+        per_rank = [set() for _ in range(world)]
+        for _, kv_index in head_schedule(heads, kv_heads, world, chunk):
+            for r, part in enumerate(kv_index.view(world, -1).tolist()):
+                per_rank[r].update(part)
+        return per_rank
+
+    plain = received(heads // world)
+    chunk = 1
+    while chunk <= heads // world:
+        assert received(chunk) == plain, f"chunk={chunk}"
+        chunk *= 2

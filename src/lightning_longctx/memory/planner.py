@@ -396,21 +396,14 @@ def _recurrent_state(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
 
 
 def cache_heads_per_rank(model: ModelShape, sp: int, head_chunk_size: int | None) -> int:
-    """K/V heads in one rank's cache layout: the distinct K/V heads its stages receive (as
-    ``models.attention.build_stages`` lays them out: consecutive stages delivering the same heads share them).
+    """K/V heads in one rank's cache layout: ``max(1, H_kv / P)``, as plain Ulysses, for every chunk size.
 
-    Plain Ulysses gives ``max(1, H_kv / P)``; head chunking with fewer K/V heads than query heads per stage
-    can make a rank receive several K/V groups (e.g. H=24, H_kv=4, P=8, C=1: 3 heads instead of 1).
+    The head schedule keeps each rank on its own query heads (UPipe's GQA schedule, see
+    ``parallel.head_schedule``), so chunked stages deliver a rank exactly plain Ulysses' K/V heads
+    (``head_chunk_size`` is accepted for symmetry with the other terms and does not change the answer).
     """
-    c, m, stages = _stage(model, sp, head_chunk_size)
-    g = model.num_attention_heads // model.num_key_value_heads
-    count, last = 0, None
-    for t in range(stages):
-        first_q = t * c * sp  # rank 0's first query head of stage t
-        mine = tuple(first_q // g + j for j in range(m))
-        if mine != last:
-            count, last = count + m, mine
-    return count
+    del head_chunk_size
+    return max(1, model.num_key_value_heads // sp)
 
 
 def kv_cache_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, cached_tokens: int) -> int:

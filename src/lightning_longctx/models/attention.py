@@ -45,16 +45,15 @@ from .rope import apply_rope, rope_cos_sin
 class Stage:
     """One stage of the head-chunked schedule, seen from one rank.
 
-    The stage projects local query heads ``[q_start, q_stop)`` and K/V heads ``[kv_start, kv_stop)`` (always a
-    contiguous range); ``kv_send`` expands those into the ``P * m`` heads sent rank by rank (None: already
-    in order). Each rank receives ``kv_per_rank`` (``m``) K/V heads; ``cache_start`` is where they sit in
-    its cache layout and ``cache_new`` whether this stage is the first to deliver them.
+    The stage projects the local query heads ``q_index`` (``C`` per destination rank, rank by rank) and the
+    distinct K/V heads ``kv_heads`` (ascending); ``kv_send`` expands the latter into the ``P * m`` heads sent
+    rank by rank (None: already in order). Each rank receives ``kv_per_rank`` (``m``) K/V heads;
+    ``cache_start`` is where they sit in its cache layout and ``cache_new`` whether this stage is the first
+    to deliver them.
     """
 
-    q_start: int
-    q_stop: int
-    kv_start: int
-    kv_stop: int
+    q_index: torch.Tensor
+    kv_heads: torch.Tensor
     kv_send: torch.Tensor | None
     kv_per_rank: int
     cache_start: int
@@ -64,21 +63,21 @@ class Stage:
 def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, device) -> list[Stage]:
     """The per-rank stage plan for ``heads``/``kv_heads`` over ``world`` ranks, ``chunk`` heads per stage."""
     stages, cache_heads, last = [], 0, None
-    for start, stop, kv_index in head_schedule(heads, kv_heads, world, chunk):
-        # kv_index ascends by steps of 0 or 1: its distinct heads form a range. A K/V head sent to several
-        # ranks (fewer K/V heads than ranks) is projected once and replicated by kv_send.
-        # (UPipe's GQA schedule would also reuse a K/V head across the g / C stages whose queries share it;
-        # here each of those stages re-projects it: 2 * s_l * E * d extra flops per stage, no extra memory.)
-        kv_start, kv_stop = int(kv_index[0]), int(kv_index[-1]) + 1
-        assert kv_stop - kv_start == len(set(kv_index.tolist())), f"non-contiguous K/V heads {kv_index.tolist()}"
-        identity = kv_stop - kv_start == kv_index.numel()
+    for q_index, kv_index in head_schedule(heads, kv_heads, world, chunk):
+        # A K/V head sent to several ranks (fewer K/V heads than ranks) is projected once and replicated
+        # by kv_send. The schedule keeps every rank on its own heads (UPipe), so consecutive stages deliver
+        # a rank the same K/V heads or the next ones, and its cache holds exactly plain Ulysses' K/V heads.
+        # (UPipe also reuses a K/V head's projection across the g / C stages whose queries share it; here
+        # each of those stages re-projects it: 2 * s_l * E * d extra flops per stage, no extra memory.)
+        distinct = torch.unique(kv_index)  # sorted
+        identity = distinct.numel() == kv_index.numel() and bool((distinct == kv_index).all())
         m = kv_index.numel() // world
         mine = tuple(kv_index[rank * m:(rank + 1) * m].tolist())
-        new = mine != last  # consecutive stages receive the same K/V heads or disjoint ones
+        new = mine != last
         if new:
             cache_heads, last = cache_heads + (m if last is not None else 0), mine
-        send = None if identity else (kv_index - kv_start).to(device)
-        stages.append(Stage(start, stop, kv_start, kv_stop, send, m, cache_heads, new))
+        send = None if identity else torch.searchsorted(distinct, kv_index).to(device)
+        stages.append(Stage(q_index.to(device), distinct.to(device), send, m, cache_heads, new))
     return stages
 
 
@@ -102,16 +101,16 @@ def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send,
     return q, k, v
 
 
-def _row_slices(stage: Stage, head_dim: int) -> tuple[slice, slice]:
-    """Rows of W_q/b_q and of W_k, b_k, W_v, b_v that this stage projects."""
-    return (slice(stage.q_start * head_dim, stage.q_stop * head_dim),
-            slice(stage.kv_start * head_dim, stage.kv_stop * head_dim))
-
-
 def _stage_weights(weights, stage: Stage, head_dim: int):
-    """Views ``(wq, bq, wk, bk, wv, bv)`` of the stage's rows (None biases stay None)."""
-    q_rows, kv_rows = _row_slices(stage, head_dim)
-    return tuple(None if t is None else t[rows] for t, rows in zip(weights, (q_rows, q_rows) + (kv_rows,) * 4))
+    """Copies ``(wq, bq, wk, bk, wv, bv)`` of the stage's head rows (None biases stay None)."""
+    heads = (stage.q_index,) * 2 + (stage.kv_heads,) * 4
+    return tuple(None if t is None else t.unflatten(0, (-1, head_dim)).index_select(0, h).flatten(0, 1)
+                 for t, h in zip(weights, heads))
+
+
+def _add_head_rows(grad: torch.Tensor, heads: torch.Tensor, rows_grad: torch.Tensor, head_dim: int) -> None:
+    """``grad[rows of heads] += rows_grad`` for a weight or bias whose dim 0 is ``heads x head_dim``."""
+    grad.unflatten(0, (-1, head_dim)).index_add_(0, heads, rows_grad.unflatten(0, (-1, head_dim)))
 
 
 class FusedAttention(torch.autograd.Function):
@@ -137,7 +136,7 @@ class FusedAttention(torch.autograd.Function):
             del q_st, k_st, v_st
             if out is None:
                 out = out_st.new_empty(x.shape[0], x.shape[1], heads, head_dim)
-            out[:, :, st.q_start:st.q_stop] = head_to_seq(out_st, group)
+            out.index_copy_(2, st.q_index, head_to_seq(out_st, group))
             lses.append(lse_st)  # [b, C, s]
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, out, *lses)
         ctx.static = (stages, group, head_dim, eps, scale, backend)
@@ -165,8 +164,8 @@ class FusedAttention(torch.autograd.Function):
                           for i, t in enumerate(_stage_weights(full[3:9], st, head_dim))]
                 q, k, v = _stage_qkv(x_leaf, cos, sin, *sliced, *norms, st.kv_send, head_dim, eps)
             q_st, k_st, v_st = (seq_to_head(t.detach(), group) for t in (q, k, v))
-            out_st = seq_to_head(out[:, :, st.q_start:st.q_stop], group)
-            do_st = seq_to_head(grad_out[:, :, st.q_start:st.q_stop], group)
+            out_st = seq_to_head(out.index_select(2, st.q_index), group)
+            do_st = seq_to_head(grad_out.index_select(2, st.q_index), group)
             dq_st, dk_st, dv_st = attention_backward(do_st, q_st, k_st, v_st, out_st, lse_st, causal=True,
                                                      softmax_scale=scale, backend=backend)
             del q_st, k_st, v_st, out_st, do_st
@@ -178,15 +177,16 @@ class FusedAttention(torch.autograd.Function):
                 continue
             found = torch.autograd.grad([t for t, _ in pairs], [t for _, t in leaves], [g for _, g in pairs],
                                         allow_unused=True)
-            q_rows, kv_rows = _row_slices(st, head_dim)
             del pairs, q, k, v
             for (i, _), g in zip(leaves, found):
                 if g is None:
                     continue
-                if grads[i] is None:
+                if 3 <= i <= 8:  # weight/bias rows of this stage's heads
+                    _add_head_rows(grads[i], st.q_index if i in (3, 4) else st.kv_heads, g, head_dim)
+                elif grads[i] is None:
                     grads[i] = g
-                else:  # weight slices add into their rows; x and the norm weights in full
-                    grads[i][q_rows if i in (3, 4) else kv_rows if i in (5, 6, 7, 8) else slice(None)] += g
+                else:  # x and the norm weights in full
+                    grads[i] += g
             del found
         return (*grads, None, None, None, None, None, None)
 
@@ -208,8 +208,10 @@ def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, h
             heads = slice(st.cache_start, st.cache_start + st.kv_per_rank)
             k_cache, v_cache = prefix_kv[0][:, :, heads], prefix_kv[1][:, :, heads]
             out_st, _ = prefix_attention(q_st, k_cache, v_cache, k_st, v_st, softmax_scale=scale, backend=backend)
-        outs.append(HeadToSeq.apply(out_st, group))  # [b, s_l, C * P, d]
-    out = torch.cat(outs, dim=2)  # stages cover the local query heads in order
+        outs.append(HeadToSeq.apply(out_st, group))  # [b, s_l, P * C, d], heads st.q_index
+    # Stage t holds heads r*H/P + t*C + [0, C) for each rank r: interleave the stages back into head order.
+    b, s_l, _, d = outs[0].shape
+    out = torch.stack([o.view(b, s_l, group_size(group), -1, d) for o in outs], dim=3).reshape(b, s_l, -1, d)
     kv = (torch.cat(keys, dim=2), torch.cat(values, dim=2)) if return_kv else None
     return out, kv
 

@@ -5,11 +5,13 @@ Dimension legend (DeepSpeed ALST style):
     ``H``    query heads, ``H_kv`` key/value heads    ``g = H / H_kv`` query heads per key/value head
     ``C``    ``head_chunk_size``: query heads each rank attends per stage, ``H / (P * C)`` stages
 
-Stage ``t`` takes the query heads ``[t*C*P, (t+1)*C*P)`` of every rank's sequence slice; the all-to-all
-hands rank ``r`` the full sequence of query heads ``t*C*P + r*C + [0, C)`` together with the key/value heads
-those queries use (a K/V head serving query heads on several ranks is replicated; its gradient is summed
-back by ``index_add``). Attention runs on ``[batch, s, C, head_dim]``, the result goes back by all-to-all
-into a preallocated ``[batch, s_l, H, head_dim]`` output. Only one stage's full-sequence tensors are alive
+Rank ``r`` owns the query heads ``[r*H/P, (r+1)*H/P)``, as in plain Ulysses; stage ``t`` hands it the full
+sequence of ``C`` of them, ``r*H/P + t*C + [0, C)``, together with the key/value heads those queries use (a
+K/V head serving query heads on several ranks is replicated; its gradient is summed back by ``index_add``).
+Keeping each rank on its own heads (UPipe's GQA schedule) means the K/V heads a rank receives over all
+stages are exactly those of plain Ulysses: a rank never holds, or caches, more K/V heads because of
+chunking. Attention runs on ``[batch, s, C, head_dim]``, the result goes back by all-to-all into a
+preallocated ``[batch, s_l, H, head_dim]`` output. Only one stage's full-sequence tensors are alive
 at a time, in forward and in backward: backward recomputes the stage's all-to-alls from the saved local
 q/k/v and output instead of keeping them, and saves only the per-stage log-sum-exp.
 """
@@ -77,19 +79,21 @@ def _validate_group(query: torch.Tensor, key: torch.Tensor, group: dist.ProcessG
 
 
 def head_schedule(heads: int, kv_heads: int, world: int, chunk: int, device=None):
-    """Per stage: the query-head slice it takes locally and the K/V heads to send to each rank.
+    """Per stage: the local query heads it sends and the local K/V heads it sends, rank by rank.
 
-    Returns a list of ``(q_start, q_stop, kv_index)`` where ``kv_index`` ``[P * m]`` lists, rank by rank,
-    the ``m`` local K/V heads whose full sequence that rank needs (``m = max(1, C / g)``).
+    Returns a list of ``(q_index, kv_index)``: ``q_index [P * C]`` lists, for destination rank ``r`` in
+    turn, the ``C`` local query heads ``r*H/P + t*C + [0, C)``; ``kv_index [P * m]`` the ``m = max(1, C / g)``
+    K/V heads those queries use (``g = H / H_kv``). Indices address the head dim of the local
+    ``[batch, s_l, heads, head_dim]`` tensors (all heads of this rank's tokens).
     """
     groups = heads // kv_heads
+    local = heads // world
     per_rank_kv = max(1, chunk // groups)
     stages = []
-    for start in range(0, heads, chunk * world):
-        index = [
-            (start + r * chunk) // groups + j for r in range(world) for j in range(per_rank_kv)
-        ]
-        stages.append((start, start + chunk * world, torch.tensor(index, dtype=torch.long, device=device)))
+    for start in range(0, local, chunk):
+        q_index = [r * local + start + c for r in range(world) for c in range(chunk)]
+        kv_index = [(r * local + start) // groups + j for r in range(world) for j in range(per_rank_kv)]
+        stages.append(tuple(torch.tensor(i, dtype=torch.long, device=device) for i in (q_index, kv_index)))
     return stages
 
 
@@ -101,13 +105,13 @@ class _UlyssesAttention(torch.autograd.Function):
         opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
         out = torch.empty_like(query)  # [b, s_l, H, d], filled stage by stage
         lses = []
-        for start, stop, kv_index in schedule:
-            q_st = seq_to_head(query[:, :, start:stop], group)  # [b, s, C, d]
+        for q_index, kv_index in schedule:
+            q_st = seq_to_head(query.index_select(2, q_index), group)  # [b, s, C, d]
             k_st = seq_to_head(key.index_select(2, kv_index), group)  # [b, s, m, d]
             v_st = seq_to_head(value.index_select(2, kv_index), group)
             out_st, lse_st = attention_forward(q_st, k_st, v_st, **opts)
             del q_st, k_st, v_st
-            out[:, :, start:stop] = head_to_seq(out_st, group)
+            out.index_copy_(2, q_index, head_to_seq(out_st, group))
             lses.append(lse_st)  # [b, C, s]
         ctx.save_for_backward(query, key, value, out, *lses)
         ctx.group, ctx.schedule, ctx.opts = group, schedule, opts
@@ -121,16 +125,16 @@ class _UlyssesAttention(torch.autograd.Function):
         dq = torch.empty_like(query)
         dk = torch.zeros_like(key)
         dv = torch.zeros_like(value)
-        for (start, stop, kv_index), lse_st in zip(ctx.schedule, lses):
+        for (q_index, kv_index), lse_st in zip(ctx.schedule, lses):
             # Recompute this stage's head-sharded tensors rather than having saved them.
-            q_st = seq_to_head(query[:, :, start:stop], group)
+            q_st = seq_to_head(query.index_select(2, q_index), group)
             k_st = seq_to_head(key.index_select(2, kv_index), group)
             v_st = seq_to_head(value.index_select(2, kv_index), group)
-            out_st = seq_to_head(out[:, :, start:stop], group)
-            do_st = seq_to_head(grad_out[:, :, start:stop], group)
+            out_st = seq_to_head(out.index_select(2, q_index), group)
+            do_st = seq_to_head(grad_out.index_select(2, q_index), group)
             dq_st, dk_st, dv_st = attention_backward(do_st, q_st, k_st, v_st, out_st, lse_st, **ctx.opts)
             del q_st, k_st, v_st, out_st, do_st
-            dq[:, :, start:stop] = head_to_seq(dq_st, group)
+            dq.index_copy_(2, q_index, head_to_seq(dq_st, group))
             dk.index_add_(2, kv_index, head_to_seq(dk_st, group))  # sums replicated K/V heads
             dv.index_add_(2, kv_index, head_to_seq(dv_st, group))
         return dq, dk, dv, None, None, None, None, None
