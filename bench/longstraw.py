@@ -49,7 +49,7 @@ def naive_step(model, prompt, responses, advantages, logits_chunk_size):
         logp = chunked_token_logprobs(h, model.output_weight, r, chunk_size=logits_chunk_size)
         loss = loss + weights[i] * policy_token_terms(logp, advantages[i]).loss.sum()
     loss.backward()
-    return float(loss)
+    return float(loss.detach())
 
 
 def measure(mode, model, prompt, responses, advantages, args):

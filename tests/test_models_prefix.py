@@ -73,3 +73,20 @@ def test_cache_layout_and_leaf_cache_gradients():
     dk_ref, dv_ref = torch.autograd.grad((out_ref * probe).sum(), (k_ref, v_ref))
     assert_close_rel(dk, dk_ref, TOL, "cache key grad")
     assert_close_rel(dv, dv_ref, TOL, "cache value grad")
+
+
+def test_key_values_equals_the_kv_that_forward_returns():
+    """``DecoderLayer.key_values`` (LongStraw's path for the prompt's last layer) == ``forward``'s K/V."""
+    from lightning_longctx.models import DecoderLM, MemoryConfig
+    from models_common import tiny_config
+
+    torch.manual_seed(0)
+    for chunk in (None, 1):
+        model = DecoderLM(tiny_config(), MemoryConfig(head_chunk_size=chunk)).double()
+        hidden = torch.randn(1, 9, model.config.hidden_size, dtype=torch.float64)
+        pos = torch.arange(9)[None]
+        layer = model.layers[0]
+        _, (k, v) = layer(hidden, pos, return_kv=True)
+        k2, v2 = layer.key_values(hidden, pos)
+        torch.testing.assert_close(k2, k, atol=0, rtol=0)
+        torch.testing.assert_close(v2, v, atol=0, rtol=0)

@@ -66,10 +66,14 @@ def prefill(
     ids, pos = state.local_prefix()
     with torch.no_grad():
         hidden = model.embed(ids)
+        last = len(model.layers) - 1
         for index, layer in enumerate(model.layers):
             if keep_checkpoints:
                 state.checkpoints.append(_to_host(hidden) if offload_checkpoints else hidden)
-            hidden, (key, value) = layer(hidden, pos, return_kv=True)
+            if index < last:
+                hidden, (key, value) = layer(hidden, pos, return_kv=True)
+            else:  # nothing reads the last layer's output at prompt positions: only its K/V
+                key, value = layer.key_values(hidden, pos)
             state.keys.append(key.detach().requires_grad_(cache_requires_grad))
             state.values.append(value.detach().requires_grad_(cache_requires_grad))
             if progress is not None:
@@ -139,7 +143,10 @@ def grouped_backward(model, state: PromptState, *, progress=None) -> None:
     for index in reversed(range(len(layers))):
         checkpoint = state.checkpoints[index]
         hidden_in = checkpoint.to(ids.device, non_blocking=True).detach().requires_grad_()
-        hidden_out, (key, value) = layers[index](hidden_in, pos, return_kv=True)
+        if grad_hidden is None:  # the top layer: only its K/V received a gradient
+            hidden_out, (key, value) = None, layers[index].key_values(hidden_in, pos)
+        else:
+            hidden_out, (key, value) = layers[index](hidden_in, pos, return_kv=True)
         outputs, grads = [], []
         for out, leaf in ((key, state.keys[index]), (value, state.values[index])):
             if leaf.grad is not None:

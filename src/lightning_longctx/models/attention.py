@@ -216,6 +216,19 @@ def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, h
     return out, kv
 
 
+def _key_values(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, eps):
+    """The cache-layout ``(k, v)`` of :func:`_attention_with_cache`'s ``return_kv``, without attending."""
+    keys, values = [], []
+    for st in stages:
+        if not st.cache_new:
+            continue
+        _, k, v = _stage_qkv(x, cos, sin, *_stage_weights(weights, st, head_dim), q_norm, k_norm, st.kv_send,
+                             head_dim, eps)
+        keys.append(SeqToHead.apply(k, group))
+        values.append(SeqToHead.apply(v, group))
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+
 class DecoderAttention(nn.Module):
     """Self-attention of one decoder layer; parameters named as in HF (``q_proj`` ... ``o_proj``, ``q_norm``).
 
@@ -258,6 +271,20 @@ class DecoderAttention(nn.Module):
         stages = self.stages(device or self.q_proj.weight.device)
         return stages[-1].cache_start + stages[-1].kv_per_rank
 
+    def _weights(self):
+        weights = (self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias, self.v_proj.weight,
+                   self.v_proj.bias)
+        q_norm = None if self.q_norm is None else self.q_norm.weight
+        k_norm = None if self.k_norm is None else self.k_norm.weight
+        return weights, q_norm, k_norm
+
+    def key_values(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only ``(k, v)`` in cache layout ``[b, s, n_r, d]`` for the normed ``hidden [b, s_l, E]``."""
+        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, hidden.dtype)
+        weights, q_norm, k_norm = self._weights()
+        return _key_values(hidden, cos, sin, weights, q_norm, k_norm, self.stages(hidden.device), self.sp_group,
+                           self.head_dim, self.eps)
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -280,10 +307,7 @@ class DecoderAttention(nn.Module):
         """
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, hidden.dtype)
         stages = self.stages(hidden.device)
-        weights = (self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias, self.v_proj.weight,
-                   self.v_proj.bias)
-        q_norm = None if self.q_norm is None else self.q_norm.weight
-        k_norm = None if self.k_norm is None else self.k_norm.weight
+        weights, q_norm, k_norm = self._weights()
         static = (stages, self.sp_group, self.head_dim, self.eps, None, self.backend)
         if prefix_kv is None and not return_kv:
             out = FusedAttention.apply(hidden, cos, sin, *weights, q_norm, k_norm, *static)

@@ -102,6 +102,12 @@ class DecoderLayer(nn.Module):
         hidden = hidden + tiled_mlp(self.mlp, self.post_attention_layernorm(hidden), self.mlp_chunk_size)
         return (hidden, kv) if return_kv else hidden
 
+    def key_values(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only this layer's ``(k, v)`` for ``hidden`` in cache layout, as ``forward(..., return_kv=True)``
+        returns them, without the attention and MLP (differentiable). LongStraw needs no more of the
+        prompt's last layer: no later token reads that layer's output at prompt positions."""
+        return self.self_attn.key_values(self.input_layernorm(hidden), position_ids)
+
 
 class DecoderModel(nn.Module):
     """The backbone's parameters (HF's ``model.``): ``embed_tokens``, ``layers``, ``norm``."""
