@@ -97,21 +97,44 @@ def head_schedule(heads: int, kv_heads: int, world: int, chunk: int, device=None
     return stages
 
 
+def _as_range(index: torch.Tensor) -> tuple[int, int] | None:
+    """``(start, length)`` when ``index`` is consecutive heads (e.g. one rank, or one stage): then a view
+    replaces the gather, so plain local attention makes no copy of q/k/v."""
+    start, length = int(index[0]), index.numel()
+    if int(index[-1]) - start + 1 == length and bool((index.diff() == 1).all()):
+        return start, length
+    return None
+
+
+def _take_heads(x: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
+    return x.narrow(2, *span) if span is not None else x.index_select(2, index)
+
+
+def _put_heads(dst: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | None, src: torch.Tensor) -> None:
+    if span is not None:
+        dst.narrow(2, *span).copy_(src)
+    else:
+        dst.index_copy_(2, index, src)
+
+
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, group, causal, chunk, softmax_scale, backend):
         heads, kv_heads = query.shape[2], key.shape[2]
-        schedule = head_schedule(heads, kv_heads, group_size(group), chunk, query.device)
+        schedule = [
+            (q_index, kv_index, _as_range(q_index), _as_range(kv_index))
+            for q_index, kv_index in head_schedule(heads, kv_heads, group_size(group), chunk, query.device)
+        ]
         opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
         out = torch.empty_like(query)  # [b, s_l, H, d], filled stage by stage
         lses = []
-        for q_index, kv_index in schedule:
-            q_st = seq_to_head(query.index_select(2, q_index), group)  # [b, s, C, d]
-            k_st = seq_to_head(key.index_select(2, kv_index), group)  # [b, s, m, d]
-            v_st = seq_to_head(value.index_select(2, kv_index), group)
+        for q_index, kv_index, q_span, kv_span in schedule:
+            q_st = seq_to_head(_take_heads(query, q_index, q_span), group)  # [b, s, C, d]
+            k_st = seq_to_head(_take_heads(key, kv_index, kv_span), group)  # [b, s, m, d]
+            v_st = seq_to_head(_take_heads(value, kv_index, kv_span), group)
             out_st, lse_st = attention_forward(q_st, k_st, v_st, **opts)
             del q_st, k_st, v_st
-            out.index_copy_(2, q_index, head_to_seq(out_st, group))
+            _put_heads(out, q_index, q_span, head_to_seq(out_st, group))
             lses.append(lse_st)  # [b, C, s]
         ctx.save_for_backward(query, key, value, out, *lses)
         ctx.group, ctx.schedule, ctx.opts = group, schedule, opts
@@ -125,16 +148,16 @@ class _UlyssesAttention(torch.autograd.Function):
         dq = torch.empty_like(query)
         dk = torch.zeros_like(key)
         dv = torch.zeros_like(value)
-        for (q_index, kv_index), lse_st in zip(ctx.schedule, lses):
+        for (q_index, kv_index, q_span, kv_span), lse_st in zip(ctx.schedule, lses):
             # Recompute this stage's head-sharded tensors rather than having saved them.
-            q_st = seq_to_head(query.index_select(2, q_index), group)
-            k_st = seq_to_head(key.index_select(2, kv_index), group)
-            v_st = seq_to_head(value.index_select(2, kv_index), group)
-            out_st = seq_to_head(out.index_select(2, q_index), group)
-            do_st = seq_to_head(grad_out.index_select(2, q_index), group)
+            q_st = seq_to_head(_take_heads(query, q_index, q_span), group)
+            k_st = seq_to_head(_take_heads(key, kv_index, kv_span), group)
+            v_st = seq_to_head(_take_heads(value, kv_index, kv_span), group)
+            out_st = seq_to_head(_take_heads(out, q_index, q_span), group)
+            do_st = seq_to_head(_take_heads(grad_out, q_index, q_span), group)
             dq_st, dk_st, dv_st = attention_backward(do_st, q_st, k_st, v_st, out_st, lse_st, **ctx.opts)
             del q_st, k_st, v_st, out_st, do_st
-            dq.index_copy_(2, q_index, head_to_seq(dq_st, group))
+            _put_heads(dq, q_index, q_span, head_to_seq(dq_st, group))
             dk.index_add_(2, kv_index, head_to_seq(dk_st, group))  # sums replicated K/V heads
             dv.index_add_(2, kv_index, head_to_seq(dv_st, group))
         return dq, dk, dv, None, None, None, None, None
