@@ -1,7 +1,7 @@
 """Analytic memory planner: per-rank bytes for a model x cluster x memory-knob choice, and the longest context.
 
 Main API: :func:`plan` -> :class:`Plan` (breakdown, peak phase, ``fits``), :func:`max_context`,
-:func:`check_budget` (raises :class:`PlanError` with what to change). Pure Python, no torch / Lightning
+:func:`check_budget` (raises :class:`PlanError` with what to change). Arithmetic only, no Lightning
 import. Formulas and their validation: ``docs/memory_planner.md``.
 """
 

@@ -2,8 +2,9 @@
 
 Main API: :func:`plan` (one sequence length, ``mode="sft"`` or ``"longstraw"``) -> :class:`Plan` with a
 per-rank byte breakdown, the phase that sets the peak and ``fits``; :func:`max_context` (binary search over
-the sequence length); :func:`check_budget` (raises :class:`PlanError` naming what to change). Pure Python:
-no torch, no Lightning, so it runs before any process group exists.
+the sequence length); :func:`check_budget` (raises :class:`PlanError` naming what to change). Arithmetic
+only (the head-layout rules come from ``parallel.ulysses.check_head_layout``, so the plan and the run refuse
+the same layouts), no Lightning, no process group: it runs before any process starts.
 
 Dimension legend (DeepSpeed ALST style): ``S`` sequence (SFT) or prompt (LongStraw) tokens, ``P`` SP ranks,
 ``s_l = ceil(S / P)`` local tokens, ``s = P * s_l``; ``E`` hidden, ``I`` intermediate, ``V`` vocab, ``H`` /
@@ -24,6 +25,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from ..parallel.ulysses import check_head_layout
 
 GIB = 2**30
 FLOAT32 = 4
@@ -279,17 +282,8 @@ class Plan:
 def _stage(model: ModelShape, sp: int, head_chunk_size: int | None) -> tuple[int, int, int]:
     """``(C, m, stages)`` of the head-chunked schedule; raises with the numbers when it cannot run."""
     h, kv = model.num_attention_heads, model.num_key_value_heads
-    if h % sp:
-        raise ValueError(f"num_attention_heads={h} must be divisible by sp_size={sp}")
-    if kv % sp and sp % kv:
-        raise ValueError(f"num_key_value_heads={kv} must divide or be divisible by sp_size={sp}")
-    local = h // sp
-    chunk = local if head_chunk_size is None else head_chunk_size
-    if chunk < 1 or local % chunk:
-        raise ValueError(f"head_chunk_size={head_chunk_size} must divide num_attention_heads/sp_size={h}/{sp}={local}")
-    g = h // kv
-    if g % chunk and chunk % g:
-        raise ValueError(f"head_chunk_size={chunk} must divide or be a multiple of the query heads per K/V head ({g})")
+    chunk = check_head_layout(h, kv, sp, head_chunk_size)
+    g, local = h // kv, h // sp
     return chunk, max(1, chunk // g), local // chunk
 
 

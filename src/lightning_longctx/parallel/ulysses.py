@@ -40,7 +40,15 @@ def _validate_local(query, key, value, world: int, head_chunk_size: int | None) 
         )
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError(f"dtype mismatch: query {query.dtype}, key {key.dtype}, value {value.dtype}")
-    heads, kv_heads = query.shape[2], key.shape[2]
+    return check_head_layout(query.shape[2], key.shape[2], world, head_chunk_size)
+
+
+def check_head_layout(heads: int, kv_heads: int, world: int, head_chunk_size: int | None) -> int:
+    """The one check of a head layout for ``world`` SP ranks; returns the effective ``head_chunk_size``.
+
+    Raises:
+        ValueError: naming the numbers, when the heads cannot be split as Ulysses and the stages need.
+    """
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads}")
     if heads % world:
