@@ -105,14 +105,13 @@ def make_branch(state: PromptState, response: torch.Tensor) -> Branch:
     index = torch.arange(tokens.numel(), device=tokens.device) - (tail.numel() - 1)
     targets = torch.where(index >= 0, response[index.clamp(min=0)], IGNORE_INDEX)
     index = torch.where(index >= 0, index, -1)
-    positions = state.cached_length + torch.arange(tokens.numel(), device=tokens.device)
-    fields = [
+    ids, tgt, idx = (
         pad_to_multiple(t.view(1, -1), world, value=pad)
-        for t, pad in ((tokens, 0), (positions, 0), (targets, IGNORE_INDEX), (index, -1))
-    ]
+        for t, pad in ((tokens, 0), (targets, IGNORE_INDEX), (index, -1))
+    )
     # padded positions continue the position count (they sit after every real token, causally invisible)
-    fields[1] = state.cached_length + torch.arange(fields[1].shape[1], device=tokens.device).view(1, -1)
-    ids, pos, tgt, idx = (shard_sequence(t, rank, world) for t in fields)
+    pos = state.cached_length + torch.arange(ids.shape[1], device=tokens.device).view(1, -1)
+    ids, pos, tgt, idx = (shard_sequence(t, rank, world) for t in (ids, pos, tgt, idx))
     return Branch(ids, pos, tgt, idx[0])
 
 

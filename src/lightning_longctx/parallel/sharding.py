@@ -80,16 +80,13 @@ def shard_batch(
         if mask is not None:
             targets = targets.masked_fill(mask == 0, ignore_index)
     targets = shift_labels(targets, ignore_index)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    ids = pad_to_multiple(input_ids, sp_size, value=pad_token_id)
     full = {
-        "input_ids": pad_to_multiple(input_ids, sp_size, value=pad_token_id),
+        "input_ids": ids,
         "shift_labels": pad_to_multiple(targets, sp_size, value=ignore_index),
-        "position_ids": pad_to_multiple(positions, sp_size, value=0),
+        # padded positions continue the position count, so RoPE tables cover them
+        "position_ids": torch.arange(ids.shape[1], device=ids.device).expand_as(ids),
     }
-    # Padded positions continue the position count so RoPE tables cover them.
-    full["position_ids"] = torch.arange(full["input_ids"].shape[1], device=input_ids.device).expand_as(
-        full["input_ids"]
-    )
     return {name: shard_sequence(t, sp_rank, sp_size) for name, t in full.items()}
 
 
