@@ -62,7 +62,7 @@ class SFTModule(L.LightningModule):
         loss = self.model(**batch).loss
         # Under SP each rank's loss is its share (local sum / global count): sum the shares to log the loss.
         strategy = self.trainer.strategy
-        full = strategy.sp_reduce(loss) if isinstance(strategy, UlyssesStrategy) else loss.detach()
+        full = strategy.reduce_loss(loss) if isinstance(strategy, UlyssesStrategy) else loss.detach()
         self.log("loss", full, prog_bar=True)
         return loss
 

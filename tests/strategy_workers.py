@@ -17,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from distributed import run_distributed
 
@@ -81,8 +80,9 @@ def rank_batches(dp: int, batch_size: int, step: int, shuffle: bool) -> list[dic
 
 
 def reference_run(layouts: list[tuple[int, int]], *, shuffle: bool, lr: float = LR, cfg=None):
-    """One process, no distribution: ``len(layouts)`` SGD steps; step k reads what DP ranks read under
-    ``layouts[k] = (dp, batch_size)`` and optimises the mean over DP ranks of each rank's token mean.
+    """One process, no distribution: ``len(layouts)`` SGD steps; step k concatenates what the DP ranks read
+    under ``layouts[k] = (dp, batch_size)`` into one batch and optimises its token mean (the global token mean:
+    DP ranks hold different numbers of valid tokens, so this differs from the mean of per-rank means).
 
     Returns ``(step-0 grads by name, step-0 loss, final params by name)``.
     """
@@ -90,8 +90,9 @@ def reference_run(layouts: list[tuple[int, int]], *, shuffle: bool, lr: float = 
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     grads0, loss0 = None, None
     for step, (dp, batch_size) in enumerate(layouts):
-        losses = [model(**batch).loss for batch in rank_batches(dp, batch_size, step, shuffle)]
-        loss = torch.stack(losses).mean()
+        parts = rank_batches(dp, batch_size, step, shuffle)
+        batch = {k: torch.cat([part[k] for part in parts]) for k in ("input_ids", "labels")}
+        loss = model(**batch).loss
         loss.backward()
         if step == 0:
             grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -164,10 +165,7 @@ def _probe():
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 1 and self.loss is None:
-                strategy = trainer.strategy
-                loss = strategy.sp_reduce(outputs["loss"])  # the sample's loss: sum of the SP shares
-                dist.all_reduce(loss, group=strategy.device_mesh.get_group("dp"))
-                self.loss = loss.item() / strategy.dp_size
+                self.loss = trainer.strategy.reduce_loss(outputs["loss"]).item()  # the sum of every rank's share
 
     return Probe()
 
@@ -266,16 +264,15 @@ def _hf_model():
     ))
 
 
-def _hf_loss(model, input_ids, shift_labels, position_ids=None, group=None):
-    """HF logits -> local CE sum / global valid count (transformers' own ``labels=`` loss is a per-rank mean)."""
+def _hf_loss(model, input_ids, shift_labels, position_ids=None, num_items_in_batch=None):
+    """HF logits -> local CE sum / the global batch's valid count (the strategy's ``num_items_in_batch``)."""
     from torch.nn import functional as F
-
-    from lightning_longctx.models import sp_token_mean
 
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), shift_labels.flatten(), ignore_index=IGNORE,
                                reduction="sum")
-    return sp_token_mean(loss_sum, (shift_labels != IGNORE).sum(), group)
+    count = (shift_labels != IGNORE).sum() if num_items_in_batch is None else num_items_in_batch
+    return loss_sum / count
 
 
 def hf_check(world: int) -> tuple[float, float]:
@@ -304,7 +301,7 @@ def hf_check(world: int) -> tuple[float, float]:
 
         def training_step(self, batch, batch_idx):
             return _hf_loss(self.model, batch["input_ids"], batch["shift_labels"], batch["position_ids"],
-                            self.trainer.strategy.sp_group)
+                            batch["num_items_in_batch"])
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)

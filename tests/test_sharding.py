@@ -25,7 +25,8 @@ def test_shard_batch_pads_shifts_and_keeps_global_positions(sp_size):
         shard_batch(ids, sp_rank=r, sp_size=sp_size, attention_mask=mask, pad_token_id=0) for r in range(sp_size)
     ]
     padded = -(-10 // sp_size) * sp_size
-    cat = {name: torch.cat([s[name] for s in shards], dim=1) for name in shards[0]}
+    assert all(s["num_items_in_batch"].item() == 7 for s in shards)  # the whole batch's count on every rank
+    cat = {name: torch.cat([s[name] for s in shards], dim=1) for name in shards[0] if name != "num_items_in_batch"}
     assert cat["input_ids"].shape == (1, padded)
     assert cat["input_ids"][0, :10].tolist() == list(range(10, 20))
     assert cat["position_ids"][0].tolist() == list(range(padded))

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from lightning_longctx.parallel import pad_to_multiple, shard_sequence, ulysses_attention, unshard_sequence
+from lightning_longctx.parallel import (
+    check_group_shapes,
+    head_schedule,
+    pad_to_multiple,
+    shard_sequence,
+    ulysses_attention,
+    unshard_sequence,
+)
 from reference import eager_attention
 
 CASES = [
@@ -112,9 +119,11 @@ def _bad_inputs(rank, world):
     attempt("chunk", x, x, x, head_chunk_size=3)
     attempt("shape", x, torch.zeros(1, 5, 4, 2), torch.zeros(1, 5, 4, 2))
     attempt("dtype", x, x.double(), x.double())
-    seq = 4 if rank == 0 else 6  # ranks disagree on the local length
-    y = torch.zeros(1, seq, 4, 2)
-    attempt("seq", y, y, y)
+    seq = 4 if rank == 0 else 6  # ranks disagree on the local length: caught by the once-per-step check
+    try:
+        check_group_shapes(torch.zeros(1, seq, 4, 2), group, "query")
+    except ValueError as exc:
+        errors["seq"] = str(exc)
     return errors
 
 
@@ -125,24 +134,38 @@ def test_bad_input_gets_clear_errors_before_communication():
         assert "head_chunk_size=3 must divide the per-rank heads" in rank_errors["chunk"]
         assert "must agree on batch, seq_local" in rank_errors["shape"]
         assert "dtype mismatch" in rank_errors["dtype"]
-        assert "rank 0: batch=1 seq_local=4" in rank_errors["seq"] and "seq_local=6" in rank_errors["seq"]
+        assert "rank 0: [1, 4, 4, 2]" in rank_errors["seq"] and "rank 1: [1, 6, 4, 2]" in rank_errors["seq"]
 
 
 @pytest.mark.parametrize("heads,kv_heads,world", [(32, 8, 8), (32, 8, 2), (16, 2, 4), (8, 1, 2), (12, 4, 4)])
 def test_head_chunking_never_gives_a_rank_more_kv_heads_than_plain_ulysses(heads, kv_heads, world):
-    """UPipe's GQA schedule: chunked stages stay on each rank's own heads, so its K/V heads (and a KV cache
-    built from them) are those of plain Ulysses, for every chunk size."""
-    from lightning_longctx.parallel import head_schedule
+    """UPipe's GQA schedule: chunked stages stay on each rank's own heads, so the K/V heads rank r receives
+    (and a KV cache built from them) are exactly those its own query heads ``[r*H/P, (r+1)*H/P)`` use,
+    ``{q // g}``, for every valid chunk size; and every stage sends each rank the K/V heads of its queries."""
+    groups, local = heads // kv_heads, heads // world
+    own_kv = [{q // groups for q in range(r * local, (r + 1) * local)} for r in range(world)]
+    for chunk in [c for c in range(1, local + 1) if local % c == 0 and (groups % c == 0 or c % groups == 0)]:
+        received = [set() for _ in range(world)]
+        queries = [set() for _ in range(world)]
+        for q_heads, kv_sent in head_schedule(heads, kv_heads, world, chunk):
+            assert len(q_heads) == world * chunk
+            m = len(kv_sent) // world
+            for r in range(world):
+                q_r, kv_r = q_heads[r * chunk:(r + 1) * chunk], kv_sent[r * m:(r + 1) * m]
+                assert {q // groups for q in q_r} == set(kv_r), f"chunk={chunk} rank={r}"
+                queries[r].update(q_r)
+                received[r].update(kv_r)
+        assert received == own_kv, f"chunk={chunk}"
+        assert queries == [set(range(r * local, (r + 1) * local)) for r in range(world)], f"chunk={chunk}"
 
-    def received(chunk):
-        per_rank = [set() for _ in range(world)]
-        for _, kv_index in head_schedule(heads, kv_heads, world, chunk):
-            for r, part in enumerate(kv_index.view(world, -1).tolist()):
-                per_rank[r].update(part)
-        return per_rank
 
-    plain = received(heads // world)
-    chunk = 1
-    while chunk <= heads // world:
-        assert received(chunk) == plain, f"chunk={chunk}"
-        chunk *= 2
+@pytest.mark.parametrize("heads,kv_heads,world,chunk,message", [
+    (12, 4, 4, 2, "head_chunk_size=2 must divide the per-rank heads"),
+    (6, 6, 4, 1, "num_attention_heads=6 must be divisible by sp_size=4"),
+    (12, 3, 4, 1, "num_key_value_heads=3 must divide or be divisible by sp_size=4"),
+    (16, 4, 2, 3, "head_chunk_size=3 must divide the per-rank heads"),
+    (24, 8, 2, 2, "must divide or be a multiple of the query heads per K/V head"),
+])
+def test_head_schedule_refuses_layouts_the_run_refuses(heads, kv_heads, world, chunk, message):
+    with pytest.raises(ValueError, match=message):
+        head_schedule(heads, kv_heads, world, chunk)

@@ -11,6 +11,11 @@ Out, each ``[batch, s_pad / sp_size]`` with ``s_pad`` = ``s`` rounded up to a mu
 
     input_ids, shift_labels (pre-shifted, -100 where no loss), position_ids (global)
 
+and ``num_items_in_batch`` (0-dim int64): the valid targets of the GLOBAL batch, every sample of every DP
+rank (transformers' name for the loss normaliser). A loss of ``local sum / num_items_in_batch`` on every
+rank, with gradients summed over all ``dp x sp`` ranks, is the global token mean: exactly one device
+training on the concatenated global batch, also when DP ranks hold different numbers of valid tokens.
+
 so that ``model(**batch)`` works for :class:`lightning_longctx.models.DecoderLM` (and for a module written
 for one device, whose batches carry ``labels``). Other entries of the dict pass through untouched unless they
 look like a sequence (a tensor shaped like ``input_ids``), which is an error: there is no safe way to guess
@@ -23,11 +28,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..parallel import IGNORE_INDEX, shard_batch
+from ..parallel import IGNORE_INDEX, check_group_shapes, shard_batch
 
 SEQUENCE_KEYS = ("input_ids", "labels", "attention_mask", "loss_mask")
-PRODUCED_KEYS = ("shift_labels", "position_ids")
+PRODUCED_KEYS = ("shift_labels", "position_ids", "num_items_in_batch")
 _CONTRACT = (
     "a dict of full sequences {'input_ids': [batch, seq], optional 'labels' (HF-style, unshifted), "
     "'attention_mask', 'loss_mask' of the same shape}"
@@ -44,21 +50,28 @@ def _check_right_padding(mask: torch.Tensor) -> None:
 
 
 def shard_sequence_batch(
-    batch: Any, *, sp_rank: int, sp_size: int, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX
+    batch: Any, *, sp_rank: int, sp_size: int, sp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX
 ) -> dict[str, Any]:
     """This SP rank's shard of a dict batch of full sequences (see the module docstring).
 
     Args:
         batch: the dict the dataloader yields (already on the device).
         sp_rank, sp_size: this rank's place in its sequence-parallel group.
+        sp_group: with ``sp_size > 1``, the group whose ranks must hold equally shaped shards: checked here,
+            once per step (one tiny all-gather), instead of in every attention call.
+        dp_group: the data-parallel group ``num_items_in_batch`` is summed over (one tiny all-reduce on the
+            device, no host sync); None = no data parallelism.
         pad_token_id: the input id written into the padding up to a multiple of ``sp_size`` (never attended
             by a real token under the causal mask, never in the loss).
     Returns:
-        ``{"input_ids", "shift_labels", "position_ids"}`` shards plus the batch's non-sequence entries.
+        ``{"input_ids", "shift_labels", "position_ids"}`` shards, ``num_items_in_batch`` and the batch's
+        non-sequence entries.
     Raises:
         TypeError: if ``batch`` is not a mapping with tensor ``input_ids``.
         ValueError: for a sequence entry of the wrong shape, an unknown sequence-shaped entry, entries the
-            strategy produces itself (``shift_labels``, ``position_ids``), or left padding.
+            strategy produces itself (``shift_labels``, ``position_ids``, ``num_items_in_batch``), left padding,
+            or SP ranks whose batches differ in shape.
     """
     if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
         got = type(batch).__name__ if not isinstance(batch, Mapping) else f"a dict with keys {sorted(batch)}"
@@ -69,8 +82,8 @@ def shard_sequence_batch(
     produced = [key for key in PRODUCED_KEYS if key in batch]
     if produced:
         raise ValueError(
-            f"batch has {produced}: the Ulysses strategy derives shift_labels and global position_ids from the "
-            f"full sequences itself; pass {_CONTRACT}"
+            f"batch has {produced}: the Ulysses strategy derives shift_labels, global position_ids and the global "
+            f"token count from the full sequences itself; pass {_CONTRACT}"
         )
     parts: dict[str, torch.Tensor] = {}
     rest: dict[str, Any] = {}
@@ -95,6 +108,10 @@ def shard_sequence_batch(
         attention_mask=parts.get("attention_mask"), loss_mask=parts.get("loss_mask"),
         pad_token_id=pad_token_id, ignore_index=ignore_index,
     )
+    if sp_size > 1:
+        check_group_shapes(shard["input_ids"], sp_group, "input_ids shards")
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(shard["num_items_in_batch"], group=dp_group)
     return {**shard, **rest}
 
 

@@ -97,22 +97,30 @@ class UlyssesMixin:
 
     # ------------------------------------------------------------------------------------------------ batches
     def shard_batch(self, batch: Any) -> dict[str, Any]:
-        """This rank's shard of a dict batch of full sequences (see :mod:`lightning_longctx.lightning.batch`)."""
-        return shard_sequence_batch(batch, sp_rank=self._sp_rank, sp_size=self.sp_size)
+        """This rank's shard of a dict batch of full sequences (see :mod:`lightning_longctx.lightning.batch`),
+        with ``num_items_in_batch`` = the valid tokens of the global batch (summed over dp)."""
+        dp_group = self.device_mesh.get_group("dp") if self.dp_size > 1 else None
+        return shard_sequence_batch(batch, sp_rank=self._sp_rank, sp_size=self.sp_size, sp_group=self._sp_group,
+                                    dp_group=dp_group)
 
-    def sp_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum of ``tensor`` over the SP group, detached: e.g. the whole sequence's loss from this rank's
-        share, for logging (each rank's ``loss`` is only its share: local sum / global count)."""
-        total = tensor.detach().clone()
-        if self.sp_size > 1:
-            dist.all_reduce(total, group=self._sp_group)
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The global batch's token-mean loss from this rank's share, detached, for logging: each rank's
+        ``loss`` is ``local sum / num_items_in_batch`` (the global count), so the sum over all ``dp x sp``
+        ranks is the mean over every valid token of the global batch. A collective: call it on every rank."""
+        total = loss.detach().clone()
+        if self.world_size > 1:
+            dist.all_reduce(total)
         return total
 
     # ------------------------------------------------------------------------------------------------- model
     def _parallelize(self, module: nn.Module, roots: list[nn.Module]) -> nn.Module:
-        dp, sp = self._layout
-        return parallelize(module, roots, sp_group=self._sp_group, sp_size=sp, dp_size=dp, sharding=self.sharding,
-                           head_chunk_size=self.head_chunk_size, device_type=self.root_device.type)
+        _, sp = self._layout
+        # e.g. "bf16-mixed" -> FSDP2's MixedPrecisionPolicy (Trainer strategies: precision_plugin; Fabric: precision)
+        plugin = getattr(self, "precision_plugin", None) or getattr(self, "precision", None)
+        precision = getattr(plugin, "precision", None)
+        return parallelize(module, roots, sp_group=self._sp_group, sp_size=sp, sharding=self.sharding,
+                           head_chunk_size=self.head_chunk_size, device_type=self.root_device.type,
+                           precision=precision)
 
     def _sync_replicas(self, module: nn.Module) -> None:
         if self.sharding == "replicate":

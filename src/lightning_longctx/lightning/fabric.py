@@ -58,9 +58,9 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
         return self._parallelize(module, [module])
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        module = self._parallelize_root(module, self.device_mesh)
+        module = self._parallelize_root(module, self.device_mesh)  # FSDP2 moves the parameters to the device
         _materialize_distributed_module(module, self.root_device)
-        self._sync_replicas(module)
+        self._sync_replicas(module)  # after the move: NCCL refuses CPU tensors
         return module
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None):

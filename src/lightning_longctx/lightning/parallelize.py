@@ -11,9 +11,10 @@ Order (:func:`parallelize`), everything checked before the first collective:
    ``"fsdp"`` shards parameters, gradients and optimizer state (ZeRO-3); ``"replicate"`` keeps full replicas
    (an HSDP mesh ``(dp * sp, 1)``) and all-reduces gradients.
 
-Gradients: each SP rank's loss is ``local sum / global valid count`` of its sample, so the gradient of the
-sample is the SUM of the SP ranks' gradients, and data parallelism takes the MEAN over DP ranks. FSDP would
-divide the sum over all ``dp * sp`` ranks by ``dp * sp``; the gradient divide factor is set to ``dp``.
+Gradients: each rank's loss is ``local sum / num_items_in_batch``, the valid-token count of the whole global
+batch (all ``dp x sp`` ranks; :mod:`.batch`), so the gradient of the global token mean is the SUM of all
+ranks' gradients (as torchtitan and transformers' ``average_tokens_across_devices`` do). FSDP would average
+over the ``dp * sp`` ranks; the gradient divide factor is set to 1 and the reduction to a plain sum.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..parallel import set_sequence_parallel_group
+from ..parallel import broadcast_coalesced, set_sequence_parallel_group
 from ..parallel.ulysses import _validate_local
 
 SHARDING_MODES = ("fsdp", "replicate")
@@ -140,28 +141,45 @@ def fsdp_mesh(sharding: str, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (world, 1), mesh_dim_names=("dp_sp", "shard"))
 
 
-def shard_modules(module: nn.Module, roots: list[nn.Module], *, sharding: str, dp_size: int, mesh: DeviceMesh) -> None:
-    """FSDP2 on every block of every root, then on each root; gradients become sum over SP, mean over DP."""
-    from torch.distributed.fsdp import fully_shard
+def mixed_precision_policy(precision: str | None):
+    """FSDP2's ``MixedPrecisionPolicy`` for a Lightning precision string, or None (parameters used as stored).
+
+    ``"bf16-mixed"`` / ``"16-mixed"``: fp32 master parameters, gradients and optimizer states (the sharded
+    parameters stay fp32); each layer's all-gather casts to the compute dtype, the forward runs in it, and
+    gradients are reduce-scattered in fp32 (``reduce_dtype``), so the optimizer never sees rounded sums.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+    if compute is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+def shard_modules(module: nn.Module, roots: list[nn.Module], *, sharding: str, mesh: DeviceMesh,
+                  mp_policy=None) -> None:
+    """FSDP2 on every block of every root, then on each root; gradients become the sum over all ranks."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     sharded = sharding == "fsdp"  # replicas have nothing to free after forward
+    policy = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
     for root in roots:
         for block in blocks(root):
-            fully_shard(block, mesh=mesh, reshard_after_forward=sharded)
-        fully_shard(root, mesh=mesh, reshard_after_forward=None if sharded else False)  # None: FSDP's root default
-    set_gradient_reduction(module, sharding=sharding, dp_size=dp_size)
+            fully_shard(block, mesh=mesh, reshard_after_forward=sharded, **policy)
+        # None: FSDP's root default
+        fully_shard(root, mesh=mesh, reshard_after_forward=None if sharded else False, **policy)
+    set_gradient_reduction(module)
 
 
-def set_gradient_reduction(module: nn.Module, *, sharding: str, dp_size: int) -> None:
-    """Every FSDP2 module of ``module`` reduces gradients as sum over all ranks / ``dp_size``."""
+def set_gradient_reduction(module: nn.Module) -> None:
+    """Every FSDP2 module of ``module`` reduces gradients as the plain sum over all ranks (the loss already
+    divides by the global token count)."""
     from torch.distributed.fsdp import FSDPModule
 
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
-            sub.set_gradient_divide_factor(float(dp_size))
-            # gloo has no PREMUL_SUM: sum, then divide. Only with a real shard dim: with a shard dim of one rank
-            # torch (2.13) would divide twice.
-            sub.set_force_sum_reduction_for_comms(sharding == "fsdp")
+            sub.set_gradient_divide_factor(1.0)
+            sub.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM (gloo has no PREMUL_SUM / AVG)
 
 
 @torch.no_grad()
@@ -169,10 +187,8 @@ def broadcast_replicas(module: nn.Module, src: int = 0) -> None:
     """Make every replica equal to rank ``src``'s (``"replicate"`` mode: ranks may have initialised apart)."""
     from torch.distributed.tensor import DTensor
 
-    for param in module.parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param.data
-        if local.device.type != "meta":
-            dist.broadcast(local, src=src)
+    locals_ = [p.to_local() if isinstance(p, DTensor) else p.data for p in module.parameters()]
+    broadcast_coalesced([t for t in locals_ if t.device.type != "meta"], src=src)  # one broadcast per bucket
 
 
 def already_sharded(module: nn.Module) -> bool:
@@ -187,18 +203,20 @@ def parallelize(
     *,
     sp_group: dist.ProcessGroup | None,
     sp_size: int,
-    dp_size: int,
     sharding: str,
     head_chunk_size: int | None,
     device_type: str,
+    precision: str | None = None,
 ) -> nn.Module:
     """Steps 1-3 of the module docstring on ``module``, sharding ``roots`` (submodules of ``module`` whose
-    ``forward`` runs; ``module`` itself when it is called). A module parallelized before (e.g. by an earlier
-    ``fit``) is only re-wired to the current group and divide factor."""
+    ``forward`` runs; ``module`` itself when it is called). ``precision`` (Lightning's string) selects FSDP2's
+    mixed-precision policy (:func:`mixed_precision_policy`). A module parallelized before (e.g. by an earlier
+    ``fit``) is only re-wired to the current group and gradient reduction."""
+    mp_policy = mixed_precision_policy(precision)
     check_attention_heads(module, sp_size, head_chunk_size)
     wire_sequence_parallel(module, sp_group if sp_size > 1 else None, sp_size, head_chunk_size)
-    if getattr(module, "_longctx_parallelized", None) == sharding:
-        set_gradient_reduction(module, sharding=sharding, dp_size=dp_size)
+    if getattr(module, "_longctx_parallelized", None) == (sharding, str(precision)):
+        set_gradient_reduction(module)
         return module
     if already_sharded(module):
         raise ValueError(
@@ -206,6 +224,7 @@ def parallelize(
             "itself (sharding='fsdp' or 'replicate'); build the model in configure_model() without calling "
             "fully_shard"
         )
-    shard_modules(module, roots, sharding=sharding, dp_size=dp_size, mesh=fsdp_mesh(sharding, device_type))
-    module._longctx_parallelized = sharding
+    shard_modules(module, roots, sharding=sharding, mesh=fsdp_mesh(sharding, device_type),
+                  mp_policy=mp_policy)
+    module._longctx_parallelized = (sharding, str(precision))
     return module

@@ -10,12 +10,20 @@ Built on Lightning's ``ModelParallelStrategy`` (process group, distributed check
   dict of full sequences becomes this rank's shard (:mod:`.batch`), so ``training_step`` can be
   ``return self.model(**batch).loss`` on one device and under SP alike.
 
-Each rank's loss is its share (local sum / global valid count); :meth:`UlyssesMixin.sp_reduce` gives the
-whole sequence's loss for logging. A LightningModule that shards sequences and reduces gradients itself
+Each rank's loss is its share (local sum / global valid count); :meth:`UlyssesMixin.reduce_loss` gives the
+global batch's loss for logging. A LightningModule that shards sequences and reduces gradients itself
 (``LongStrawModule``) sets ``handles_sequence_parallel = True`` and gets only the mesh and sampler.
 
-With DP, the optimised loss is the mean over DP ranks of each rank's token mean (as with DDP), which
-equals the global token mean when the DP ranks hold equally many valid tokens.
+Loss semantics: the **global token mean**. Each rank's batch carries ``num_items_in_batch`` (the valid
+tokens of the whole global batch, summed over dp), ``DecoderLM`` divides its local loss sum by it, and
+gradients are summed over all ``dp x sp`` ranks: training equals one device on the concatenated global batch,
+also when DP ranks hold different numbers of valid tokens (tests/test_strategy.py). :meth:`reduce_loss` gives
+that global loss for logging.
+
+Precision: ``precision="bf16-mixed"`` keeps fp32 master parameters, gradients and AdamW states; under
+``sharding="fsdp"`` the strategy hands FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+(bf16 all-gathers and compute, fp32 gradient reduction), with plain replicas autocast does the casting.
+``"bf16-true"`` (everything bf16, no master copy) is only an explicit memory option.
 
 Registered as ``"ulysses"`` when ``lightning_longctx`` is imported (Lightning has no entry points for
 strategies): ``import lightning_longctx`` must come before ``Trainer(strategy="ulysses")`` (a Hydra
@@ -89,18 +97,21 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
                 f"{type(module).__name__} owns parameters directly ({sorted(module._parameters)}); the Ulysses "
                 "strategy shards the submodules training_step calls (e.g. self.model): move them into one"
             )
-        if self._module_handles_sp():
+        handles_sp = self._module_handles_sp()
+        if handles_sp:
             # e.g. LongStrawModule: it shards sequences and reduces gradients itself; keep plain replicas.
             check_attention_heads(module, self.sp_size, self.head_chunk_size)
-            _materialize_distributed_module(self.model, self.root_device)
-            broadcast_replicas(self.model)
         else:
             roots = [child for child in module.children() if any(True for _ in child.parameters())]
             self._parallelize(module, roots)
-            _materialize_distributed_module(self.model, self.root_device)
-            self._sync_replicas(self.model)
+        _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
+        # Move first, then broadcast: NCCL refuses CPU tensors (gloo would hide the bug).
         self.model_to_device()
+        if handles_sp:
+            broadcast_replicas(self.model)
+        else:
+            self._sync_replicas(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

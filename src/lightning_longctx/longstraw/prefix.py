@@ -27,10 +27,13 @@ from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, sh
 class PromptState:
     """What later tokens need of the prompt, per layer; nothing else of the prompt stays alive.
 
-    ``keys``/``values``: per layer, the cache ``[1, S', kv_cache_heads, head_dim]`` (head-sharded under SP);
-    leaves that require grad when the prompt gradient is wanted, so every branch's backward accumulates
-    into one ``.grad`` buffer per layer. ``checkpoints``: per layer, its input ``[1, S'/P, hidden]`` on this
-    rank (possibly on the host), for the grouped backward.
+    ``keys``/``values``: per layer, the cache ``[1, S', kv_cache_heads, head_dim]`` (head-sharded under SP,
+    in the compute dtype); leaves that require grad when the prompt gradient is wanted, so every branch's
+    backward accumulates into one gradient buffer per layer and tensor, in ``grad_dtype`` (fp32 by default:
+    with a bf16 cache a post-accumulate hook moves each branch's bf16 gradient into the fp32 buffer, so the
+    sum over the G branches never rounds at bf16 precision; :meth:`cache_grad` reads it).
+    ``checkpoints``: per layer, its input ``[1, S'/P, hidden]`` on this rank (possibly on the host), for the
+    grouped backward.
     """
 
     prompt_ids: torch.Tensor  # [S], full
@@ -39,6 +42,33 @@ class PromptState:
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     checkpoints: list[torch.Tensor] = field(default_factory=list)
+    grad_dtype: torch.dtype = torch.float32
+    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, 0 = K / 1 = V) -> buffer
+
+    def add_cache(self, key: torch.Tensor, value: torch.Tensor, requires_grad: bool) -> None:
+        """Append one layer's cache as leaves; with ``requires_grad`` their gradients sum in ``grad_dtype``."""
+        layer = len(self.keys)
+        for which, (tensors, t) in enumerate(((self.keys, key), (self.values, value))):
+            leaf = t.detach().requires_grad_(requires_grad)
+            if requires_grad and leaf.dtype != self.grad_dtype:
+                leaf.register_post_accumulate_grad_hook(self._accumulate((layer, which)))
+            tensors.append(leaf)
+
+    def _accumulate(self, slot: tuple[int, int]):
+        def move_to_buffer(leaf: torch.Tensor) -> None:
+            buffer = self.grads.get(slot)
+            if buffer is None:
+                self.grads[slot] = leaf.grad.to(self.grad_dtype)
+            else:
+                buffer.add_(leaf.grad)
+            leaf.grad = None
+
+        return move_to_buffer
+
+    def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
+        """The gradient summed over the group so far of layer ``layer``'s K (``which=0``) or V (``1``)."""
+        leaf = (self.keys, self.values)[which][layer]
+        return self.grads.get((layer, which), leaf.grad)
 
     @property
     def tail_ids(self) -> torch.Tensor:
@@ -55,12 +85,14 @@ class PromptState:
 
 def prefill(
     model, prompt_ids: torch.Tensor, group, *, keep_checkpoints: bool, cache_requires_grad: bool,
-    offload_checkpoints: bool = False, progress=None,
+    offload_checkpoints: bool = False, progress=None, grad_dtype: torch.dtype = torch.float32,
 ) -> PromptState:
-    """Run the cached part of the prompt once without autograd, keeping per layer K/V and checkpoints."""
+    """Run the cached part of the prompt once without autograd, keeping per layer K/V and checkpoints.
+
+    ``grad_dtype``: the dtype the cache gradients accumulate in over the group (see :class:`PromptState`)."""
     world = group_size(group)
     cached = world * ((prompt_ids.numel() - 1) // world)
-    state = PromptState(prompt_ids=prompt_ids, cached_length=cached, group=group)
+    state = PromptState(prompt_ids=prompt_ids, cached_length=cached, group=group, grad_dtype=grad_dtype)
     if cached == 0:
         return state
     ids, pos = state.local_prefix()
@@ -74,8 +106,7 @@ def prefill(
                 hidden, (key, value) = layer(hidden, pos, return_kv=True)
             else:  # nothing reads the last layer's output at prompt positions: only its K/V
                 key, value = layer.key_values(hidden, pos)
-            state.keys.append(key.detach().requires_grad_(cache_requires_grad))
-            state.values.append(value.detach().requires_grad_(cache_requires_grad))
+            state.add_cache(key, value, cache_requires_grad)
             if progress is not None:
                 progress(f"prefill layer {index + 1}/{len(model.layers)}")
     return state
@@ -147,10 +178,11 @@ def grouped_backward(model, state: PromptState, *, progress=None) -> None:
         else:
             hidden_out, (key, value) = layers[index](hidden_in, pos, return_kv=True)
         outputs, grads = [], []
-        for out, leaf in ((key, state.keys[index]), (value, state.values[index])):
-            if leaf.grad is not None:
+        for which, out in enumerate((key, value)):
+            cache_grad = state.cache_grad(index, which)
+            if cache_grad is not None:
                 outputs.append(out)
-                grads.append(leaf.grad)
+                grads.append(cache_grad.to(out.dtype))  # summed in grad_dtype; the layer's backward runs in its own
         if grad_hidden is not None:
             outputs.append(hidden_out)
             grads.append(grad_hidden)
@@ -159,6 +191,8 @@ def grouped_backward(model, state: PromptState, *, progress=None) -> None:
         grad_hidden = hidden_in.grad
         # this layer's cache, cache gradient and checkpoint are no longer needed
         state.keys[index] = state.values[index] = state.checkpoints[index] = None
+        state.grads.pop((index, 0), None)
+        state.grads.pop((index, 1), None)
         del hidden_in, hidden_out, key, value, outputs, grads
         if progress is not None:
             progress(f"grouped backward layer {index + 1}/{len(layers)}")

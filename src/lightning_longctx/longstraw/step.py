@@ -16,10 +16,15 @@ Three phases (see ``prefix.py``):
 Under sequence parallelism over ``group`` every rank passes the same full tensors; the step shards them
 itself, and at the end sums the step's parameter gradients over ``group`` (so each rank holds the exact
 gradient, as one device would) before adding them to whatever ``.grad`` held before.
+
+Numerics: the step's parameter gradients and the prompt-cache gradients are summed over the G branches (and
+the grouped backward) and reduced over ``group`` in ``accumulate_dtype`` (fp32 by default, whatever the
+compute dtype; :mod:`.grads`), with one flattened collective per bucket over every trainable parameter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +34,7 @@ import torch.distributed as dist
 
 from ..ops.memory import track_memory
 from ..parallel import group_size, set_sequence_parallel_group
+from .grads import GroupGradients, accumulation_dtype
 from .losses import LOSS_TYPES, policy_token_terms, response_weights
 from .prefix import branch_logprobs, grouped_backward, make_branch, prefill
 
@@ -46,7 +52,7 @@ class StepOutput:
     entropy: float  # mean per-token entropy of the policy
     tokens: int  # response tokens in the group
     prompt_tokens: int
-    peak_bytes: int  # peak live tensor bytes during the step on this rank
+    peak_bytes: int  # peak live tensor bytes allocated during the step on this rank (0 without measure_memory)
     seconds: float
 
 
@@ -91,21 +97,39 @@ def validate_group(
 
 
 def _gather_response_values(values_l, branch, length, group) -> torch.Tensor:
-    """Scatter this rank's per-position values into a ``[length]`` response vector, summed over ``group``."""
-    full = values_l.new_zeros(length)
-    keep = branch.response_index >= 0
-    full[branch.response_index[keep]] = values_l[keep].detach()
+    """Scatter this rank's per-position values into a ``[length]`` response vector, summed over ``group``.
+
+    No boolean-mask indexing (a host sync): positions without a response token go to a spare slot ``length``."""
+    full = values_l.new_zeros(length + 1)
+    slot = torch.where(branch.response_index >= 0, branch.response_index, length)
+    full.scatter_(0, slot, values_l.detach())
+    full = full[:length]
     if group_size(group) > 1:
         dist.all_reduce(full, group=group)
     return full
 
 
 def _local_slice(per_token: torch.Tensor, branch) -> torch.Tensor:
-    """The entries of a ``[T]`` response vector at this rank's positions (0 where none)."""
+    """The entries of a ``[T]`` response vector at this rank's positions (0 where none), without a host sync."""
     keep = branch.response_index >= 0
-    out = per_token.new_zeros(branch.response_index.shape)
-    out[keep] = per_token[branch.response_index[keep]]
-    return out
+    return torch.where(keep, per_token[branch.response_index.clamp(min=0)], 0)
+
+
+def check_group_agrees(prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], group) -> None:
+    """Every rank of ``group`` must pass the same prompt length and response lengths: one tiny all-gather per
+    step (a mismatch would otherwise hang or corrupt the all-to-alls)."""
+    if group_size(group) == 1:
+        return
+    lengths = [r.numel() for r in responses]
+    mine = torch.tensor([prompt_ids.numel(), len(lengths), sum(lengths), max(lengths)], device=prompt_ids.device)
+    every = [torch.empty_like(mine) for _ in range(group_size(group))]
+    dist.all_gather(every, mine, group=group)
+    rows = torch.stack(every).cpu().tolist()
+    if any(row != rows[0] for row in rows):
+        described = ", ".join(f"rank {r}: prompt={a} G={b} response tokens={c} longest={d}"
+                              for r, (a, b, c, d) in enumerate(rows))
+        raise ValueError(f"ranks of the sequence-parallel group disagree on the group ({described}); every rank "
+                         "must pass the same full prompt and responses")
 
 
 def longstraw_step(
@@ -125,6 +149,8 @@ def longstraw_step(
     logits_chunk_size: int | None = None,
     offload_checkpoints: bool = False,
     progress: Callable[[str], None] | None = None,
+    accumulate_dtype: torch.dtype | None = None,
+    measure_memory: bool = True,
 ) -> StepOutput:
     """Accumulate into ``param.grad`` the exact gradient of the group loss for one prompt and G responses.
 
@@ -141,26 +167,34 @@ def longstraw_step(
         group: sequence-parallel group (None = one process).
         logits_chunk_size: tokens per lm_head chunk (never materialises ``[tokens, vocab]``).
         offload_checkpoints: keep the prompt's layer checkpoints in pinned host memory.
+        accumulate_dtype: the dtype the step's parameter gradients and the prompt-cache gradients are summed in
+            over the G branches and the grouped backward, and reduced over ``group`` in; default float32
+            (float64 for float64 models). With bf16 compute this keeps the sum of G bf16 gradients exact to
+            fp32 precision; the result is added to ``.grad`` in the parameters' dtype.
+        measure_memory: track the step's peak live tensor bytes (``StepOutput.peak_bytes``; on CPU a dispatch
+            mode that sees every op, which costs time on small ops): False for training loops, which read the
+            device's own peak (``ops.memory.device_peak_bytes``).
     Returns:
         :class:`StepOutput`. Raises ValueError on bad input before touching the model.
     """
     validate_group(model, prompt_ids, responses, advantages, loss_type=loss_type, prompt_grad=prompt_grad,
                    old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, max_response_length=max_response_length)
+    check_group_agrees(prompt_ids, responses, group)
     set_sequence_parallel_group(model, group)
     lengths = [r.numel() for r in responses]
     weights = response_weights(lengths, loss_type, max_response_length)
     params = [p for p in model.parameters() if p.requires_grad]
-    stashed = [p.grad for p in params]  # this step's grads are reduced over SP alone, then added
-    for p in params:
-        p.grad = None
+    grad_dtype = accumulation_dtype(params, accumulate_dtype)
+    step_grads = GroupGradients(params, grad_dtype)  # this step's grads are summed over SP alone, then added
 
     start = time.perf_counter()
-    totals = torch.zeros(4, dtype=torch.float64)  # loss, KL sum, clipped tokens, entropy sum
+    totals = torch.zeros(4, dtype=torch.float64, device=prompt_ids.device)  # loss, KL, clipped, entropy sums
     logprobs_out = []
-    with track_memory(prompt_ids.device) as memory:
+    tracker = track_memory(prompt_ids.device) if measure_memory else contextlib.nullcontext()
+    with tracker as memory, step_grads:
         state = prefill(model, prompt_ids, group, keep_checkpoints=prompt_grad == "full",
                         cache_requires_grad=prompt_grad == "full", offload_checkpoints=offload_checkpoints,
-                        progress=progress)
+                        progress=progress, grad_dtype=grad_dtype)
         for i, response in enumerate(responses):
             branch = make_branch(state, response)
             logp_l, entropy_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size,
@@ -172,13 +206,15 @@ def longstraw_step(
                 ref_logp=None if ref_logprobs is None else _local_slice(ref_logprobs[i], branch),
                 beta=beta, clip_eps=clip_eps,
             )
-            loss_l = weights[i] * terms.loss[valid].sum()
+            # masked sums, not boolean indexing: no host sync per branch
+            loss_l = weights[i] * torch.where(valid, terms.loss, 0).sum()
             loss_l.backward()
-            stats = torch.stack([loss_l.detach(), terms.kl[valid].sum(), terms.clipped[valid].sum().to(logp_l.dtype),
-                                 entropy_l[valid].sum()])
+            stats = torch.stack([loss_l.detach(), torch.where(valid, terms.kl, 0).sum(),
+                                 torch.where(valid, terms.clipped.to(logp_l.dtype), 0).sum(),
+                                 torch.where(valid, entropy_l, 0).sum()])
             if group_size(group) > 1:
                 dist.all_reduce(stats, group=group)
-            totals += stats.cpu().to(torch.float64)
+            totals += stats.detach().to(torch.float64)
             logprobs_out.append(_gather_response_values(logp_l, branch, lengths[i], group))
             del branch, logp_l, entropy_l, terms, loss_l
             if progress is not None:
@@ -186,22 +222,14 @@ def longstraw_step(
         if prompt_grad == "full":
             grouped_backward(model, state, progress=progress)
         del state
-    _reduce_and_restore_grads(params, stashed, group)
+    step_grads.finish(group)  # fp32 (accumulate_dtype) sum over SP, one collective per bucket
     tokens = sum(lengths)
-    loss_total, kl_sum, clipped, entropy_sum = totals.tolist()
+    loss_total, kl_sum, clipped, entropy_sum = totals.tolist()  # the step's one host sync for the statistics
     return StepOutput(
         loss=loss_total, logprobs=logprobs_out, kl=kl_sum / tokens, clip_fraction=clipped / tokens,
         entropy=entropy_sum / tokens, tokens=tokens, prompt_tokens=prompt_ids.numel(),
-        peak_bytes=memory.peak_bytes, seconds=time.perf_counter() - start,
+        peak_bytes=memory.peak_bytes if measure_memory else 0, seconds=time.perf_counter() - start,
     )
-
-
-def _reduce_and_restore_grads(params, stashed, group) -> None:
-    for p, old in zip(params, stashed):
-        if p.grad is not None and group_size(group) > 1:
-            dist.all_reduce(p.grad, group=group)
-        if old is not None:
-            p.grad = old if p.grad is None else p.grad.add_(old)
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ from torch.nn import functional as F
 from ..ops.attention import attention_backward, attention_forward, attention_with_lse
 from ..ops.merge import prefix_attention
 from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size, head_schedule, head_to_seq, seq_to_head
-from ..parallel.ulysses import _validate_local
+from ..parallel.ulysses import check_head_layout
 from .config import DecoderConfig
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, rope_cos_sin
@@ -63,21 +63,22 @@ class Stage:
 def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, device) -> list[Stage]:
     """The per-rank stage plan for ``heads``/``kv_heads`` over ``world`` ranks, ``chunk`` heads per stage."""
     stages, cache_heads, last = [], 0, None
-    for q_index, kv_index in head_schedule(heads, kv_heads, world, chunk):
+    as_index = lambda ints: torch.tensor(ints, dtype=torch.long, device=device)  # built once per layout
+    for q_heads, kv_heads_sent in head_schedule(heads, kv_heads, world, chunk):
         # A K/V head sent to several ranks (fewer K/V heads than ranks) is projected once and replicated
         # by kv_send. The schedule keeps every rank on its own heads (UPipe), so consecutive stages deliver
         # a rank the same K/V heads or the next ones, and its cache holds exactly plain Ulysses' K/V heads.
         # (UPipe also reuses a K/V head's projection across the g / C stages whose queries share it; here
         # each of those stages re-projects it: 2 * s_l * E * d extra flops per stage, no extra memory.)
-        distinct = torch.unique(kv_index)  # sorted
-        identity = distinct.numel() == kv_index.numel() and bool((distinct == kv_index).all())
-        m = kv_index.numel() // world
-        mine = tuple(kv_index[rank * m:(rank + 1) * m].tolist())
+        distinct = sorted(set(kv_heads_sent))
+        m = len(kv_heads_sent) // world
+        mine = kv_heads_sent[rank * m:(rank + 1) * m]
         new = mine != last
         if new:
             cache_heads, last = cache_heads + (m if last is not None else 0), mine
-        send = None if identity else torch.searchsorted(distinct, kv_index).to(device)
-        stages.append(Stage(q_index.to(device), distinct.to(device), send, m, cache_heads, new))
+        send = None if list(kv_heads_sent) == distinct else [distinct.index(h) for h in kv_heads_sent]
+        stages.append(Stage(as_index(q_heads), as_index(distinct), None if send is None else as_index(send), m,
+                            cache_heads, new))
     return stages
 
 
@@ -258,11 +259,7 @@ class DecoderAttention(nn.Module):
         world, rank = group_size(self.sp_group), group_rank(self.sp_group)
         key = (world, rank, self.head_chunk_size, str(device))
         if key not in self._stages:
-            meta = dict(device="meta")
-            chunk = _validate_local(torch.empty(1, 1, self.num_heads, self.head_dim, **meta),
-                                    torch.empty(1, 1, self.num_kv_heads, self.head_dim, **meta),
-                                    torch.empty(1, 1, self.num_kv_heads, self.head_dim, **meta),
-                                    world, self.head_chunk_size)
+            chunk = check_head_layout(self.num_heads, self.num_kv_heads, world, self.head_chunk_size)
             self._stages[key] = build_stages(self.num_heads, self.num_kv_heads, world, rank, chunk, device)
         return self._stages[key]
 

@@ -5,10 +5,11 @@ the fused head-chunked block of :mod:`.attention`. Parameter names mirror transf
 (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, ..., ``model.norm``, ``lm_head``), so HF
 checkpoints map one to one (:mod:`.hf_io`).
 
-Loss under sequence parallelism: each rank sums the cross-entropy of its valid tokens and divides by the
-valid-token count of the *whole* sequence (an all-reduce over ``sp_group``, outside the graph). Each rank's
-``loss`` is then its share: the sum over the SP group is the mean loss, and summing parameter gradients over
-the group gives exactly the single-device gradient.
+Loss under sequence (and data) parallelism: each rank sums the cross-entropy of its valid tokens and divides
+by the valid-token count of the *whole* global batch (``num_items_in_batch``, which the Ulysses strategy
+puts in every batch; without it, the count of this SP group's sequence, all-reduced over ``sp_group``
+outside the graph). Each rank's ``loss`` is then its share: the sum over the ranks is the global token mean,
+and summing parameter gradients over them gives exactly the single-device gradient.
 """
 
 from __future__ import annotations
@@ -197,22 +198,13 @@ class DecoderLM(nn.Module):
         with hooks:
             return checkpoint(layer, hidden, position_ids, use_reentrant=False)
 
-    def _check_sp_shapes(self, input_ids: torch.Tensor) -> None:
-        world = group_size(self.sp_group)
-        mine = torch.tensor(input_ids.shape, dtype=torch.int64, device=input_ids.device)
-        every = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine, group=self.sp_group)
-        shapes = [tuple(t.tolist()) for t in every]
-        if len(set(shapes)) != 1:
-            raise ValueError(f"ranks of the sequence-parallel group hold different input_ids shapes {shapes}; "
-                             "every rank needs the same [batch, seq_local] (pad the sequence to a multiple of sp)")
-
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
     ) -> DecoderOutput:
         """Logits and/or the next-token loss of this rank's token slice.
 
@@ -222,12 +214,16 @@ class DecoderLM(nn.Module):
             labels: HF-style labels ``[batch, seq]`` (shifted here); only without SP.
             shift_labels: pre-shifted targets ``[batch, seq_local]`` (the SP strategy's shards); ``-100``
                 never counts.
+            num_items_in_batch: the loss normaliser, valid targets of the whole global batch (all dp x sp
+                ranks; the Ulysses strategy puts it in every batch, transformers uses the same name). None =
+                the valid targets of this SP group's batch (one all-reduce over ``sp_group``).
         Returns:
-            :class:`DecoderOutput`; ``loss`` is the mean over valid tokens (under SP: this rank's share,
-            local sum / global count); ``logits`` is None when ``logits_chunk_size`` is set and labels are given.
+            :class:`DecoderOutput`; ``loss`` is ``local sum / num_items_in_batch`` (one device: the token mean;
+            under SP and DP: this rank's share of the global token mean); ``logits`` is None when
+            ``logits_chunk_size`` is set and labels are given.
         Raises:
-            ValueError: for ``labels`` under SP, both ``labels`` and ``shift_labels``, or SP ranks whose
-                ``input_ids`` shapes differ.
+            ValueError: for ``labels`` under SP, or both ``labels`` and ``shift_labels``. (Whether the SP ranks
+                hold equally shaped shards is checked once per step by the strategy, not here.)
         """
         world = group_size(self.sp_group)
         if labels is not None and shift_labels is not None:
@@ -237,8 +233,6 @@ class DecoderLM(nn.Module):
                 raise ValueError(f"labels are shifted across shard boundaries: under sequence parallelism "
                                  f"(sp_size={world}) pass pre-shifted shift_labels shards instead")
             shift_labels = shift_hf_labels(labels, IGNORE_INDEX)
-        if world > 1:
-            self._check_sp_shapes(input_ids)
         if position_ids is None:
             position_ids = default_position_ids(input_ids, self.sp_group)
         hidden = self.embed(input_ids)
@@ -247,9 +241,9 @@ class DecoderLM(nn.Module):
         hidden = self.final_hidden(hidden)
         if shift_labels is None:
             return DecoderOutput(loss=None, logits=self.lm_head(hidden))
-        return self._loss(hidden, shift_labels)
+        return self._loss(hidden, shift_labels, num_items_in_batch)
 
-    def _loss(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> DecoderOutput:
+    def _loss(self, hidden: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch=None) -> DecoderOutput:
         if shift_labels.shape != hidden.shape[:2]:
             raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must match input_ids "
                              f"{tuple(hidden.shape[:2])}")
@@ -265,7 +259,10 @@ class DecoderLM(nn.Module):
             loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), targets,
                                        ignore_index=IGNORE_INDEX, reduction="sum")
             count = (targets != IGNORE_INDEX).sum()
-        return DecoderOutput(loss=sp_token_mean(loss_sum, count, self.sp_group), logits=logits)
+        if num_items_in_batch is None:
+            return DecoderOutput(loss=sp_token_mean(loss_sum, count, self.sp_group), logits=logits)
+        total = torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1).to(loss_sum.dtype)
+        return DecoderOutput(loss=loss_sum / total, logits=logits)
 
     # ------------------------------------------------------------------------------------- checkpoints
     @classmethod

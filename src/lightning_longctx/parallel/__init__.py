@@ -6,6 +6,7 @@ shifted labels and global positions (:mod:`.sharding`), and the DP x SP mesh (:m
 """
 
 from .all_to_all import HeadToSeq, SeqToHead, group_rank, group_size, head_to_seq, seq_to_head
+from .collectives import all_reduce_coalesced, broadcast_coalesced
 from .mesh import build_dp_sp_mesh, check_sp_size, set_sequence_parallel_group
 from .sharding import (
     IGNORE_INDEX,
@@ -16,13 +17,16 @@ from .sharding import (
     shift_labels,
     unshard_sequence,
 )
-from .ulysses import head_schedule, ulysses_attention
+from .ulysses import check_group_shapes, head_schedule, ulysses_attention
 
 __all__ = [
     "IGNORE_INDEX",
     "HeadToSeq",
     "SeqToHead",
+    "all_reduce_coalesced",
+    "broadcast_coalesced",
     "build_dp_sp_mesh",
+    "check_group_shapes",
     "check_sp_size",
     "group_rank",
     "group_size",

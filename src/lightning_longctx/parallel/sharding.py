@@ -68,7 +68,9 @@ def shard_batch(
     Returns:
         ``input_ids``, ``shift_labels`` and ``position_ids``, each ``[batch, s_pad / sp_size]``, where
         ``s_pad`` is ``s`` rounded up to a multiple of ``sp_size``; padded positions have
-        ``shift_labels == ignore_index``.
+        ``shift_labels == ignore_index``. And ``num_items_in_batch``: the valid targets of the whole
+        ``[batch, s]`` (every SP rank's share together), a 0-dim int64 tensor on the batch's device (a loss
+        normaliser, as transformers names it; a data-parallel caller sums it over its DP group).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -87,7 +89,9 @@ def shard_batch(
         # padded positions continue the position count, so RoPE tables cover them
         "position_ids": torch.arange(ids.shape[1], device=ids.device).expand_as(ids),
     }
-    return {name: shard_sequence(t, sp_rank, sp_size) for name, t in full.items()}
+    shards = {name: shard_sequence(t, sp_rank, sp_size) for name, t in full.items()}
+    shards["num_items_in_batch"] = (full["shift_labels"] != ignore_index).sum()
+    return shards
 
 
 def unshard_sequence(

@@ -18,6 +18,9 @@ q/k/v and output instead of keeping them, and saves only the per-stage log-sum-e
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -71,78 +74,107 @@ def check_head_layout(heads: int, kv_heads: int, world: int, head_chunk_size: in
     return chunk
 
 
-def _validate_group(query: torch.Tensor, key: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """All ranks must hold the same local shapes; one tiny all-gather, before the real communication."""
+def check_group_shapes(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str = "input") -> None:
+    """Raise ``ValueError`` on every rank unless all ranks of ``group`` hold ``tensor`` with the same shape.
+
+    One tiny all-gather and one device-to-host copy: call it once per step (the Ulysses strategy does, on the
+    sharded batch; ``longstraw_step`` does, on the prompt), not per attention call. Every rank must call it.
+    """
     world = group_size(group)
-    mine = torch.tensor([*query.shape, key.shape[2]], dtype=torch.int64, device=query.device)
+    if world == 1:
+        return
+    mine = torch.tensor(tensor.shape, dtype=torch.int64, device=tensor.device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    shapes = torch.stack(every).cpu()
-    if not bool((shapes == shapes[0]).all()):
-        rows = ", ".join(
-            f"rank {r}: batch={b} seq_local={s} heads={h} head_dim={d} kv_heads={kv}"
-            for r, (b, s, h, d, kv) in enumerate(shapes.tolist())
-        )
-        raise ValueError(f"ranks of the sequence-parallel group disagree on local shapes ({rows})")
+    shapes = [tuple(t) for t in torch.stack(every).cpu().tolist()]
+    if len(set(shapes)) != 1:
+        rows = ", ".join(f"rank {r}: {list(shape)}" for r, shape in enumerate(shapes))
+        raise ValueError(f"ranks of the sequence-parallel group hold {what} of different shapes ({rows}); every "
+                         "rank needs the same local shape (pad the sequence to a multiple of sp_size)")
 
 
-def head_schedule(heads: int, kv_heads: int, world: int, chunk: int, device=None):
-    """Per stage: the local query heads it sends and the local K/V heads it sends, rank by rank.
+@functools.cache
+def head_schedule(heads: int, kv_heads: int, world: int, chunk: int | None) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per stage: the local query heads it sends and the local K/V heads it sends, rank by rank (Python ints).
 
-    Returns a list of ``(q_index, kv_index)``: ``q_index [P * C]`` lists, for destination rank ``r`` in
-    turn, the ``C`` local query heads ``r*H/P + t*C + [0, C)``; ``kv_index [P * m]`` the ``m = max(1, C / g)``
-    K/V heads those queries use (``g = H / H_kv``). Indices address the head dim of the local
-    ``[batch, s_l, heads, head_dim]`` tensors (all heads of this rank's tokens).
+    Returns a tuple of ``(q_heads, kv_heads)``: ``q_heads`` (``P * C`` ints) lists, for destination rank ``r``
+    in turn, the ``C`` local query heads ``r*H/P + t*C + [0, C)``; ``kv_heads`` (``P * m`` ints) the
+    ``m = max(1, C / g)`` K/V heads those queries use (``g = H / H_kv``). Indices address the head dim of the
+    local ``[batch, s_l, heads, head_dim]`` tensors (all heads of this rank's tokens). Built once per layout
+    (cached): no tensors, so no host-device traffic per call.
+
+    Raises:
+        ValueError: the layout checks of :func:`check_head_layout`, naming the numbers.
     """
+    chunk = check_head_layout(heads, kv_heads, world, chunk)
     groups = heads // kv_heads
     local = heads // world
     per_rank_kv = max(1, chunk // groups)
     stages = []
     for start in range(0, local, chunk):
-        q_index = [r * local + start + c for r in range(world) for c in range(chunk)]
-        kv_index = [(r * local + start) // groups + j for r in range(world) for j in range(per_rank_kv)]
-        stages.append(tuple(torch.tensor(i, dtype=torch.long, device=device) for i in (q_index, kv_index)))
-    return stages
+        q_heads = tuple(r * local + start + c for r in range(world) for c in range(chunk))
+        kv = tuple((r * local + start) // groups + j for r in range(world) for j in range(per_rank_kv))
+        stages.append((q_heads, kv))
+    return tuple(stages)
 
 
-def _as_range(index: torch.Tensor) -> tuple[int, int] | None:
-    """``(start, length)`` when ``index`` is consecutive heads (e.g. one rank, or one stage): then a view
-    replaces the gather, so plain local attention makes no copy of q/k/v."""
-    start, length = int(index[0]), index.numel()
-    if int(index[-1]) - start + 1 == length and bool((index.diff() == 1).all()):
-        return start, length
-    return None
+@dataclass(frozen=True)
+class _HeadSet:
+    """A set of head indices as a narrow span when consecutive (a view, no gather) or an index tensor."""
+
+    span: tuple[int, int] | None  # (start, length)
+    index: torch.Tensor | None  # [n] long, on the attention's device
+
+    @staticmethod
+    def of(heads: tuple[int, ...], device) -> _HeadSet:
+        if list(heads) == list(range(heads[0], heads[0] + len(heads))):
+            return _HeadSet((heads[0], len(heads)), None)
+        return _HeadSet(None, torch.tensor(heads, dtype=torch.long, device=device))
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        return x.narrow(2, *self.span) if self.span is not None else x.index_select(2, self.index)
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.span is not None:
+            dst.narrow(2, *self.span).copy_(src)
+        else:
+            dst.index_copy_(2, self.index, src)
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst[heads] += src``, summing repeated heads (replicated K/V)."""
+        if self.span is not None:
+            dst.narrow(2, *self.span).add_(src)
+        else:
+            dst.index_add_(2, self.index, src)
 
 
-def _take_heads(x: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
-    return x.narrow(2, *span) if span is not None else x.index_select(2, index)
+_DEVICE_SCHEDULES: dict[tuple, tuple[tuple[_HeadSet, _HeadSet], ...]] = {}
 
 
-def _put_heads(dst: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | None, src: torch.Tensor) -> None:
-    if span is not None:
-        dst.narrow(2, *span).copy_(src)
-    else:
-        dst.index_copy_(2, index, src)
+def _device_schedule(heads: int, kv_heads: int, world: int, chunk: int, device: torch.device):
+    """:func:`head_schedule` as per-stage ``(_HeadSet, _HeadSet)``, index tensors built once per device."""
+    key = (heads, kv_heads, world, chunk, str(device))
+    if key not in _DEVICE_SCHEDULES:
+        _DEVICE_SCHEDULES[key] = tuple((_HeadSet.of(q, device), _HeadSet.of(kv, device))
+                                       for q, kv in head_schedule(heads, kv_heads, world, chunk))
+    return _DEVICE_SCHEDULES[key]
 
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, group, causal, chunk, softmax_scale, backend):
         heads, kv_heads = query.shape[2], key.shape[2]
-        schedule = [
-            (q_index, kv_index, _as_range(q_index), _as_range(kv_index))
-            for q_index, kv_index in head_schedule(heads, kv_heads, group_size(group), chunk, query.device)
-        ]
+        schedule = _device_schedule(heads, kv_heads, group_size(group), chunk, query.device)
         opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
         out = torch.empty_like(query)  # [b, s_l, H, d], filled stage by stage
         lses = []
-        for q_index, kv_index, q_span, kv_span in schedule:
-            q_st = seq_to_head(_take_heads(query, q_index, q_span), group)  # [b, s, C, d]
-            k_st = seq_to_head(_take_heads(key, kv_index, kv_span), group)  # [b, s, m, d]
-            v_st = seq_to_head(_take_heads(value, kv_index, kv_span), group)
+        for q_set, kv_set in schedule:
+            q_st = seq_to_head(q_set.take(query), group)  # [b, s, C, d]
+            k_st = seq_to_head(kv_set.take(key), group)  # [b, s, m, d]
+            v_st = seq_to_head(kv_set.take(value), group)
             out_st, lse_st = attention_forward(q_st, k_st, v_st, **opts)
             del q_st, k_st, v_st
-            _put_heads(out, q_index, q_span, head_to_seq(out_st, group))
+            q_set.put(out, head_to_seq(out_st, group))
             lses.append(lse_st)  # [b, C, s]
         ctx.save_for_backward(query, key, value, out, *lses)
         ctx.group, ctx.schedule, ctx.opts = group, schedule, opts
@@ -156,18 +188,18 @@ class _UlyssesAttention(torch.autograd.Function):
         dq = torch.empty_like(query)
         dk = torch.zeros_like(key)
         dv = torch.zeros_like(value)
-        for (q_index, kv_index, q_span, kv_span), lse_st in zip(ctx.schedule, lses):
+        for (q_set, kv_set), lse_st in zip(ctx.schedule, lses):
             # Recompute this stage's head-sharded tensors rather than having saved them.
-            q_st = seq_to_head(_take_heads(query, q_index, q_span), group)
-            k_st = seq_to_head(_take_heads(key, kv_index, kv_span), group)
-            v_st = seq_to_head(_take_heads(value, kv_index, kv_span), group)
-            out_st = seq_to_head(_take_heads(out, q_index, q_span), group)
-            do_st = seq_to_head(_take_heads(grad_out, q_index, q_span), group)
+            q_st = seq_to_head(q_set.take(query), group)
+            k_st = seq_to_head(kv_set.take(key), group)
+            v_st = seq_to_head(kv_set.take(value), group)
+            out_st = seq_to_head(q_set.take(out), group)
+            do_st = seq_to_head(q_set.take(grad_out), group)
             dq_st, dk_st, dv_st = attention_backward(do_st, q_st, k_st, v_st, out_st, lse_st, **ctx.opts)
             del q_st, k_st, v_st, out_st, do_st
-            _put_heads(dq, q_index, q_span, head_to_seq(dq_st, group))
-            dk.index_add_(2, kv_index, head_to_seq(dk_st, group))  # sums replicated K/V heads
-            dv.index_add_(2, kv_index, head_to_seq(dv_st, group))
+            q_set.put(dq, head_to_seq(dq_st, group))
+            kv_set.add(dk, head_to_seq(dk_st, group))  # sums replicated K/V heads
+            kv_set.add(dv, head_to_seq(dv_st, group))
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -198,11 +230,10 @@ def ulysses_attention(
     Returns:
         ``[batch, s_l, H, head_dim]``, sharded like ``query``.
     Raises:
-        ValueError: on incompatible heads/chunk/shapes/dtypes, before any communication; and when ranks
-            of ``group`` disagree on their local shapes (after one small all-gather, on every rank).
+        ValueError: on incompatible heads/chunk/shapes/dtypes, before any communication. Whether the ranks
+            of ``group`` agree on their local shapes is not checked per call (that would cost a collective and
+            a host sync per attention call): check it once per step with :func:`check_group_shapes`, as the
+            Ulysses strategy and ``longstraw_step`` do.
     """
-    world = group_size(group)
-    chunk = _validate_local(query, key, value, world, head_chunk_size)
-    if world > 1:
-        _validate_group(query, key, group)
+    chunk = _validate_local(query, key, value, group_size(group), head_chunk_size)
     return _UlyssesAttention.apply(query, key, value, group, causal, chunk, softmax_scale, backend)

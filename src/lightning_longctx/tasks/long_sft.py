@@ -61,8 +61,8 @@ class RecallDataset(Dataset):
 class LongSFTModule(pl.LightningModule):
     """Next-token SFT of ``model`` (a ``DecoderLM``): ``training_step`` is ``self.model(**batch).loss``.
 
-    Logs ``train/loss`` (the whole sequence's loss: each SP rank's loss is its share, summed over the SP
-    group by the strategy's ``sp_reduce``), ``train/tokens_per_s`` and ``train/peak_memory_gib`` (CUDA: the
+    Logs ``train/loss`` (the global batch's token-mean loss: each rank's loss is its share, summed over all
+    ranks by the strategy's ``reduce_loss``), ``train/tokens_per_s`` and ``train/peak_memory_gib`` (CUDA: the
     allocator's peak; CPU: the process's peak resident memory).
     """
 
@@ -91,7 +91,7 @@ class LongSFTModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx: int):
         loss = self.model(**batch).loss
-        reduce = getattr(self.trainer.strategy, "sp_reduce", None)
+        reduce = getattr(self.trainer.strategy, "reduce_loss", None)
         total = reduce(loss) if reduce is not None else loss.detach()
         self.log("train/loss", total, prog_bar=True, batch_size=batch["input_ids"].shape[0], rank_zero_only=True)
         return loss

@@ -1,0 +1,94 @@
+"""Gradient accumulation over a LongStraw group in a chosen dtype (fp32 by default), and its reduction.
+
+One exact group step runs ``G`` branch backwards plus the grouped backward, each adding into the same
+gradients. With bf16 compute those additions would round at bf16 precision ``G`` times over (a sum of 8
+bf16 terms carries ~3 bits less than one term). :class:`GroupGradients` keeps the step's sums in
+``accumulate_dtype`` whatever the parameter dtype:
+
+- parameters stored in that dtype (fp32 master weights under ``bf16-mixed``) accumulate in ``.grad`` as
+  autograd does;
+- others (bf16 parameters under ``bf16-true``) get a post-accumulate-grad hook that moves each backward's
+  gradient into an ``accumulate_dtype`` buffer and clears ``.grad`` (so no bf16 running sum exists).
+
+:meth:`GroupGradients.finish` sums the step's gradients over the sequence-parallel group in
+``accumulate_dtype`` (one flattened collective per bucket over ALL trainable parameters, zeros where a rank
+has no gradient, so every rank issues the same collectives), then adds them to what ``.grad`` held before
+the step (cast to the parameter's dtype: an optimizer needs ``grad.dtype == param.dtype``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import all_reduce_coalesced, group_size
+
+
+def accumulation_dtype(params, requested: torch.dtype | None) -> torch.dtype:
+    """``requested``, or float32 (float64 when the parameters are float64, so exactness tests stay exact)."""
+    if requested is not None:
+        return requested
+    return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+
+
+class GroupGradients:
+    """Collects one group step's parameter gradients in ``dtype``; see the module docstring.
+
+    Use as a context manager around the step's backwards, then call :meth:`finish`.
+    """
+
+    def __init__(self, params: list[torch.Tensor], dtype: torch.dtype) -> None:
+        self.params = params
+        self.dtype = dtype
+        self._stashed = [p.grad for p in params]  # what .grad held before: added back by finish()
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        for p in params:
+            p.grad = None
+
+    def __enter__(self) -> GroupGradients:
+        for i, p in enumerate(self.params):
+            if p.dtype != self.dtype:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _hook(self, index: int):
+        def move_to_buffer(param: torch.Tensor) -> None:
+            buffer = self._buffers.get(index)
+            if buffer is None:
+                self._buffers[index] = param.grad.to(self.dtype)
+            else:
+                buffer.add_(param.grad)
+            param.grad = None
+
+        return move_to_buffer
+
+    def step_gradients(self) -> list[torch.Tensor | None]:
+        """This step's gradient of every parameter in ``dtype`` (None where none arrived on this rank)."""
+        return [self._buffers.get(i, p.grad if p.dtype == self.dtype else None) for i, p in enumerate(self.params)]
+
+    def finish(self, group: dist.ProcessGroup | None) -> None:
+        """Sum the step's gradients over ``group`` in ``dtype``, then add them to the gradients from before.
+
+        Under SP every parameter takes part in the reduction (zeros where this rank got no gradient), so all
+        ranks issue the same collectives; on one rank a parameter without a gradient keeps ``.grad`` as it was.
+        """
+        grads = self.step_gradients()
+        if group_size(group) > 1:
+            grads = [torch.zeros_like(p, dtype=self.dtype) if g is None else g for p, g in zip(self.params, grads)]
+            all_reduce_coalesced(grads, group)
+        for p, grad, old in zip(self.params, grads, self._stashed):
+            if grad is None:
+                p.grad = old
+                continue
+            grad = grad.to(p.dtype)
+            p.grad = grad if old is None else old.add_(grad)
+        self._buffers.clear()
+
+
+__all__ = ["GroupGradients", "accumulation_dtype"]
