@@ -39,6 +39,8 @@ def test_plan_command_prints_the_planners_numbers(tmp_path):
     assert expected.table() in text, text
     assert f"SFT:       {sft:>14,} tokens" in text, text
     assert "8.03B parameters" in text and "KV 128 KiB/token" in text, text
+    assert "precision=bf16-mixed (parameters, gradients, optimizer states fp32; compute bf16)" in text, text
+    assert "memory h100_80g: budget 79 GiB/rank (reserve 5), precision=bf16-mixed" in text, text
     for component in ("params", "grads", "optimizer", "attention_stage", "mlp_tiles", "logits_chunk"):
         assert component in text, component
     assert "LongStraw:" in text
@@ -76,6 +78,42 @@ def test_budget_check_runs_before_the_trainer_and_the_process_group(monkeypatch)
                       "task.seq_len=8388608")
     with pytest.raises(PlanError, match=r"plan needs .* GiB per rank > budget 79\.0 GiB.*(memory|cluster)\."):
         cli.run_train(cfg)
+
+
+class _TrainerBuilt(Exception):
+    pass
+
+
+def test_train_passes_memory_precision_to_the_trainer(monkeypatch):
+    import lightning.pytorch as pl
+
+    seen = {}
+
+    def fake_trainer(*args, **kwargs):
+        seen.update(kwargs)
+        raise _TrainerBuilt
+
+    monkeypatch.setattr(pl, "Trainer", fake_trainer)
+    for overrides, precision in (((), "32-true"), (("memory.precision=bf16-mixed",), "bf16-mixed"),
+                                 (("memory.precision=bf16-true",), "bf16-true")):
+        with pytest.raises(_TrainerBuilt):
+            cli.run_train(compose_cfg("trainer=smoke", *overrides))
+        assert seen["precision"] == precision, (overrides, seen.get("precision"))
+
+
+@pytest.mark.parametrize("override, message", [("memory.precision=fp16", "use one of ['bf16-mixed', 'bf16-true'"),
+                                               ("memory.dtype=bfloat16", "set memory.precision to one of")])
+def test_train_refuses_an_unknown_precision_before_any_work(monkeypatch, override, message):
+    import lightning.pytorch as pl
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("work started before the precision was checked")
+
+    for target, name in ((pl, "Trainer"), (cli, "build_model"), (cli, "check_plan"),
+                         (torch.distributed, "init_process_group")):
+        monkeypatch.setattr(target, name, forbidden)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        cli.run_train(compose_cfg(override, "plan.check=false"))
 
 
 def test_train_hybrid_stops_with_a_clear_not_implemented_error(monkeypatch):

@@ -4,7 +4,6 @@ rest of the project relies on (tiny = the examples' model, the hybrid's 64 KiB/t
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
 from pathlib import Path
@@ -15,12 +14,12 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from lightning_longctx import config_schema
-from lightning_longctx.cli import decoder_config, plan_request
+from lightning_longctx.cli import decoder_config, plan_request, trainer_precision
 from lightning_longctx.memory import ModelShape, kv_cache_bytes, plan
 from lightning_longctx.memory.planner import MemoryKnobs
 
 CONF = Path(config_schema.__file__).parent / "conf"
-HAS_SUBMITIT = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+SUBMITIT_REASON = "needs hydra-submitit-launcher (in the [dev] and [slurm] extras) for cluster=slurm_4x8gpu"
 
 
 def options(group: str) -> list[str]:
@@ -47,9 +46,11 @@ def test_defaults_are_the_demo():
     assert cfg.cluster.devices == 2 and cfg.cluster.accelerator == "cpu" and cfg.cluster.process_group_backend == "gloo"
 
 
-def test_every_preset_combination_composes_into_the_schemas():
-    clusters = [c for c in options("cluster") if HAS_SUBMITIT or c != "slurm_4x8gpu"]
-    combos = list(itertools.product(options("model"), clusters, options("memory"), options("task")))
+@pytest.mark.parametrize("cluster", options("cluster"))
+def test_every_preset_combination_composes_into_the_schemas(cluster):
+    if cluster == "slurm_4x8gpu":
+        pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason=SUBMITIT_REASON)
+    combos = list(itertools.product(options("model"), [cluster], options("memory"), options("task")))
     with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
         for model, cluster, memory, task in combos:
             cfg = compose(config_name="config",
@@ -126,7 +127,7 @@ def test_hybrid_presets_have_linear_layers_and_the_longstraw_kv_shape():
     assert (model.num_hidden_layers, model.full_layers, model.linear_layers) == (64, 16, 48)
     assert list(cfg.model.layer_types[:4]) == ["linear_attention"] * 3 + ["full_attention"]
     # LongStraw's Qwen3.6-27B: 2 (K, V) x 16 layers x 4 KV heads x 256 x 2 bytes = 64 KiB per token
-    assert kv_cache_bytes(model, MemoryKnobs(dtype="bfloat16"), 1, 1) == 2 * 16 * 4 * 256 * 2 == 64 * 1024
+    assert kv_cache_bytes(model, MemoryKnobs(precision="bf16-mixed"), 1, 1) == 2 * 16 * 4 * 256 * 2 == 64 * 1024
     tiny = ModelShape.from_config(compose_cfg("model=tiny_hybrid").model)
     assert tiny.linear_layers == 3 and tiny.full_layers == 1
 
@@ -149,14 +150,45 @@ def test_hybrid_model_cannot_be_built_yet_and_says_so():
         decoder_config(compose_cfg("model=tiny_hybrid").model)
 
 
-@pytest.mark.skipif(not HAS_SUBMITIT, reason="needs hydra-submitit-launcher (the [slurm] extra)")
 def test_slurm_preset_gives_lightning_one_task_per_device():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason=SUBMITIT_REASON)
     cfg = compose_cfg("cluster=slurm_4x8gpu", hydra_config=True)
     launcher = cfg.hydra.launcher
     assert "submitit" in launcher._target_.lower() and "Slurm" in launcher._target_
     assert launcher.tasks_per_node == cfg.cluster.devices == 8  # Lightning: --ntasks-per-node == devices
     assert launcher.nodes == cfg.cluster.num_nodes == 4  # Lightning: --nodes == num_nodes
     assert launcher.gpus_per_node == cfg.cluster.devices
+
+
+@pytest.mark.parametrize("memory, precision", [("cpu", "32-true"), ("h100_80g", "bf16-mixed"),
+                                               ("h200_141g", "bf16-mixed"), ("h20_96g", "bf16-mixed")])
+def test_memory_presets_give_their_precision(memory, precision):
+    """GPU presets train in bf16-mixed (fp32 master weights, gradients and AdamW states); the CPU preset in
+    fp32. ``memory.precision`` is the only dtype setting: Trainer, planner and the plan table all read it."""
+    assert set(options("memory")) == {"cpu", "h100_80g", "h200_141g", "h20_96g"}  # a new preset needs a row here
+    cfg = compose_cfg(f"memory={memory}")
+    assert cfg.memory.precision == precision and cfg.memory.dtype is None
+    assert trainer_precision(cfg.memory) == precision
+    assert MemoryKnobs.from_config(cfg.memory).precision == precision
+    explicit = compose_cfg(f"memory={memory}", "memory.precision=bf16-true")  # the explicit memory option
+    assert trainer_precision(explicit.memory) == "bf16-true"
+    assert MemoryKnobs.from_config(explicit.memory).param_bytes == 2
+
+
+@pytest.mark.parametrize("override, message", [
+    ("memory.precision=bf16", "memory.precision='bf16' is not supported; use one of ['bf16-mixed', 'bf16-true', "
+                              "'32-true', '64-true']"),
+    ("memory.precision=16-mixed", "memory.precision='16-mixed' is not supported"),
+    ("memory.dtype=bfloat16", "memory.dtype=bfloat16 is no longer a setting (it ran as memory.precision=bf16-true)"),
+    ("memory.dtype=float32", "memory.dtype=float32 is no longer a setting (it ran as memory.precision=32-true)"),
+])
+def test_unknown_precision_or_the_old_dtype_key_fails_naming_what_to_set(override, message):
+    cfg = compose_cfg("memory=h100_80g", override)
+    for check in (trainer_precision, MemoryKnobs.from_config):
+        with pytest.raises(ValueError) as err:
+            check(cfg.memory)
+        assert message in str(err.value), str(err.value)
+        assert "bf16-mixed" in str(err.value)
 
 
 def test_help_lists_the_groups_and_their_options(monkeypatch, capsys):

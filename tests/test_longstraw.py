@@ -186,7 +186,79 @@ def test_greedy_sampling_equals_greedy_decoding_by_full_forward():
         assert response.tolist() == seq[prompt.numel():].tolist()
 
 
-def test_sampling_respects_eos_and_top_p():
+PROBS = [0.4, 0.3, 0.15, 0.1, 0.04]  # + 0.01 spread over the other VOCAB - 5 tokens
+
+
+def _known_distribution():
+    probs = torch.full((VOCAB,), 0.01 / (VOCAB - len(PROBS)), dtype=torch.float64)
+    probs[: len(PROBS)] = torch.tensor(PROBS, dtype=torch.float64)
+    return probs
+
+
+def _chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    expected = expected_probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# chi-square critical values at p = 0.001 for 1 and 2 degrees of freedom (fixed seeds: deterministic anyway)
+CHI2_999 = {1: 10.83, 2: 13.82}
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.8, 3), (0.5, 2), (0.3, 1), (1.0, VOCAB)])
+def test_top_p_draws_only_the_smallest_set_with_mass_top_p_renormalised(top_p, kept):
+    """``_draw`` on known logits: with top_p=0.8 the smallest set of tokens with cumulative mass >= 0.8 is
+    {0, 1, 2} (0.4 + 0.3 = 0.7 < 0.8 <= 0.85); nothing else is ever drawn in 20,000 draws, and those three
+    come out with frequencies 0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85 (chi-square, p = 0.001)."""
+    from lightning_longctx.longstraw.step import _draw
+
+    probs = _known_distribution()
+    logits = probs.log() + 3.0  # softmax is shift-invariant
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.tensor([_draw(logits, 1.0, top_p, gen) for _ in range(20000)])
+    counts = torch.bincount(draws, minlength=VOCAB).double()
+    assert int(counts[kept:].sum()) == 0, f"top_p={top_p}: drew tokens outside the top-{kept} set"
+    if kept == 1:
+        assert int(counts[0]) == 20000
+        return
+    if kept == VOCAB:  # top_p=1: the whole distribution (the rare tokens pooled into one bin)
+        assert int(counts[len(PROBS):].sum()) > 0
+        pooled = torch.cat([counts[: len(PROBS)], counts[len(PROBS):].sum().view(1)])
+        assert _chi_square(pooled, torch.tensor(PROBS + [0.01], dtype=torch.float64)) < 20.5  # 5 dof, p=0.001
+        return
+    want = probs[:kept] / probs[:kept].sum()
+    assert _chi_square(counts[:kept], want) < CHI2_999[kept - 1], (counts[:kept], want)
+
+
+def _constant_logits_model(logits: torch.Tensor) -> DecoderLM:
+    """A DecoderLM whose next-token logits are ``logits`` whatever the context: every block's output
+    projections are zero (attention and MLP add nothing to the residual), every token embeds to the all-ones
+    vector, the norms are ones, and lm_head row v is ``logits[v] / hidden`` (so hidden . row = logits[v])."""
+    model = tiny_model()
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if "norm" in name or "embed" in name else 0.0)
+        model.lm_head.weight.copy_((logits / hidden).view(-1, 1).expand(-1, hidden))
+    return model
+
+
+def test_sample_draws_from_the_top_p_set_with_renormalised_probabilities():
+    probs = _known_distribution()
+    model = _constant_logits_model(probs.log())
+    prompt, _, _ = make_group(1)
+    with torch.no_grad():  # the crafted model's next-token distribution is the known one
+        got = torch.softmax(model(prompt[None]).logits[0, -1].double(), -1)
+    torch.testing.assert_close(got, probs, atol=1e-6, rtol=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    responses = sample(model, prompt, 20, max_new_tokens=15, temperature=1.0, top_p=0.8, generator=gen)
+    tokens = torch.cat(responses)
+    assert tokens.numel() == 20 * 15
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    assert int(counts[3:].sum()) == 0, "sample drew a token outside the top-p set"
+    assert _chi_square(counts[:3], probs[:3] / probs[:3].sum()) < CHI2_999[2], counts[:3]
+
+
+def test_sampling_respects_eos():
     model = tiny_model()
     prompt, _, _ = make_group(1)
     gen = torch.Generator().manual_seed(0)

@@ -20,11 +20,28 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import config_schema  # noqa: F401  (registers the structured configs)
-from .memory.planner import GIB, MemoryKnobs, ModelShape, Plan, PlanError, check_budget, kv_cache_bytes, max_context
+from .memory.planner import (
+    GIB,
+    MemoryKnobs,
+    ModelShape,
+    Plan,
+    PlanError,
+    check_budget,
+    check_precision,
+    kv_cache_bytes,
+    max_context,
+)
 from .memory.planner import plan as make_plan
 
 log = logging.getLogger("lightning_longctx.cli")
-PRECISION = {"float32": "32-true", "bfloat16": "bf16-true", "float16": "16-true", "float64": "64-true"}
+
+
+def trainer_precision(memory_cfg: DictConfig) -> str:
+    """``Trainer(precision=...)``: ``memory.precision`` as it is (Lightning's string: ``bf16-mixed`` = fp32 master
+    weights, gradients and AdamW states with bf16 autocast; ``bf16-true``; ``32-true``; ``64-true``). Raises
+    ValueError naming the allowed values for anything else, and for the removed ``memory.dtype``."""
+    return check_precision(memory_cfg.get("precision"), memory_cfg.get("dtype"))
+
 _HF_KEYS = ("name", "hf_id", "pretrained")  # ModelConf keys that are not architecture fields
 
 
@@ -63,10 +80,11 @@ def format_plan(cfg: DictConfig) -> str:
     lines = [
         f"model {cfg.model.name}: {model.num_parameters() / 1e9:.2f}B parameters, {model.num_hidden_layers} layers "
         f"({model.full_layers} full attention, {model.linear_layers} linear attention), KV "
-        f"{kv_token / 1024:g} KiB/token in {knobs.dtype}",
+        f"{kv_token / 1024:g} KiB/token in {knobs.compute_dtype}",
         f"cluster {cluster.name}: {cluster.devices} devices x {cluster.num_nodes} nodes = {world} ranks, "
         f"sp={sp} x dp={world // sp}, sharding={cluster.sharding}",
         f"memory {cfg.memory.name}: budget {knobs.budget_gib:g} GiB/rank (reserve {knobs.reserve_gib:g}), "
+        f"precision={knobs.precision}, "
         + ", ".join(f"{k}={cfg.memory[k]}" for k in knob_names),
         "",
         make_plan(cfg.model, cfg.cluster, cfg.memory, **plan_request(cfg)).table(),
@@ -206,6 +224,7 @@ def _summary_callback(cfg: DictConfig):
 
 def run_train(cfg: DictConfig) -> Any:
     """The body of ``longctx-train``: plan (refuse over budget), build, fit. Returns the Trainer."""
+    precision = trainer_precision(cfg.memory)  # an unknown precision fails before any work
     plan_obj = check_plan(cfg) if cfg.plan.check else None  # before any process group or model exists
     if plan_obj is not None and _is_rank_zero():
         log.info("memory plan: %.3f GiB/rank peak (%s) <= budget %.1f GiB", plan_obj.total_bytes / GIB,
@@ -230,7 +249,7 @@ def run_train(cfg: DictConfig) -> Any:
     summary = _summary_callback(cfg)
     trainer = pl.Trainer(
         strategy=strategy, accelerator=cluster.accelerator, devices=cluster.devices, num_nodes=cluster.num_nodes,
-        precision=PRECISION[cfg.memory.dtype], logger=build_logger(cfg), callbacks=[summary], **trainer_kwargs,
+        precision=precision, logger=build_logger(cfg), callbacks=[summary], **trainer_kwargs,
     )
     trainer.fit(module, data)
     if summary.text:
@@ -278,4 +297,5 @@ if __name__ == "__main__":
 
 
 __all__ = ["PlanError", "build_model", "build_task", "check_launch", "check_plan", "decoder_config", "format_plan",
-           "plan", "plan_request", "run_train", "train"]
+           "plan", "plan_request", "run_train", "train",
+           "trainer_precision"]

@@ -75,14 +75,22 @@ class MemoryConf:
     """A per-rank budget and the memory knobs (``MemoryConfig`` + what the planner needs).
 
     ``budget_gib``: usable device memory per rank; ``reserve_gib``: what the runtime holds outside tensors
-    (CUDA context, NCCL, fragmentation). ``dtype``: parameters and activations. ``attention_backend``:
-    ``eager`` (CPU / pure-torch kernels) or ``flash`` (flash-attn), for the planner's counts.
+    (CUDA context, NCCL, fragmentation). ``attention_backend``: ``eager`` (CPU / pure-torch kernels) or
+    ``flash`` (flash-attn), for the planner's counts.
+
+    ``precision``: Lightning's ``Trainer(precision=...)``, the one setting for dtypes (the planner derives the
+    compute dtype from it): ``bf16-mixed`` (GPU default: fp32 master parameters, gradients and AdamW states,
+    bf16 compute via autocast / FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``),
+    ``bf16-true`` (explicit memory option: everything in bf16, updates below bf16's resolution are lost),
+    ``32-true`` (CPU), ``64-true``. Anything else fails before any work, naming these.
+    ``dtype``: removed (it could disagree with ``precision``); setting it fails naming the precision to use.
     """
 
     name: str = MISSING
     budget_gib: float = MISSING
     reserve_gib: float = 0.0
-    dtype: str = "bfloat16"
+    precision: str = "bf16-mixed"
+    dtype: str | None = None  # removed: any value raises (memory.dtype=bfloat16 ran as precision=bf16-true)
     attention_backend: str = "flash"
     head_chunk_size: int | None = None
     activation_checkpointing: bool = False

@@ -6,6 +6,14 @@ prefill, scores them, and runs one exact :func:`~lightning_longctx.longstraw.lon
 optimizer step per group (manual optimisation). Under ``strategy="ulysses"`` the prompt is sharded over the
 strategy's SP group; gradients are averaged over its DP group.
 
+Logged ``train/peak_memory_gib``: the device's absolute peak over the group step (CUDA: the allocator's
+``max_memory_allocated`` after a reset at the step's start; CPU: the process's peak resident set), not a
+peak relative to what was in use at entry, and measured at no per-op cost.
+
+Precision: under ``precision="bf16-mixed"`` the parameters, gradients and AdamW states stay fp32 and the step
+computes in bf16 (Lightning's autocast around ``training_step``); the step's gradients and the prompt-cache
+gradients are summed over the group and reduced in fp32 (see ``longstraw_step``'s ``accumulate_dtype``).
+
 Batch format: a dict with ``prompt_ids`` (a list of ``[S]`` tensors, or one ``[S]`` tensor) and optionally
 ``responses`` (per prompt, a list of G token tensors produced elsewhere, e.g. by vLLM) and any other
 fields your :meth:`reward` needs (e.g. ``answers``), each a list with one entry per prompt.
@@ -21,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..longstraw import group_advantages, longstraw_step, sample, score
-from ..parallel import group_size
+from ..ops.memory import device_peak_bytes, reset_device_peak
+from ..parallel import all_reduce_coalesced, group_size
 
 
 class LongStrawModule(pl.LightningModule):
@@ -110,6 +119,17 @@ class LongStrawModule(pl.LightningModule):
         group = self._mesh_group("dp")
         return dist.get_rank(group) if group is not None else 0
 
+    def _average_over_dp(self, dp_group: dist.ProcessGroup) -> None:
+        """Mean of the exact per-group gradients over data-parallel replicas: one flattened fp32 (or wider)
+        all-reduce per bucket over every trainable parameter (zeros where a rank has none, so all ranks issue
+        the same collectives)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        wide = [g.float() if g.dtype in (torch.bfloat16, torch.float16) else g for g in grads]
+        all_reduce_coalesced(wide, dp_group, divide_by=group_size(dp_group))
+        for p, g in zip(params, wide):
+            p.grad = g.to(p.dtype)
+
     def training_step(self, batch: dict, batch_idx: int):
         prompts = batch["prompt_ids"]
         prompts = [prompts] if torch.is_tensor(prompts) and prompts.dim() == 1 else list(prompts)
@@ -132,14 +152,13 @@ class LongStrawModule(pl.LightningModule):
             if self.ref_model is not None and self.step_kwargs["beta"] > 0:
                 ref = score(self.ref_model, prompt, responses, group=sp_group)
             optimizer.zero_grad(set_to_none=True)
+            reset_device_peak(prompt.device)
             out = longstraw_step(self.model, prompt, responses, advantages, ref_logprobs=ref, group=sp_group,
-                                 progress=self.progress, **self.step_kwargs)
-            if dp_group is not None:  # average the exact per-group gradients over data-parallel replicas
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, group=dp_group)
-                        p.grad.div_(group_size(dp_group))
+                                 progress=self.progress, measure_memory=False, **self.step_kwargs)
+            if dp_group is not None:
+                self._average_over_dp(dp_group)
             optimizer.step()
+            peak = device_peak_bytes(prompt.device)
             seconds = time.perf_counter() - start
             lengths = torch.tensor([float(r.numel()) for r in responses])
             last = {
@@ -148,7 +167,7 @@ class LongStrawModule(pl.LightningModule):
                 "train/kl": out.kl, "train/clip_fraction": out.clip_fraction, "train/entropy": out.entropy,
                 "train/response_length": lengths.mean().item(),
                 "train/tokens_per_s": (out.prompt_tokens + out.tokens) / seconds,
-                "train/peak_memory_gib": out.peak_bytes / 2**30,
+                "train/peak_memory_gib": peak / 2**30,
             }
             self.reward_history.append(last["train/reward_mean"])
             self.log_dict(last, on_step=True, prog_bar=False, batch_size=1, rank_zero_only=True)

@@ -12,6 +12,10 @@ Dimension legend (DeepSpeed ALST style): ``S`` sequence (SFT) or prompt (LongStr
 (``head_chunk_size``; ``H / P`` for plain Ulysses), ``m = max(1, C / g)`` K/V heads per stage;
 ``b`` = bytes of the compute dtype, ``a = 4`` (float32 statistics: LSE, RMSNorm, log-softmax).
 
+Precision (``memory.precision``, Lightning's strings, :data:`PRECISIONS`): ``b`` is the compute dtype and
+``p`` the dtype parameters, gradients and AdamW states are held in: ``bf16-mixed`` (the GPU default) has
+``p = 4`` (fp32 master weights) and ``b = 2``; ``bf16-true`` ``p = b = 2``; ``32-true`` 4; ``64-true`` 8.
+
 Every formula counts the tensors this package's code keeps alive (``models/``, ``ops/``, ``longstraw/``), as
 the live-tensor tracker (:func:`lightning_longctx.ops.track_memory`) sees them; the peak of a step is the
 persistent part plus the largest transient of its phases (see :func:`sft_phases` /
@@ -31,7 +35,10 @@ from ..parallel.ulysses import check_head_layout
 GIB = 2**30
 FLOAT32 = 4
 INT64 = 8
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8}
+# Lightning precision -> (bytes of parameters, gradients and optimizer states; bytes of the compute dtype)
+PRECISIONS = {"bf16-mixed": (4, 2), "bf16-true": (2, 2), "32-true": (4, 4), "64-true": (8, 8)}
+# the removed ``memory.dtype`` values and the precision each meant (bfloat16 ran as bf16-true)
+LEGACY_DTYPES = {"float32": "32-true", "bfloat16": "bf16-true", "float64": "64-true"}
 BACKENDS = ("eager", "flash")
 MODES = ("sft", "longstraw")
 SHARDINGS = ("fsdp", "replicate")
@@ -40,6 +47,27 @@ FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 class PlanError(RuntimeError):
     """A plan does not fit its memory budget (raised by :func:`check_budget`); the message says what to change."""
+
+
+def check_precision(precision: Any, legacy_dtype: Any = None) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else ValueError naming the allowed values.
+
+    ``legacy_dtype``: the removed ``memory.dtype`` key; any value raises, naming the precision to set instead
+    (``bfloat16`` ran as ``bf16-true``, without fp32 master weights; ``bf16-mixed`` is the training default).
+    """
+    if legacy_dtype is not None:
+        old = str(legacy_dtype)
+        meant = LEGACY_DTYPES.get(old)
+        was = f"it ran as memory.precision={meant}" if meant else "it is not a supported dtype"
+        raise ValueError(
+            f"memory.dtype={old} is no longer a setting ({was}): set memory.precision to one of "
+            f"{list(PRECISIONS)} instead, e.g. memory.precision=bf16-mixed (bf16 compute with fp32 master weights, "
+            "gradients and optimizer states: the GPU default) or memory.precision=bf16-true (everything in bf16, "
+            "the least memory; AdamW updates below bf16's resolution are lost), and remove memory.dtype"
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(f"memory.precision={precision!r} is not supported; use one of {list(PRECISIONS)}")
+    return str(precision)
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -188,10 +216,11 @@ class MemoryKnobs:
     ``attention_backend``: ``"eager"`` counts the copies of this package's CPU/pure-torch kernels (GQA K/V
     expanded per stage, transposed copies); ``"flash"`` those of flash-attn on GPU (native GQA).
     ``reserve_gib``: what the runtime holds outside tensors (CUDA context, allocator fragmentation, NCCL).
+    ``precision``: one of :data:`PRECISIONS` (Lightning's precision string; ``bf16-mixed`` by default).
     """
 
     budget_gib: float = 80.0
-    dtype: str = "bfloat16"
+    precision: str = "bf16-mixed"
     head_chunk_size: int | None = None
     activation_checkpointing: bool = False
     offload_checkpoints: bool = False
@@ -207,8 +236,9 @@ class MemoryKnobs:
             value = _get(cfg, name, None)
             return None if value is None else int(value)
 
+        precision = check_precision(_get(cfg, "precision", "bf16-mixed"), _get(cfg, "dtype", None))
         return cls(
-            budget_gib=float(_get(cfg, "budget_gib", 80.0)), dtype=str(_get(cfg, "dtype", "bfloat16")),
+            budget_gib=float(_get(cfg, "budget_gib", 80.0)), precision=precision,
             head_chunk_size=opt_int("head_chunk_size"),
             activation_checkpointing=bool(_get(cfg, "activation_checkpointing", False)),
             offload_checkpoints=bool(_get(cfg, "offload_checkpoints", False)),
@@ -217,11 +247,27 @@ class MemoryKnobs:
             reserve_gib=float(_get(cfg, "reserve_gib", 0.0)), optimizer_states=int(_get(cfg, "optimizer_states", 2)),
         )
 
+    def __post_init__(self) -> None:
+        check_precision(self.precision)
+
     @property
     def dtype_bytes(self) -> int:
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        return DTYPE_BYTES[self.dtype]
+        """``b``: bytes of the compute dtype (activations, KV cache, gathered FSDP weights)."""
+        return PRECISIONS[self.precision][1]
+
+    @property
+    def param_bytes(self) -> int:
+        """``p``: bytes of the parameters, their gradients and the optimizer states (fp32 under bf16-mixed)."""
+        return PRECISIONS[self.precision][0]
+
+    @property
+    def mixed(self) -> bool:
+        """Compute in a lower precision than the parameters (autocast / FSDP2 ``MixedPrecisionPolicy``)."""
+        return self.dtype_bytes < self.param_bytes
+
+    @property
+    def compute_dtype(self) -> str:
+        return {2: "bfloat16", 4: "float32", 8: "float64"}[self.dtype_bytes]
 
 
 # --------------------------------------------------------------------------------------------- result
@@ -249,6 +295,7 @@ class Plan:
     budget_bytes: int
     host_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    precision: str = "bf16-mixed"
 
     @property
     def fits(self) -> bool:
@@ -262,8 +309,10 @@ class Plan:
         """A human-readable breakdown per rank (GiB, or MiB for small plans), the phases and the verdict."""
         scale, unit = (GIB, "GiB") if self.total_bytes >= GIB else (2**20, "MiB")
         what = f"LongStraw, G={self.group_size}, response {self.response_len}" if self.mode == "longstraw" else "SFT"
+        held, compute = ({2: "bf16", 4: "fp32", 8: "fp64"}[n] for n in PRECISIONS[self.precision])
         lines = [f"{what}: {self.seq_len:,} tokens, sp={self.sp} x dp={self.dp}, {self.local_tokens:,} tokens/rank, "
-                 f"head_chunk_size={self.head_chunk_size}",
+                 f"head_chunk_size={self.head_chunk_size}, precision={self.precision} (parameters, gradients, "
+                 f"optimizer states {held}; compute {compute})",
                  f"  {'component':<26}{unit + '/rank':>12}"]
         lines += [f"  {name:<26}{value / scale:>12.3f}" for name, value in self.breakdown.items() if value]
         lines.append("  phases (persistent + transients alive together; * = peak):")
@@ -348,12 +397,13 @@ def _mlp_transients(model: ModelShape, knobs: MemoryKnobs, local_tokens: int) ->
     return {"forward": chunk * 4 * i * b, "backward": chunk * 7 * i * b + local_tokens * e * b}
 
 
-def _logits(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> dict[str, int]:
+def _logits(model: ModelShape, knobs: MemoryKnobs, tokens: int, autocast_cast: bool = False) -> dict[str, int]:
     """lm_head + cross-entropy: saved per token and the forward/backward transients.
 
     Plain: saves the float32 log-softmax ``a V``; transients ``V b`` (+ ``a V`` upcast when half) forward,
     ``2 a V + V b`` backward. Chunked (``c`` tokens): saves the LSE, int64 targets and mask ``a + 9``;
-    transients ``c V (b + 2a)`` each way, plus the float32 lm_head gradient ``a V E`` in backward.
+    transients ``c V (b + 2a)`` each way, plus the float32 lm_head gradient ``a V E`` in backward, plus
+    (``autocast_cast``: fp32 weights under autocast) the per-chunk bf16 cast of ``weight.T`` ``V E b``.
     """
     b, v, e = knobs.dtype_bytes, model.vocab_size, model.hidden_size
     half = FLOAT32 if b < FLOAT32 else 0
@@ -361,21 +411,61 @@ def _logits(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> dict[str, int
     if chunk is None or chunk >= tokens:
         return {"saved": tokens * (FLOAT32 * v + INT64), "forward": tokens * v * (b + half),
                 "backward": tokens * v * (2 * FLOAT32 + b)}
-    return {"saved": tokens * (FLOAT32 + INT64 + 1), "forward": chunk * v * (b + 2 * FLOAT32),
-            "backward": chunk * v * (b + 2 * FLOAT32) + FLOAT32 * v * e}
+    cast = v * e * b if autocast_cast else 0
+    return {"saved": tokens * (FLOAT32 + INT64 + 1), "forward": chunk * v * (b + 2 * FLOAT32) + cast,
+            "backward": chunk * v * (b + 2 * FLOAT32) + FLOAT32 * v * e + cast}
+
+
+def _sharded(cluster: ClusterShape) -> bool:
+    return cluster.sharding == "fsdp" and cluster.world > 1
 
 
 def _static(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs) -> dict[str, int]:
     """Parameters, gradients and optimizer states (``optimizer_states`` tensors per parameter, AdamW: 2, in
-    the parameter dtype as torch keeps them). ``fsdp``: each divided by the world size, plus the gathered
-    full parameters of two layers (current + prefetch) and one layer's unsharded gradients."""
-    n, b = model.num_parameters(), knobs.dtype_bytes
-    if cluster.sharding == "replicate" or cluster.world == 1:
-        return {"params": n * b, "grads": n * b, "optimizer": knobs.optimizer_states * n * b, "fsdp_buffers": 0}
-    w = cluster.world
-    shard = math.ceil(n / w)
-    return {"params": shard * b, "grads": shard * b, "optimizer": knobs.optimizer_states * shard * b,
-            "fsdp_buffers": 3 * model.largest_layer_parameters() * b}
+    the parameter dtype as torch keeps them), ``p`` bytes each (fp32 under ``bf16-mixed``). ``fsdp``: each
+    divided by the world size, plus FSDP2's buffers of the largest layer ``N_l``: its gathered parameters in
+    the compute dtype for two layers (current + prefetch, ``2 N_l b``; FSDP2 ``MixedPrecisionPolicy``
+    all-gathers bf16 under ``bf16-mixed``), one layer's unsharded gradients ``N_l b`` and the reduce-scatter
+    input they are copied into in the reduce dtype ``N_l p`` (``foreach_reduce``: both alive at the copy-in;
+    fp32 under ``bf16-mixed``, ``reduce_dtype=float32``)."""
+    n, pb, b = model.num_parameters(), knobs.param_bytes, knobs.dtype_bytes
+    if not _sharded(cluster):
+        return {"params": n * pb, "grads": n * pb, "optimizer": knobs.optimizer_states * n * pb, "fsdp_buffers": 0}
+    shard = math.ceil(n / cluster.world)
+    return {"params": shard * pb, "grads": shard * pb, "optimizer": knobs.optimizer_states * shard * pb,
+            "fsdp_buffers": model.largest_layer_parameters() * (3 * b + pb)}
+
+
+def autocast_cached_parameters(model: ModelShape, logits_chunked: bool) -> int:
+    """Parameters torch's autocast caches a bf16 copy of (one per weight, until the outermost autocast region
+    exits; ``cached_cast`` in ``aten/src/ATen/autocast_mode.cpp`` caches only fp32 leaves that require grad and
+    are not views). In ``DecoderLM``: ``o_proj`` (and its bias) and the SwiGLU weights, which ``nn.Linear``
+    passes as they are, and ``lm_head`` on the plain (unchunked) logits path. Not cached: q/k/v (each stage
+    concatenates weight slices: not leaves), the chunked lm_head (``weight.T`` is a view: cast per chunk, a
+    transient), the embedding (``F.embedding`` is not autocast) and the norm weights (``mul`` is not
+    autocast). A linear-attention layer: all of its mixer parameters (estimate)."""
+    e, h, d = model.hidden_size, model.num_attention_heads, model.head_dim
+    o_proj = h * d * e + (e if model.attention_bias else 0)
+    mlp = 3 * e * model.intermediate_size
+    per_full, per_linear = o_proj + mlp, model.linear_layer_parameters() + mlp
+    lm_head = 0 if logits_chunked else model.vocab_size * e
+    return model.full_layers * per_full + model.linear_layers * per_linear + lm_head
+
+
+def weight_copies_bytes(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, tokens: int,
+                        autocast_only: bool) -> int:
+    """Low-precision copies of full-size weights alive through forward and backward under ``bf16-mixed``
+    with full replicas (0 under FSDP sharding, whose per-layer copies are ``fsdp_buffers``, and without mixed
+    precision). ``autocast_only`` (LongStraw: a plain module under Lightning's autocast): the bf16 copies
+    autocast caches (:func:`autocast_cached_parameters`), alive for the whole ``training_step``, optimizer
+    step included; they outlive the region anyway as the saved inputs of each layer's backward. Else (SFT
+    replicas, FSDP2 on a 1-wide shard mesh with ``reshard_after_forward=False`` and ``MixedPrecisionPolicy``):
+    the unsharded bf16 copy of every parameter, ``N b``."""
+    if not knobs.mixed or _sharded(cluster):
+        return 0
+    chunked = knobs.logits_chunk_size is not None and knobs.logits_chunk_size < tokens
+    cast = autocast_cached_parameters(model, chunked) if autocast_only else model.num_parameters()
+    return cast * knobs.dtype_bytes
 
 
 def _recurrent_state(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
@@ -418,12 +508,15 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
     layer (host memory when offloaded). Phases add the transients alive together: the logits (forward,
     backward), the last layer's MLP backward, its attention forward and backward (with checkpointing: after
     recomputing that layer), and the optimizer step (``static`` + one parameter-sized AdamW temporary).
+    Under ``bf16-mixed`` with replicas the forward and backward phases also hold the bf16 weight copies
+    (:func:`weight_copies_bytes`); the optimizer step runs after they are freed.
     """
     sp = cluster.sp
     s_l = math.ceil(seq_len / sp)
     b, e = knobs.dtype_bytes, model.hidden_size
     static = _static(model, cluster, knobs)
-    base = sum(static.values())
+    copies = weight_copies_bytes(model, cluster, knobs, s_l, autocast_only=False)
+    base = sum(static.values()) + copies
     kinds = list(model.layer_types)
     per_kind = {k: layer_saved_bytes(model, knobs, sp, k) for k in set(kinds)}
     last = kinds[-1]
@@ -462,7 +555,8 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
             "backward mlp": base + kept + grad_stream + mlp["backward"],
             "backward attention": base + below + layer_pre + grad_stream + attn["backward"],
         }
-    phases["optimizer step"] = base + static["params"]
+    phases["optimizer step"] = base - copies + static["params"]
+    comp["weight_copies"] = copies
     comp.update(attention_stage=max(attn.values()), mlp_tiles=max(mlp.values()),
                 logits_chunk=max(logits["forward"], logits["backward"]), grad_stream=grad_stream)
     return comp, phases, host
@@ -474,8 +568,11 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
 
     Persistent through the step: ``static``, the KV cache of the cached prompt ``S' = P floor((S-1)/P)``
     (:func:`kv_cache_bytes`), the recurrent states of linear layers, and with ``prompt_grad="full"`` the
-    accumulated cache gradients (same size: the LongStraw accumulators) and one ``E b`` checkpoint per layer
-    and local token (host memory when offloaded). Phases:
+    accumulated cache gradients (the LongStraw accumulators: as many elements as the cache, in the
+    parameter dtype ``p``: fp32 under ``bf16-mixed``) and one ``E b`` checkpoint per layer and local token
+    (host memory when offloaded). Under ``bf16-mixed`` (fp32 replicas under autocast) every phase also holds
+    autocast's cached bf16 weight copies (:func:`weight_copies_bytes`; the step, and the optimizer step,
+    run inside ``training_step``), and the chunked lm_head casts its weight per chunk. Phases:
 
     - prefill: one layer's no-grad forward over ``s_l`` tokens: hidden, residual and norm plus the larger
       of the attention stage and the MLP (``3 I b`` per token, or one tile's ``4 I b``);
@@ -493,15 +590,18 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     s_l = max(cached // sp, 1)
     b, e, d = knobs.dtype_bytes, model.hidden_size, model.head_dim
     static = _static(model, cluster, knobs)
-    base = sum(static.values())
+    t = response_len + sp  # the branch: the prompt tail (< P tokens) + the response
+    t_l = math.ceil(t / sp)
+    copies = weight_copies_bytes(model, cluster, knobs, t_l, autocast_only=True)
+    base = sum(static.values()) + copies
     kv = kv_cache_bytes(model, knobs, sp, cached)
     state = _recurrent_state(model, knobs, sp)
     full = prompt_grad == "full"
     ckpt = model.num_hidden_layers * s_l * e * b if full else 0
     host = ckpt if knobs.offload_checkpoints else 0
     ckpt_dev = 0 if host else ckpt
-    acc = (kv + state) if full else 0
-    comp = dict(static)
+    acc = (kv // b * knobs.param_bytes + state) if full else 0
+    comp = dict(static, weight_copies=copies)
     comp.update(kv_cache=kv, recurrent_state=state, checkpoints=ckpt_dev, longstraw_accumulators=acc)
     persistent = base + kv + state + ckpt_dev
     kinds = set(model.layer_types)
@@ -523,10 +623,9 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     else:
         attn, replay_cache, graph_stages = {"forward": 0, "backward": 0}, 0, 0
     comp["attention_stage"] = max(attn.values())
-    t = response_len + sp  # the branch: the prompt tail (< P tokens) + the response
-    t_l = math.ceil(t / sp)
     branch = t_l * (sum(per_kind[k]["pre"] + per_kind[k]["post"] for k in model.layer_types) + 2 * e * b)
-    branch += _logits(model, knobs, t_l)["saved"] + _logits(model, knobs, t_l)["backward"]
+    logits = _logits(model, knobs, t_l, autocast_cast=knobs.mixed and not _sharded(cluster))
+    branch += logits["saved"] + logits["backward"]
     chunk = knobs.mlp_chunk_size
     mlp_nograd = (3 * s_l if chunk is None or chunk >= s_l else 4 * chunk) * model.intermediate_size * b
     prefill = s_l * (2 * e * b + _norm_saved(e, b)) + max(attn["forward"], mlp_nograd)
@@ -551,7 +650,7 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
     Args:
         model_cfg: HF-style architecture (dict / DictConfig / ``DecoderConfig``); see :class:`ModelShape`.
         cluster_cfg: ``devices``, ``num_nodes``, ``sp_size``, ``sharding``; see :class:`ClusterShape`.
-        memory_cfg: ``budget_gib``, ``dtype``, the knobs; see :class:`MemoryKnobs`.
+        memory_cfg: ``budget_gib``, ``precision``, the knobs; see :class:`MemoryKnobs`.
         seq_len: tokens per sequence (SFT) or per prompt (LongStraw).
         mode: ``"sft"`` or ``"longstraw"``.
         group_size, response_len, prompt_grad: the LongStraw group (G responses of ``response_len`` tokens).
@@ -595,7 +694,7 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
     return Plan(mode=mode, seq_len=seq_len, group_size=group_size, response_len=response_len, sp=cluster.sp,
                 dp=cluster.dp, local_tokens=local, head_chunk_size=chunk, breakdown=comp, phases=phases,
                 peak_phase=peak_phase, total_bytes=phases[peak_phase] + reserve,
-                budget_bytes=int(knobs.budget_gib * GIB), host_bytes=host, notes=notes)
+                budget_bytes=int(knobs.budget_gib * GIB), host_bytes=host, notes=notes, precision=knobs.precision)
 
 
 def max_context(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, mode: str = "sft", granularity: int = 1024,
@@ -701,14 +800,18 @@ def check_budget(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: 
 
 __all__ = [
     "GIB",
+    "LEGACY_DTYPES",
+    "PRECISIONS",
     "ClusterShape",
     "MemoryKnobs",
     "ModelShape",
     "Plan",
     "PlanError",
     "attention_stage_bytes",
+    "autocast_cached_parameters",
     "cache_heads_per_rank",
     "check_budget",
+    "check_precision",
     "kv_cache_bytes",
     "layer_saved_bytes",
     "longstraw_phases",
@@ -716,4 +819,5 @@ __all__ = [
     "plan",
     "sft_phases",
     "suggestions",
+    "weight_copies_bytes",
 ]

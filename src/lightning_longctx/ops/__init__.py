@@ -13,12 +13,13 @@ Main API:
   without materialising ``[tokens, vocab]`` logits.
 - :func:`tiled_mlp`: a token-wise MLP run and recomputed over slices of the sequence.
 - :func:`track_memory` (:class:`MemoryTracker` on CPU, :class:`CudaMemoryTracker` on CUDA): live and peak
-  tensor bytes of a block of code, to pin memory bounds in tests.
+  tensor bytes of a block of code, to pin memory bounds in tests; :func:`reset_device_peak` /
+  :func:`device_peak_bytes`: the device's own absolute peak over a training step, at no per-op cost.
 """
 
 from .attention import attention_backward, attention_forward, attention_with_lse
 from .losses import chunked_cross_entropy, chunked_token_logprobs
-from .memory import CudaMemoryTracker, MemoryTracker, track_memory
+from .memory import CudaMemoryTracker, MemoryTracker, device_peak_bytes, reset_device_peak, track_memory
 from .merge import merge_attention_outputs, prefix_attention
 from .mlp import tiled_mlp
 
@@ -30,8 +31,10 @@ __all__ = [
     "attention_with_lse",
     "chunked_cross_entropy",
     "chunked_token_logprobs",
+    "device_peak_bytes",
     "merge_attention_outputs",
     "prefix_attention",
+    "reset_device_peak",
     "tiled_mlp",
     "track_memory",
 ]

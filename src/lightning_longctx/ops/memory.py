@@ -238,6 +238,48 @@ class CudaMemoryTracker:
         _ACTIVE_CUDA_TRACKERS.remove(self)
 
 
+def reset_device_peak(device: torch.device | str) -> None:
+    """Start a new peak window for :func:`device_peak_bytes` (e.g. at the start of a training step).
+
+    CUDA: the caching allocator's peak counter (active :class:`CudaMemoryTracker` s keep their peaks). CPU
+    (Linux): the kernel's peak resident set size of this process (``/proc/self/clear_refs``), at no cost per
+    op, unlike the dispatch-based :class:`MemoryTracker`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        for tracker in _ACTIVE_CUDA_TRACKERS:
+            if tracker.device.index == index:
+                tracker._folded_peak = tracker._allocator_peak()
+        torch.cuda.reset_peak_memory_stats(index)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5": reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
+    except OSError:  # not Linux, or not permitted: device_peak_bytes falls back to the lifetime peak
+        pass
+
+
+def device_peak_bytes(device: torch.device | str) -> int:
+    """The device's peak memory since :func:`reset_device_peak`, in absolute bytes (not relative to entry).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (parameters, gradients, optimizer states, activations, kernel
+    workspaces). CPU: the process's peak resident set size (``VmHWM``; ``ru_maxrss``, the lifetime peak,
+    where ``/proc`` is missing): everything the process holds, Python and the allocator's caches included."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device.index if device.index is not None else None))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
 def track_memory(device: torch.device | str | None = None) -> MemoryTracker | CudaMemoryTracker:
     """A memory tracker for ``device``.
 
