@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_distributed
 from lightning_longctx.parallel import (
@@ -64,9 +65,64 @@ def _round_trip(rank, world):
     return bool(torch.equal(back, x))
 
 
+class _HostSyncs(TorchDispatchMode):
+    """Records the ops that force a device-to-host sync on CUDA (``.item()``/``int()``/``bool()`` of a tensor:
+    ``_local_scalar_dense``; boolean-mask indexing: ``nonzero``), which dispatch on CPU too; and counts
+    every collective other than the all-to-alls."""
+
+    SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"}
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.SYNC_OPS:
+            self.syncs.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def _hot_path_syncs(rank, world):
+    """Host syncs and non-all-to-all collectives in a chunked ulysses_attention forward + backward and in a
+    DecoderLM forward + backward under SP (after the first call built and cached the head schedules)."""
+    import torch.distributed as dist
+
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+
+    group = dist.group.WORLD
+    q, k, v, grad_out = _full_inputs(8, 2, 8 * world, seed=0)
+    local = [shard_sequence(t, rank, world).clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=4),
+                      MemoryConfig(head_chunk_size=1))
+    model.sp_group = model.model.layers[0].self_attn.sp_group = group
+    ids = torch.randint(0, 16, (1, 8))
+    counted = {"other_collectives": 0}
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce", "broadcast")}
+
+    def run():
+        out = ulysses_attention(*local, group=group, head_chunk_size=1)
+        torch.autograd.grad(out, local, shard_sequence(grad_out, rank, world).contiguous())
+        model(ids, shift_labels=ids, num_items_in_batch=torch.tensor(8 * world)).loss.backward()
+
+    run()  # builds the cached schedules and stage index tensors
+    for name, original in originals.items():
+        setattr(dist, name, lambda *a, _o=original, **kw: (counted.__setitem__("other_collectives",
+                                                                               counted["other_collectives"] + 1),
+                                                          _o(*a, **kw))[1])
+    try:
+        with _HostSyncs() as mode:
+            run()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"syncs": mode.syncs, **counted}
+
+
 def _all_checks(rank, world):
     return {"worst": _check_cases(rank, world, 24), "errors": _bad_inputs(rank, world),
-            "round_trip": _round_trip(rank, world)}
+            "round_trip": _round_trip(rank, world), "hot_path": _hot_path_syncs(rank, world)}
 
 
 _RUNS: dict[int, list] = {}
@@ -81,6 +137,14 @@ def _run(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ulysses_matches_single_process_attention(world):
     assert max(r["worst"] for r in _run(world)) < 1e-8
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_attention_hot_path_has_no_host_syncs_and_no_extra_collectives(world):
+    """Per attention call only the all-to-alls: no shape all-gather, no ``.item()``/``.cpu()``-style sync (the
+    head schedules are cached Python ints), also through DecoderLM's fused head-chunked block and its loss."""
+    for r in _run(world):
+        assert r["hot_path"] == {"syncs": [], "other_collectives": 0}, r["hot_path"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

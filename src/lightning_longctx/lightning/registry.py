@@ -1,48 +1,40 @@
 """Register ``"ulysses"`` with Lightning (which has no entry-point discovery for strategies).
 
-:func:`register_strategies` runs when ``lightning_longctx`` (or ``lightning_longctx.lightning``) is imported:
-``lightning.pytorch``'s ``StrategyRegistry`` gets :class:`~.strategy.UlyssesStrategy` and
-``lightning.fabric``'s ``STRATEGY_REGISTRY`` gets :class:`~.fabric.UlyssesFabricStrategy`. The standalone
-``pytorch_lightning`` / ``lightning_fabric`` packages are separate copies with separate registries; if one of
-them is already imported, ``"ulysses"`` there is a stub that raises a clear error naming the right import.
+``import lightning_longctx`` already makes ``strategy="ulysses"`` work without importing Lightning: it registers
+small factories that import this package when called (see :mod:`lightning_longctx`). :func:`register_strategies`
+runs when ``lightning_longctx.lightning`` is imported and registers the classes themselves (idempotent):
+``lightning.pytorch``'s ``StrategyRegistry`` gets :class:`~.strategy.UlyssesStrategy` and ``lightning.fabric``'s
+``STRATEGY_REGISTRY`` gets :class:`~.fabric.UlyssesFabricStrategy`. The standalone ``pytorch_lightning`` /
+``lightning_fabric`` packages are separate copies with separate registries; if one of them is imported (now or
+later), ``"ulysses"`` there is a stub that raises a clear error naming the right import.
 """
 
 from __future__ import annotations
 
 import sys
 
-STRATEGY_NAME = "ulysses"
-_DESCRIPTION = "Ulysses sequence parallelism (head-chunked) x FSDP2 data parallelism on a (dp, sp) mesh"
+from .. import _STRATEGY_NAME as STRATEGY_NAME
+from .. import _register_in, _register_lazily
 
-
-def _wrong_namespace(package: str, right: str):
-    class WrongNamespaceUlysses:
-        def __init__(self, *args, **kwargs) -> None:
-            raise TypeError(
-                f"strategy='ulysses' is registered for {right}, not for the standalone `{package}` package (a "
-                f"separate copy of Lightning whose Trainer/Fabric cannot run it): import from {right} instead"
-            )
-
-    return WrongNamespaceUlysses
+__all__ = ["STRATEGY_NAME", "register_strategies"]
 
 
 def register_strategies() -> None:
     """Register (or re-register) ``"ulysses"`` in the Trainer and Fabric strategy registries."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry
+    import lightning.fabric.strategies  # noqa: F401
+    import lightning.pytorch.strategies  # noqa: F401
 
     from .fabric import UlyssesFabricStrategy
     from .strategy import UlyssesStrategy
 
-    StrategyRegistry.register(STRATEGY_NAME, UlyssesStrategy, description=_DESCRIPTION, override=True)
-    STRATEGY_REGISTRY.register(STRATEGY_NAME, UlyssesFabricStrategy, description=_DESCRIPTION, override=True)
+    _register_in("lightning.pytorch.strategies", UlyssesStrategy)
+    _register_in("lightning.fabric.strategies", UlyssesFabricStrategy)
     if "pytorch_lightning" in sys.modules:
-        from pytorch_lightning.strategies import StrategyRegistry as OtherTrainerRegistry
+        import pytorch_lightning.strategies  # noqa: F401
 
-        OtherTrainerRegistry.register(STRATEGY_NAME, _wrong_namespace("pytorch_lightning", "lightning.pytorch"),
-                                      description=_DESCRIPTION, override=True)
+        _register_in("pytorch_lightning.strategies")
     if "lightning_fabric" in sys.modules:
-        from lightning_fabric.strategies import STRATEGY_REGISTRY as OtherFabricRegistry
+        import lightning_fabric.strategies  # noqa: F401
 
-        OtherFabricRegistry.register(STRATEGY_NAME, _wrong_namespace("lightning_fabric", "lightning.fabric"),
-                                     description=_DESCRIPTION, override=True)
+        _register_in("lightning_fabric.strategies")
+    _register_lazily()  # still hooks the standalone packages' registries if they are not imported yet
