@@ -31,6 +31,21 @@ def accumulation_dtype(params, requested: torch.dtype | None) -> torch.dtype:
     return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
 
 
+def move_grad_into(buffers: dict, key, dtype: torch.dtype):
+    """A post-accumulate-grad hook: adds the tensor's fresh ``.grad`` into ``buffers[key]`` (created in
+    ``dtype`` on first use) and clears ``.grad``, so the running sum lives only in ``dtype``."""
+
+    def move_to_buffer(tensor: torch.Tensor) -> None:
+        buffer = buffers.get(key)
+        if buffer is None:
+            buffers[key] = tensor.grad.to(dtype)
+        else:
+            buffer.add_(tensor.grad)
+        tensor.grad = None
+
+    return move_to_buffer
+
+
 class GroupGradients:
     """Collects one group step's parameter gradients in ``dtype``; see the module docstring.
 
@@ -58,15 +73,7 @@ class GroupGradients:
         self._hooks.clear()
 
     def _hook(self, index: int):
-        def move_to_buffer(param: torch.Tensor) -> None:
-            buffer = self._buffers.get(index)
-            if buffer is None:
-                self._buffers[index] = param.grad.to(self.dtype)
-            else:
-                buffer.add_(param.grad)
-            param.grad = None
-
-        return move_to_buffer
+        return move_grad_into(self._buffers, index, self.dtype)
 
     def step_gradients(self) -> list[torch.Tensor | None]:
         """This step's gradient of every parameter in ``dtype`` (None where none arrived on this rank)."""
@@ -91,4 +98,4 @@ class GroupGradients:
         self._buffers.clear()
 
 
-__all__ = ["GroupGradients", "accumulation_dtype"]
+__all__ = ["GroupGradients", "accumulation_dtype", "move_grad_into"]

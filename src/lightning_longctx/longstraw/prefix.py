@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..ops.losses import chunked_token_logprobs
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
+from .grads import move_grad_into
 
 
 @dataclass
@@ -51,19 +52,8 @@ class PromptState:
         for which, (tensors, t) in enumerate(((self.keys, key), (self.values, value))):
             leaf = t.detach().requires_grad_(requires_grad)
             if requires_grad and leaf.dtype != self.grad_dtype:
-                leaf.register_post_accumulate_grad_hook(self._accumulate((layer, which)))
+                leaf.register_post_accumulate_grad_hook(move_grad_into(self.grads, (layer, which), self.grad_dtype))
             tensors.append(leaf)
-
-    def _accumulate(self, slot: tuple[int, int]):
-        def move_to_buffer(leaf: torch.Tensor) -> None:
-            buffer = self.grads.get(slot)
-            if buffer is None:
-                self.grads[slot] = leaf.grad.to(self.grad_dtype)
-            else:
-                buffer.add_(leaf.grad)
-            leaf.grad = None
-
-        return move_to_buffer
 
     def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
         """The gradient summed over the group so far of layer ``layer``'s K (``which=0``) or V (``1``)."""
