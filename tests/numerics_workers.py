@@ -168,25 +168,29 @@ def setup_collectives(rank: int, world: int) -> dict:
 
 
 def coalesced_reduction(rank: int, world: int) -> dict:
-    """``GroupGradients.finish`` over a group where only rank 0 has a gradient for one parameter: no deadlock,
-    the exact sum everywhere, and one all-reduce per bucket instead of one per parameter."""
+    """``GroupGradients.finish`` where only rank 0 has a gradient for one parameter: no deadlock, the exact
+    SP sum (and, over the same ranks taken as a DP group, the mean) everywhere, and one all-reduce per bucket
+    instead of one per parameter."""
     from lightning_longctx.longstraw.grads import GroupGradients
 
-    params = [torch.nn.Parameter(torch.full((3,), float(i))) for i in range(5)]
-    calls = []
-    original = dist.all_reduce
+    out = {}
+    for name, groups in (("sp_sum", (dist.group.WORLD, None)), ("dp_mean", (None, dist.group.WORLD))):
+        params = [torch.nn.Parameter(torch.full((3,), float(i))) for i in range(5)]
+        calls = []
+        original = dist.all_reduce
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].numel())
-        return original(*args, **kwargs)
+        def counting(*args, _calls=calls, _original=original, **kwargs):
+            _calls.append(args[0].numel())
+            return _original(*args, **kwargs)
 
-    dist.all_reduce = counting
-    try:
-        grads = GroupGradients(params, torch.float32)
-        with grads:
-            loss = sum((p * (rank + 1)).sum() for i, p in enumerate(params) if i != 2 or rank == 0)
-            loss.backward()
-        grads.finish(dist.group.WORLD)
-    finally:
-        dist.all_reduce = original
-    return {"grads": [p.grad.tolist() for p in params], "calls": calls}
+        dist.all_reduce = counting
+        try:
+            grads = GroupGradients(params, torch.float32)
+            with grads:
+                loss = sum((p * (rank + 1)).sum() for i, p in enumerate(params) if i != 2 or rank == 0)
+                loss.backward()
+            grads.finish(*groups)
+        finally:
+            dist.all_reduce = original
+        out[name] = {"grads": [p.grad.tolist() for p in params], "calls": calls}
+    return out

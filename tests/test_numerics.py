@@ -155,13 +155,14 @@ def test_replicas_are_broadcast_after_the_model_moved_and_coalesced(setup_runs):
         assert 1 <= run["setup_broadcasts"] < run["num_params"], run
 
 
-def test_sp_reduction_is_coalesced_and_survives_a_missing_gradient():
+def test_sp_and_dp_reductions_are_coalesced_and_survive_a_missing_gradient():
     results = run_distributed(coalesced_reduction, 2)  # an initialised gloo group
     for r in results:
         # param i gets (1 + 2) * 1 from both ranks, param 2 only rank 0's 1
-        assert r["grads"] == [[3.0] * 3, [3.0] * 3, [1.0] * 3, [3.0] * 3, [3.0] * 3], r["grads"]
-        assert r["calls"] == [15], r["calls"]  # one flat all-reduce of all 5 x 3 elements
-    assert results[0]["calls"] == results[1]["calls"]
+        assert r["sp_sum"]["grads"] == [[3.0] * 3, [3.0] * 3, [1.0] * 3, [3.0] * 3, [3.0] * 3], r["sp_sum"]
+        assert r["dp_mean"]["grads"] == [[1.5] * 3, [1.5] * 3, [0.5] * 3, [1.5] * 3, [1.5] * 3], r["dp_mean"]
+        for case in ("sp_sum", "dp_mean"):
+            assert r[case]["calls"] == [15], r[case]["calls"]  # one flat all-reduce of all 5 x 3 elements
 
 
 def test_device_peak_is_absolute_and_resettable():

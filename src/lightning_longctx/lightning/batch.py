@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..parallel import IGNORE_INDEX, check_group_shapes, shard_batch
+from ..parallel import IGNORE_INDEX, check_group_shapes, group_size, shard_batch
 
 SEQUENCE_KEYS = ("input_ids", "labels", "attention_mask", "loss_mask")
 PRODUCED_KEYS = ("shift_labels", "position_ids", "num_items_in_batch")
@@ -110,7 +110,7 @@ def shard_sequence_batch(
     )
     if sp_size > 1:
         check_group_shapes(shard["input_ids"], sp_group, "input_ids shards")
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+    if group_size(dp_group) > 1:
         dist.all_reduce(shard["num_items_in_batch"], group=dp_group)
     return {**shard, **rest}
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..longstraw import group_advantages, longstraw_step, sample, score
 from ..ops.memory import device_peak_bytes, reset_device_peak
-from ..parallel import all_reduce_coalesced, group_size
+from ..parallel import group_size
 
 
 class LongStrawModule(pl.LightningModule):
@@ -119,17 +119,6 @@ class LongStrawModule(pl.LightningModule):
         group = self._mesh_group("dp")
         return dist.get_rank(group) if group is not None else 0
 
-    def _average_over_dp(self, dp_group: dist.ProcessGroup) -> None:
-        """Mean of the exact per-group gradients over data-parallel replicas: one flattened fp32 (or wider)
-        all-reduce per bucket over every trainable parameter (zeros where a rank has none, so all ranks issue
-        the same collectives)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-        wide = [g.float() if g.dtype in (torch.bfloat16, torch.float16) else g for g in grads]
-        all_reduce_coalesced(wide, dp_group, divide_by=group_size(dp_group))
-        for p, g in zip(params, wide):
-            p.grad = g.to(p.dtype)
-
     def training_step(self, batch: dict, batch_idx: int):
         prompts = batch["prompt_ids"]
         prompts = [prompts] if torch.is_tensor(prompts) and prompts.dim() == 1 else list(prompts)
@@ -153,10 +142,10 @@ class LongStrawModule(pl.LightningModule):
                 ref = score(self.ref_model, prompt, responses, group=sp_group)
             optimizer.zero_grad(set_to_none=True)
             reset_device_peak(prompt.device)
+            # exact group gradient: summed over SP, averaged over DP replicas, in fp32
             out = longstraw_step(self.model, prompt, responses, advantages, ref_logprobs=ref, group=sp_group,
-                                 progress=self.progress, measure_memory=False, **self.step_kwargs)
-            if dp_group is not None:
-                self._average_over_dp(dp_group)
+                                 dp_group=dp_group, progress=self.progress, measure_memory=False,
+                                 **self.step_kwargs)
             optimizer.step()
             peak = device_peak_bytes(prompt.device)
             seconds = time.perf_counter() - start

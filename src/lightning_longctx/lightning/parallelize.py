@@ -142,7 +142,8 @@ def fsdp_mesh(sharding: str, device_type: str) -> DeviceMesh:
 
 
 def mixed_precision_policy(precision: str | None):
-    """FSDP2's ``MixedPrecisionPolicy`` for a Lightning precision string, or None (parameters used as stored).
+    """FSDP2's ``MixedPrecisionPolicy`` for a Lightning precision string (the default policy, parameters used
+    as stored, for anything but a mixed precision).
 
     ``"bf16-mixed"`` / ``"16-mixed"``: fp32 master parameters, gradients and optimizer states (the sharded
     parameters stay fp32); each layer's all-gather casts to the compute dtype, the forward runs in it, and
@@ -152,22 +153,22 @@ def mixed_precision_policy(precision: str | None):
 
     compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
     if compute is None:
-        return None
+        return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
 
 def shard_modules(module: nn.Module, roots: list[nn.Module], *, sharding: str, mesh: DeviceMesh,
-                  mp_policy=None) -> None:
-    """FSDP2 on every block of every root, then on each root; gradients become the sum over all ranks."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+                  mp_policy) -> None:
+    """FSDP2 (with ``mp_policy``) on every block of every root, then on each root; gradients become the sum
+    over all ranks."""
+    from torch.distributed.fsdp import fully_shard
 
     sharded = sharding == "fsdp"  # replicas have nothing to free after forward
-    policy = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
     for root in roots:
         for block in blocks(root):
-            fully_shard(block, mesh=mesh, reshard_after_forward=sharded, **policy)
+            fully_shard(block, mesh=mesh, reshard_after_forward=sharded, mp_policy=mp_policy)
         # None: FSDP's root default
-        fully_shard(root, mesh=mesh, reshard_after_forward=None if sharded else False, **policy)
+        fully_shard(root, mesh=mesh, reshard_after_forward=None if sharded else False, mp_policy=mp_policy)
     set_gradient_reduction(module)
 
 
@@ -212,7 +213,6 @@ def parallelize(
     ``forward`` runs; ``module`` itself when it is called). ``precision`` (Lightning's string) selects FSDP2's
     mixed-precision policy (:func:`mixed_precision_policy`). A module parallelized before (e.g. by an earlier
     ``fit``) is only re-wired to the current group and gradient reduction."""
-    mp_policy = mixed_precision_policy(precision)
     check_attention_heads(module, sp_size, head_chunk_size)
     wire_sequence_parallel(module, sp_group if sp_size > 1 else None, sp_size, head_chunk_size)
     if getattr(module, "_longctx_parallelized", None) == (sharding, str(precision)):
@@ -225,6 +225,6 @@ def parallelize(
             "fully_shard"
         )
     shard_modules(module, roots, sharding=sharding, mesh=fsdp_mesh(sharding, device_type),
-                  mp_policy=mp_policy)
+                  mp_policy=mixed_precision_policy(precision))
     module._longctx_parallelized = (sharding, str(precision))
     return module

@@ -21,8 +21,9 @@ also when DP ranks hold different numbers of valid tokens (tests/test_strategy.p
 that global loss for logging.
 
 Precision: ``precision="bf16-mixed"`` keeps fp32 master parameters, gradients and AdamW states; under
-``sharding="fsdp"`` the strategy hands FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
-(bf16 all-gathers and compute, fp32 gradient reduction), with plain replicas autocast does the casting.
+both sharding modes (each runs on FSDP2) the strategy hands FSDP2
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (bf16 all-gathers and compute, fp32 gradient
+reduction); for a module that handles SP itself (plain replicas) Lightning's autocast does the casting.
 ``"bf16-true"`` (everything bf16, no master copy) is only an explicit memory option.
 
 Registered as ``"ulysses"`` when ``lightning_longctx`` is imported (Lightning has no entry points for

@@ -10,10 +10,11 @@ bf16 terms carries ~3 bits less than one term). :class:`GroupGradients` keeps th
 - others (bf16 parameters under ``bf16-true``) get a post-accumulate-grad hook that moves each backward's
   gradient into an ``accumulate_dtype`` buffer and clears ``.grad`` (so no bf16 running sum exists).
 
-:meth:`GroupGradients.finish` sums the step's gradients over the sequence-parallel group in
-``accumulate_dtype`` (one flattened collective per bucket over ALL trainable parameters, zeros where a rank
-has no gradient, so every rank issues the same collectives), then adds them to what ``.grad`` held before
-the step (cast to the parameter's dtype: an optimizer needs ``grad.dtype == param.dtype``).
+:meth:`GroupGradients.finish` sums the step's gradients over the sequence-parallel group (and averages them
+over data-parallel replicas) in ``accumulate_dtype``: one flattened collective per bucket over ALL trainable
+parameters, zeros where a rank has no gradient, so every rank issues the same collectives. Then it adds them
+to what ``.grad`` held before the step, cast to the parameter's dtype (an optimizer needs
+``grad.dtype == param.dtype``).
 """
 
 from __future__ import annotations
@@ -79,16 +80,21 @@ class GroupGradients:
         """This step's gradient of every parameter in ``dtype`` (None where none arrived on this rank)."""
         return [self._buffers.get(i, p.grad if p.dtype == self.dtype else None) for i, p in enumerate(self.params)]
 
-    def finish(self, group: dist.ProcessGroup | None) -> None:
-        """Sum the step's gradients over ``group`` in ``dtype``, then add them to the gradients from before.
+    def finish(self, group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None = None) -> None:
+        """Sum the step's gradients over ``group`` (and average them over ``dp_group``) in ``dtype``, then add
+        them to the gradients from before.
 
-        Under SP every parameter takes part in the reduction (zeros where this rank got no gradient), so all
-        ranks issue the same collectives; on one rank a parameter without a gradient keeps ``.grad`` as it was.
+        With more than one rank every parameter takes part in the reductions (zeros where this rank got no
+        gradient), so all ranks issue the same collectives; on one rank a parameter without a gradient keeps
+        ``.grad`` as it was.
         """
         grads = self.step_gradients()
-        if group_size(group) > 1:
+        reductions = [(g, divide_by) for g, divide_by in ((group, 1), (dp_group, group_size(dp_group)))
+                      if group_size(g) > 1]
+        if reductions:
             grads = [torch.zeros_like(p, dtype=self.dtype) if g is None else g for p, g in zip(self.params, grads)]
-            all_reduce_coalesced(grads, group)
+        for reduce_group, divide_by in reductions:
+            all_reduce_coalesced(grads, reduce_group, divide_by=divide_by)
         for p, grad, old in zip(self.params, grads, self._stashed):
             if grad is None:
                 p.grad = old

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.memory import track_memory
-from ..parallel import group_size, set_sequence_parallel_group
+from ..parallel import gather_ints, group_size, set_sequence_parallel_group
 from .grads import GroupGradients, accumulation_dtype
 from .losses import LOSS_TYPES, policy_token_terms, response_weights
 from .prefix import branch_logprobs, grouped_backward, make_branch, prefill
@@ -121,11 +121,8 @@ def check_group_agrees(prompt_ids: torch.Tensor, responses: Sequence[torch.Tenso
     if group_size(group) == 1:
         return
     lengths = [r.numel() for r in responses]
-    mine = torch.tensor([prompt_ids.numel(), len(lengths), sum(lengths), max(lengths)], device=prompt_ids.device)
-    every = [torch.empty_like(mine) for _ in range(group_size(group))]
-    dist.all_gather(every, mine, group=group)
-    rows = torch.stack(every).cpu().tolist()
-    if any(row != rows[0] for row in rows):
+    rows = gather_ints([prompt_ids.numel(), len(lengths), sum(lengths), max(lengths)], group, prompt_ids.device)
+    if len(set(rows)) != 1:
         described = ", ".join(f"rank {r}: prompt={a} G={b} response tokens={c} longest={d}"
                               for r, (a, b, c, d) in enumerate(rows))
         raise ValueError(f"ranks of the sequence-parallel group disagree on the group ({described}); every rank "
@@ -145,6 +142,7 @@ def longstraw_step(
     beta: float = 0.0,
     clip_eps: tuple[float, float] = (0.2, 0.2),
     group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
     max_response_length: int | None = None,
     logits_chunk_size: int | None = None,
     offload_checkpoints: bool = False,
@@ -165,6 +163,8 @@ def longstraw_step(
         old_logprobs, ref_logprobs: G tensors ``[T_i]`` from :func:`score` (on-policy / no KL when None).
         beta: KL (k3) coefficient. clip_eps: ``(eps_low, eps_high)``.
         group: sequence-parallel group (None = one process).
+        dp_group: data-parallel group whose ranks each ran their own group step: after the SP sum, the step's
+            gradients are averaged over it, still in ``accumulate_dtype`` (None = no data parallelism).
         logits_chunk_size: tokens per lm_head chunk (never materialises ``[tokens, vocab]``).
         offload_checkpoints: keep the prompt's layer checkpoints in pinned host memory.
         accumulate_dtype: the dtype the step's parameter gradients and the prompt-cache gradients are summed in
@@ -222,7 +222,7 @@ def longstraw_step(
         if prompt_grad == "full":
             grouped_backward(model, state, progress=progress)
         del state
-    step_grads.finish(group)  # fp32 (accumulate_dtype) sum over SP, one collective per bucket
+    step_grads.finish(group, dp_group)  # accumulate_dtype: sum over SP, mean over DP, one collective per bucket
     tokens = sum(lengths)
     loss_total, kl_sum, clipped, entropy_sum = totals.tolist()  # the step's one host sync for the statistics
     return StepOutput(

@@ -6,7 +6,7 @@ shifted labels and global positions (:mod:`.sharding`), and the DP x SP mesh (:m
 """
 
 from .all_to_all import HeadToSeq, SeqToHead, group_rank, group_size, head_to_seq, seq_to_head
-from .collectives import all_reduce_coalesced, broadcast_coalesced
+from .collectives import all_reduce_coalesced, broadcast_coalesced, gather_ints
 from .mesh import build_dp_sp_mesh, check_sp_size, set_sequence_parallel_group
 from .sharding import (
     IGNORE_INDEX,
@@ -28,6 +28,7 @@ __all__ = [
     "build_dp_sp_mesh",
     "check_group_shapes",
     "check_sp_size",
+    "gather_ints",
     "group_rank",
     "group_size",
     "head_schedule",

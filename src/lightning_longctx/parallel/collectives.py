@@ -36,6 +36,15 @@ def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> Iterator[lis
         yield bucket
 
 
+def gather_ints(values: Sequence[int], group: dist.ProcessGroup | None, device) -> list[tuple[int, ...]]:
+    """Every rank's ``values`` (the same count on every rank), rank by rank: one tiny all-gather on ``device``
+    (NCCL refuses host tensors) and one device-to-host copy. For once-per-step agreement checks."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(group_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [tuple(row) for row in torch.stack(every).cpu().tolist()]
+
+
 def all_reduce_coalesced(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup | None = None,
@@ -83,4 +92,4 @@ def broadcast_coalesced(
             t.copy_(part.view_as(t))
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "all_reduce_coalesced", "broadcast_coalesced"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "all_reduce_coalesced", "broadcast_coalesced", "gather_ints"]

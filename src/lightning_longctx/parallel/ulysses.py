@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..ops.attention import attention_backward, attention_forward
 from .all_to_all import group_size, head_to_seq, seq_to_head
+from .collectives import gather_ints
 
 
 def _validate_local(query, key, value, world: int, head_chunk_size: int | None) -> int:
@@ -78,15 +79,11 @@ def check_group_shapes(tensor: torch.Tensor, group: dist.ProcessGroup | None, wh
     """Raise ``ValueError`` on every rank unless all ranks of ``group`` hold ``tensor`` with the same shape.
 
     One tiny all-gather and one device-to-host copy: call it once per step (the Ulysses strategy does, on the
-    sharded batch; ``longstraw_step`` does, on the prompt), not per attention call. Every rank must call it.
+    sharded batch), not per attention call. Every rank must call it.
     """
-    world = group_size(group)
-    if world == 1:
+    if group_size(group) == 1:
         return
-    mine = torch.tensor(tensor.shape, dtype=torch.int64, device=tensor.device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    shapes = [tuple(t) for t in torch.stack(every).cpu().tolist()]
+    shapes = gather_ints(tensor.shape, group, tensor.device)
     if len(set(shapes)) != 1:
         rows = ", ".join(f"rank {r}: {list(shape)}" for r, shape in enumerate(shapes))
         raise ValueError(f"ranks of the sequence-parallel group hold {what} of different shapes ({rows}); every "
