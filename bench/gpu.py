@@ -40,8 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from lightning_longctx.longstraw import longstraw_step  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
-from lightning_longctx.ops import attention as attention_ops  # noqa: E402
-from lightning_longctx.ops import track_memory  # noqa: E402
+from lightning_longctx.ops import attention_cuda, track_memory  # noqa: E402
 
 CHUNKS = (None, 1)
 GROUPS = (2, 8)
@@ -131,7 +130,7 @@ def configure(model: DecoderLM, backend: str, chunk: int | None, logits_chunk: i
 def backends_for(device: torch.device) -> list[str]:
     if device.type != "cuda":
         return ["torch_cpu_flash"]  # torch's fused CPU kernel: the CPU twin of torch_cuda
-    return (["flash_attn"] if attention_ops.HAS_FLASH_ATTN else []) + ["torch_cuda"]
+    return (["flash_attn"] if attention_cuda.HAS_FLASH_ATTN else []) + ["torch_cuda"]
 
 
 # ------------------------------------------------------------------------------------------------ part 1

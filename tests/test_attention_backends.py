@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_longctx.ops import attention as attn_mod
+from lightning_longctx.ops import attention_cuda as cuda_mod
 from lightning_longctx.ops import merge_attention_outputs
 from lightning_longctx.ops.attention import attention_backward, attention_forward, attention_with_lse
 from lightning_longctx.ops.merge import prefix_attention
@@ -156,10 +157,10 @@ class StandIns:
 def fake_cuda(monkeypatch):
     """CPU tensors count as CUDA (sm80+) and every kernel entry is a stand-in; yields the stand-ins."""
     stand_ins = StandIns()
-    for name in attn_mod.KERNELS:
-        monkeypatch.setitem(attn_mod.KERNELS, name, getattr(stand_ins, name))
-    monkeypatch.setattr(attn_mod, "_on_cuda", lambda t: True)
-    monkeypatch.setattr(attn_mod, "_sm80_or_newer", lambda device: True)
+    for name in cuda_mod.KERNELS:
+        monkeypatch.setitem(cuda_mod.KERNELS, name, getattr(stand_ins, name))
+    monkeypatch.setattr(cuda_mod, "on_cuda", lambda t: True)
+    monkeypatch.setattr(cuda_mod, "sm80_or_newer", lambda device: True)
     return stand_ins
 
 
@@ -171,9 +172,9 @@ def _use(monkeypatch, backend, kernel):
     """Route fp32 inputs to the kernel under test (the stand-ins compute in float64, so fp32 keeps the checks
     tight): fp32 would pick torch's "efficient" kernel, and flash_attn accepts only fp16/bf16."""
     if kernel is not None:
-        monkeypatch.setattr(attn_mod, "_torch_cuda_kernel", lambda query: kernel)
+        monkeypatch.setattr(cuda_mod, "torch_cuda_kernel", lambda query: kernel)
     if backend == "flash_attn":
-        monkeypatch.setattr(attn_mod, "_HALF", (torch.float16, torch.bfloat16, torch.float32))
+        monkeypatch.setattr(cuda_mod, "HALF", (torch.float16, torch.bfloat16, torch.float32))
 
 
 def _qkv(b=2, s=37, h=HEADS, h_kv=2, d=12, s_k=None, seed=0, dtype=torch.float32):
@@ -201,10 +202,10 @@ def test_glue_matches_torch_schemas_and_output_shapes_on_meta(kernel, dtype, h_k
     """The real aten ops (their meta kernels) accept the glue's arguments; outputs come back in our layout."""
     q = torch.empty(2, 37, HEADS, d, device="meta", dtype=dtype)
     k = torch.empty(2, 37, h_kv, d, device="meta", dtype=dtype)
-    out, lse = attn_mod._torch_cuda_forward(q, k, k, True, d**-0.5, kernel)
+    out, lse = cuda_mod.torch_cuda_forward(q, k, k, True, d**-0.5, kernel)
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (2, HEADS, 37) and lse.dtype == torch.float32
-    dq, dk, dv = attn_mod._torch_cuda_backward(out, q, k, k, out, lse, True, d**-0.5, kernel)
+    dq, dk, dv = cuda_mod.torch_cuda_backward(out, q, k, k, out, lse, True, d**-0.5, kernel)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
     assert dq.dtype == dk.dtype == dtype
 
@@ -322,22 +323,22 @@ def test_auto_backend_choices(monkeypatch, fake_cuda):
     assert attn_mod.resolve_backend("auto", x.half()) == "flash_attn"
     assert attn_mod.resolve_backend("auto", x) == "torch_cuda"  # fp32: flash-attn has no fp32 kernel
     assert attn_mod.resolve_backend("auto", x.double()) == "blockwise"  # no fused CUDA kernel for fp64
-    monkeypatch.setitem(attn_mod.KERNELS, "flash_attn_forward", None)  # flash-attn not installed
+    monkeypatch.setitem(cuda_mod.KERNELS, "flash_attn_forward", None)  # flash-attn not installed
     assert attn_mod.resolve_backend("auto", x.bfloat16()) == "torch_cuda"
-    monkeypatch.setattr(attn_mod, "_on_cuda", lambda t: False)
+    monkeypatch.setattr(cuda_mod, "on_cuda", lambda t: False)
     assert attn_mod.resolve_backend("auto", x) == "torch_cpu_flash"
     assert attn_mod.resolve_backend("auto", x.to("meta")) == "blockwise"
 
 
 def test_torch_cuda_kernel_choice(monkeypatch, fake_cuda):
     x = torch.empty(1, 4, 2, 128)
-    assert attn_mod._torch_cuda_kernel(x.bfloat16()) == "flash"
-    assert attn_mod._torch_cuda_kernel(x.half()) == "flash"
-    assert attn_mod._torch_cuda_kernel(x) == "efficient"  # fp32
-    assert attn_mod._torch_cuda_kernel(torch.empty(1, 4, 2, 250, dtype=torch.bfloat16)) == "flash"  # pads to 256
-    assert attn_mod._torch_cuda_kernel(torch.empty(1, 4, 2, 264, dtype=torch.bfloat16)) == "efficient"
-    monkeypatch.setattr(attn_mod, "_sm80_or_newer", lambda device: False)  # e.g. a V100 / T4
-    assert attn_mod._torch_cuda_kernel(x.half()) == "efficient"
+    assert cuda_mod.torch_cuda_kernel(x.bfloat16()) == "flash"
+    assert cuda_mod.torch_cuda_kernel(x.half()) == "flash"
+    assert cuda_mod.torch_cuda_kernel(x) == "efficient"  # fp32
+    assert cuda_mod.torch_cuda_kernel(torch.empty(1, 4, 2, 250, dtype=torch.bfloat16)) == "flash"  # pads to 256
+    assert cuda_mod.torch_cuda_kernel(torch.empty(1, 4, 2, 264, dtype=torch.bfloat16)) == "efficient"
+    monkeypatch.setattr(cuda_mod, "sm80_or_newer", lambda device: False)  # e.g. a V100 / T4
+    assert cuda_mod.torch_cuda_kernel(x.half()) == "efficient"
 
 
 @pytest.mark.parametrize("backend, dtype, fake, expect", [
@@ -348,7 +349,7 @@ def test_torch_cuda_kernel_choice(monkeypatch, fake_cuda):
     ("torch_cpu_flash", torch.float32, True, "a CPU device"),
 ])
 def test_impossible_explicit_backend_raises_before_any_work(monkeypatch, fake_cuda, backend, dtype, fake, expect):
-    monkeypatch.setattr(attn_mod, "_on_cuda", lambda t: fake)
+    monkeypatch.setattr(cuda_mod, "on_cuda", lambda t: fake)
     q, k, v = _qkv(dtype=dtype, d=16)
     with pytest.raises(ValueError, match=rf"{backend}.*dtype={dtype}.*{expect}"):
         attention_with_lse(q, k, v, backend=backend)
@@ -359,7 +360,7 @@ def test_impossible_explicit_backend_raises_before_any_work(monkeypatch, fake_cu
 
 
 def test_flash_attn_not_installed_is_named(monkeypatch, fake_cuda):
-    monkeypatch.setitem(attn_mod.KERNELS, "flash_attn_backward", None)
+    monkeypatch.setitem(cuda_mod.KERNELS, "flash_attn_backward", None)
     q, k, v = _qkv(dtype=torch.bfloat16, d=16)
     with pytest.raises(ValueError, match="flash-attn installed"):
         attention_forward(q, k, v, backend="flash_attn")
@@ -390,14 +391,14 @@ def test_cuda_glue_has_no_host_sync(monkeypatch, fake_cuda, backend, kernel):
     _use(monkeypatch, backend, kernel)
     q, k, v = (t.detach() for t in _qkv(d=12, h_kv=2))
     # only the glue runs under the mode: the stand-ins' own eager math is not what is tested here
-    for name in attn_mod.KERNELS:
-        inner = attn_mod.KERNELS[name]
+    for name in cuda_mod.KERNELS:
+        inner = cuda_mod.KERNELS[name]
 
         def outside(*args, _inner=inner, **kwargs):
             with torch.utils._python_dispatch._disable_current_modes():
                 return _inner(*args, **kwargs)
 
-        monkeypatch.setitem(attn_mod.KERNELS, name, outside)
+        monkeypatch.setitem(cuda_mod.KERNELS, name, outside)
     with _SyncOps() as mode:
         out, lse = attention_forward(q, k, v, backend=backend)
         attention_backward(torch.ones_like(out), q, k, v, out, lse, backend=backend)

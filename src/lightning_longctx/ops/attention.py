@@ -7,16 +7,9 @@ log-sum-exp (as flash-attn's backward does). Taking them as inputs is what makes
 possible: the gradient of attention over ``[K1; K2]`` is the sum of each segment's backward run with the
 merged ``out``/``lse`` (the ring-attention identity), so no segment ever needs a gradient through its lse.
 
-- ``"flash_attn"``: flash-attn 2 kernels (CUDA, fp16/bf16; flash-attn >= 2.7 signatures), used by ``"auto"``
-  when importable. Takes fewer K/V heads natively (GQA): K/V are never expanded.
-- ``"torch_cuda"``: torch's own fused CUDA kernels, the ops behind ``F.scaled_dot_product_attention``:
-  ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``) for fp16/bf16 on sm80+ with head_dim <= 256,
-  else ``aten._scaled_dot_product_efficient_attention`` (+ ``_backward``; fp32, or fp16/bf16 when flash
-  cannot run). The flash op takes K/V with fewer heads (it calls flash-attn's ``mha_fwd``/``mha_bwd``, which
-  check ``num_heads % num_heads_k == 0`` and return dK/dV with K/V heads; SDPA's ``enable_gqa`` routes GQA
-  there unexpanded). The efficient op does not: ``_efficient_attention_backward`` in torch's
-  ``attention_backward.cu`` checks ``query.size(2) == key.size(2)``, so only for that kernel K/V are
-  expanded with ``repeat_interleave`` and dK/dV summed back.
+- ``"flash_attn"`` / ``"torch_cuda"``: flash-attn 2, and torch's own fused SDPA kernels (flash /
+  memory-efficient), on CUDA; see :mod:`.attention_cuda` (kernel choice, GQA without copies where the kernel
+  allows it).
 - ``"torch_cpu_flash"``: torch's fused CPU flash kernel (any float dtype, O(S) memory).
 - ``"blockwise"``: a pure-torch online-softmax loop over ``block_size`` tiles; never builds an S x S matrix,
   runs on any device and dtype. The fallback that always works.
@@ -24,84 +17,34 @@ merged ``out``/``lse`` (the ring-attention identity), so no segment ever needs a
 ``"auto"`` picks flash_attn (CUDA, fp16/bf16, importable) -> torch_cuda (CUDA, fp16/bf16/fp32) ->
 torch_cpu_flash (CPU) -> blockwise. An explicit backend that cannot run on the inputs raises ``ValueError``.
 
-The CUDA kernels are called through :data:`KERNELS`, a table with one entry per kernel (same signature and
-outputs as the real op), so the glue around them (layout, head_dim padding, lse padding, GQA) is exercised
-on CPU by tests that swap in stand-ins. None of these paths synchronises with the host.
-
 Causal masking requires ``seq_q == seq_k`` (query i sees keys j <= i); segments with different lengths are
 expressed as a non-causal segment plus a causal one (see :func:`lightning_longctx.ops.merge.prefix_attention`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
-from torch.nn import functional as F
+
+from . import attention_cuda as cuda
+from .gqa import expand_kv, reduce_kv
 
 BACKENDS = ("auto", "flash_attn", "torch_cuda", "torch_cpu_flash", "blockwise")
 BLOCK_SIZE = 1024
 
-try:  # optional GPU backend
-    from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
-
-    HAS_FLASH_ATTN = True
-except ImportError:  # pragma: no cover - depends on the machine
-    _flash_attn_forward = _flash_attn_backward = None
-    HAS_FLASH_ATTN = False
-
-_aten = torch.ops.aten
-#: The fused kernels the CUDA backends call, by name. Each entry has the signature and outputs of the real op
-#: (tests replace entries with CPU stand-ins honouring the same contract).
-KERNELS = {
-    "flash_attn_forward": _flash_attn_forward,  # flash_attn_interface._flash_attn_forward (BSHD)
-    "flash_attn_backward": _flash_attn_backward,  # writes dq/dk/dv in place (BSHD)
-    "sdpa_flash_forward": _aten._scaled_dot_product_flash_attention.default,  # BHSD
-    "sdpa_flash_backward": _aten._scaled_dot_product_flash_attention_backward.default,
-    "sdpa_efficient_forward": _aten._scaled_dot_product_efficient_attention.default,  # BHSD, lse padded to 32
-    "sdpa_efficient_backward": _aten._scaled_dot_product_efficient_attention_backward.default,
-}
-
-_HALF = (torch.float16, torch.bfloat16)
-_TORCH_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_HEAD_DIM_MULTIPLE = 8  # both flash kernels check head_dim % 8 == 0 (torch's SDPA pads to it before calling them)
-_FLASH_MAX_HEAD_DIM = 256
-_EFFICIENT_LSE_MULTIPLE = 32  # the efficient kernel's logsumexp is [b, h, ceil(s_q / 32) * 32] on CUDA
-_ALIGN = 8  # elements: strides / storage offsets the kernels' 128-bit loads need (16 bytes for fp16/bf16)
-
 
 # ------------------------------------------------------------------------------------------- backend choice
-def _on_cuda(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives on a CUDA device (the one device predicate; tests monkeypatch it)."""
-    return t.device.type == "cuda"
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _sm80_or_newer(device: torch.device) -> bool:
-    """Whether torch's flash kernel can run on ``device`` (it needs sm80+: ``mha_fwd`` / ``mha_bwd`` check it)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (8, 0)
-
-
-def _flash_attn_available() -> bool:
-    return KERNELS["flash_attn_forward"] is not None and KERNELS["flash_attn_backward"] is not None
-
-
 def _can_run(backend: str, query: torch.Tensor) -> str | None:
     """None when ``backend`` can run on ``query``'s device and dtype, else what it would need."""
-    cuda, dtype = _on_cuda(query), query.dtype
-    cpu = not cuda and query.device.type == "cpu"
+    on_cuda, dtype = cuda.on_cuda(query), query.dtype
+    cpu = not on_cuda and query.device.type == "cpu"
     if backend == "flash_attn":
-        if not _flash_attn_available():
+        if not cuda.flash_attn_available():
             return "flash-attn installed (pip install 'flash-attn>=2.7')"
-        return None if cuda and dtype in _HALF else "a CUDA device and float16/bfloat16"
+        return None if on_cuda and dtype in cuda.HALF else "a CUDA device and float16/bfloat16"
     if backend == "torch_cuda":
-        return None if cuda and dtype in _TORCH_CUDA_DTYPES else "a CUDA device and float16/bfloat16/float32"
+        return None if on_cuda and dtype in cuda.TORCH_CUDA_DTYPES else "a CUDA device and float16/bfloat16/float32"
     if backend == "torch_cpu_flash":
         return None if cpu and dtype.is_floating_point else "a CPU device and a float dtype"
     return None if dtype.is_floating_point else "a floating-point dtype"  # blockwise
@@ -135,14 +78,6 @@ def resolve_backend(backend: str, query: torch.Tensor) -> str:
     return "blockwise"
 
 
-def _torch_cuda_kernel(query: torch.Tensor) -> str:
-    """``"flash"`` or ``"efficient"``: which of torch's fused kernels the torch_cuda backend runs."""
-    head_dim = -(-query.shape[-1] // _HEAD_DIM_MULTIPLE) * _HEAD_DIM_MULTIPLE
-    if query.dtype in _HALF and head_dim <= _FLASH_MAX_HEAD_DIM and _sm80_or_newer(query.device):
-        return "flash"
-    return "efficient"
-
-
 def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool) -> None:
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
@@ -159,18 +94,6 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: 
         raise ValueError(f"causal attention needs seq_q == seq_k, got {query.shape[1]} and {key.shape[1]}")
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError(f"dtype mismatch: query {query.dtype}, key {key.dtype}, value {value.dtype}")
-
-
-def _expand_kv(x_BSHD: torch.Tensor, groups: int) -> torch.Tensor:
-    # GQA: each key/value head serves `groups` consecutive query heads.
-    return x_BSHD if groups == 1 else x_BSHD.repeat_interleave(groups, dim=2)
-
-
-def _reduce_kv(dx_BSHD: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return dx_BSHD
-    b, s, h, d = dx_BSHD.shape
-    return dx_BSHD.view(b, s, h // groups, groups, d).sum(dim=3)
 
 
 # ----------------------------------------------------------------------------------------------- blockwise
@@ -237,114 +160,6 @@ def _blockwise_backward(do_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, caus
     return dq.to(q_BHSD.dtype), dk.to(k_BHSD.dtype), dv.to(v_BHSD.dtype)
 
 
-# ------------------------------------------------------------------------------------------- CUDA kernels
-def _kernel_layout(x_BSHD: torch.Tensor) -> torch.Tensor:
-    """``x [b, s, h, d]`` as the fused kernels take it: head_dim zero-padded to a multiple of 8, last dim
-    contiguous, every stride and the storage offset a multiple of 8 elements (16-byte aligned loads).
-
-    Returns ``x`` itself when it already qualifies (the usual case: no copy). Zero padding is exact: padded
-    q/k columns add nothing to q.k, padded v columns produce output columns that are sliced off, and a zero
-    grad_out/out padding adds nothing to the backward's ``rowsum(dO * O)``.
-    """
-    pad = -x_BSHD.shape[-1] % _HEAD_DIM_MULTIPLE
-    if pad:
-        return F.pad(x_BSHD, (0, pad))
-    strides_ok = x_BSHD.stride(-1) == 1 and all(
-        stride % _ALIGN == 0 for size, stride in zip(x_BSHD.shape[:-1], x_BSHD.stride()[:-1]) if size > 1
-    )
-    if strides_ok and x_BSHD.storage_offset() % _ALIGN == 0:
-        return x_BSHD
-    return x_BSHD.clone(memory_format=torch.contiguous_format)
-
-
-def _dropout_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # philox seed/offset for the backward. With dropout_p == 0 neither kernel reads them (mha_bwd reads
-    # philox_seed only `if (is_dropout)`, _efficient_attention_backward only `if (use_dropout)`).
-    return (torch.zeros((), dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device))
-
-
-def _torch_cuda_forward(query, key, value, causal: bool, scale: float, kernel: str):
-    """torch's fused forward. ``query [b, s_q, h, d]``, ``key/value [b, s_k, h_kv, d]`` -> ``out [b, s_q, h, d]``
-    and ``lse [b, h, s_q]`` float32. ``kernel``: ``"flash"`` (GQA native) or ``"efficient"`` (K/V expanded)."""
-    s_q, head_dim = query.shape[1], query.shape[-1]
-    if kernel == "efficient":  # the efficient kernel needs as many K/V heads as query heads
-        groups = query.shape[2] // key.shape[2]
-        key, value = _expand_kv(key, groups), _expand_kv(value, groups)
-    q_BHSD, k_BHSD, v_BHSD = (_kernel_layout(t).transpose(1, 2) for t in (query, key, value))
-    if kernel == "flash":
-        # -> (out, logsumexp [b, h, s_q], cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_mask)
-        out_BHSD, lse_BHS = KERNELS["sdpa_flash_forward"](
-            q_BHSD, k_BHSD, v_BHSD, dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale
-        )[:2]
-    else:
-        # -> (out, logsumexp [b, h, ceil(s_q / 32) * 32] (s_q on ROCm), philox_seed, philox_offset)
-        out_BHSD, lse_BHS = KERNELS["sdpa_efficient_forward"](
-            q_BHSD, k_BHSD, v_BHSD, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
-            scale=scale,
-        )[:2]
-        lse_BHS = lse_BHS[:, :, :s_q]
-    return out_BHSD.transpose(1, 2)[..., :head_dim], lse_BHS
-
-
-def _torch_cuda_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float, kernel: str):
-    """torch's fused backward with the given (final) ``out [b, s_q, h, d]`` and ``lse [b, h, s_q]``.
-
-    Returns ``dq [b, s_q, h, d]`` and ``dk, dv [b, s_k, h_kv, d]``.
-    """
-    s_q, s_k, head_dim = query.shape[1], key.shape[1], query.shape[-1]
-    groups = query.shape[2] // key.shape[2]
-    if kernel == "efficient":
-        key, value = _expand_kv(key, groups), _expand_kv(value, groups)
-    q_BHSD, k_BHSD, v_BHSD, o_BHSD, do_BHSD = (
-        _kernel_layout(t).transpose(1, 2) for t in (query, key, value, out, grad_out)
-    )
-    seed, offset = _dropout_rng(query.device)
-    if kernel == "flash":
-        lse_BHS = lse.float().contiguous()  # read as a dense [b, h, s_q] float32 buffer
-        dq, dk, dv = KERNELS["sdpa_flash_backward"](
-            do_BHSD, q_BHSD, k_BHSD, v_BHSD, o_BHSD, lse_BHS, None, None, s_q, s_k, 0.0, causal, seed, offset,
-            scale=scale,
-        )
-    else:
-        # The kernel wants the forward's layout back: lse head stride a multiple of 8, rows padded to 32.
-        pad = -s_q % _EFFICIENT_LSE_MULTIPLE
-        lse_BHS = F.pad(lse.float(), (0, pad)) if pad else lse.float().contiguous()
-        dq, dk, dv, _ = KERNELS["sdpa_efficient_backward"](
-            do_BHSD, q_BHSD, k_BHSD, v_BHSD, None, o_BHSD, lse_BHS, seed, offset, 0.0, [True, True, True, False],
-            causal, scale=scale,
-        )
-    dq, dk, dv = (t.transpose(1, 2)[..., :head_dim] for t in (dq, dk, dv))
-    if kernel == "efficient":
-        dk, dv = _reduce_kv(dk, groups), _reduce_kv(dv, groups)
-    return dq, dk, dv
-
-
-def _flash_forward(query, key, value, causal: bool, scale: float):
-    """flash-attn 2 forward (>= 2.7 signature, keywords), GQA native: ``query [b, s_q, h, d]``, ``key/value
-    [b, s_k, h_kv, d]`` -> ``out [b, s_q, h, d]``, ``lse [b, h, s_q]`` float32."""
-    head_dim = query.shape[-1]
-    q, k, v = (_kernel_layout(t) for t in (query, key, value))
-    # -> (out, softmax_lse [b, h, s_q], S_dmask, rng_state); 2.6 returned 8 values and took window_size=(l, r)
-    out, lse = KERNELS["flash_attn_forward"](
-        q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
-        softcap=0.0, alibi_slopes=None, return_softmax=False,
-    )[:2]
-    return out[..., :head_dim], lse
-
-
-def _flash_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
-    """flash-attn 2 backward with the given (final) ``out``/``lse``; ``dk, dv`` come back with K/V heads."""
-    head_dim = query.shape[-1]
-    q, k, v, o, do = (_kernel_layout(t) for t in (query, key, value, out, grad_out))
-    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # filled in place; strides follow q, k, v
-    KERNELS["flash_attn_backward"](
-        do, q, k, v, o, lse.float().contiguous(), dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
-        rng_state=None,
-    )
-    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
-
-
 # ------------------------------------------------------------------------------------------------ raw API
 def attention_forward(
     query: torch.Tensor,
@@ -375,10 +190,10 @@ def attention_forward(
     groups = query.shape[2] // key.shape[2]
     with torch.no_grad():
         if backend == "flash_attn":
-            return _flash_forward(query, key, value, causal, scale)
+            return cuda.flash_forward(query, key, value, causal, scale)
         if backend == "torch_cuda":
-            return _torch_cuda_forward(query, key, value, causal, scale, _torch_cuda_kernel(query))
-        k, v = _expand_kv(key, groups), _expand_kv(value, groups)
+            return cuda.torch_cuda_forward(query, key, value, causal, scale, cuda.torch_cuda_kernel(query))
+        k, v = expand_kv(key, groups), expand_kv(value, groups)
         q_BHSD, k_BHSD, v_BHSD = query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if backend == "torch_cpu_flash":
             out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -424,11 +239,11 @@ def attention_backward(
     groups = query.shape[2] // key.shape[2]
     with torch.no_grad():
         if backend == "flash_attn":
-            return _flash_backward(grad_out, query, key, value, out, lse, causal, scale)
+            return cuda.flash_backward(grad_out, query, key, value, out, lse, causal, scale)
         if backend == "torch_cuda":
-            return _torch_cuda_backward(grad_out, query, key, value, out, lse, causal, scale,
-                                        _torch_cuda_kernel(query))
-        k, v = _expand_kv(key, groups), _expand_kv(value, groups)
+            return cuda.torch_cuda_backward(grad_out, query, key, value, out, lse, causal, scale,
+                                            cuda.torch_cuda_kernel(query))
+        k, v = expand_kv(key, groups), expand_kv(value, groups)
         q_BHSD, k_BHSD, v_BHSD = query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         do_BHSD, o_BHSD = grad_out.transpose(1, 2), out.transpose(1, 2)
         if backend == "torch_cpu_flash":
@@ -442,7 +257,7 @@ def attention_backward(
                 do_BHSD, q_BHSD, k_BHSD, v_BHSD, o_BHSD, lse, causal, scale, BLOCK_SIZE
             )
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-        return dq, _reduce_kv(dk, groups), _reduce_kv(dv, groups)
+        return dq, reduce_kv(dk, groups), reduce_kv(dv, groups)
 
 
 # ------------------------------------------------------------------------------------------- autograd API
