@@ -145,7 +145,7 @@ def test_autocast_weight_cache_is_what_the_planner_charges(logits_chunk_size):
     """torch caches one bf16 copy of each fp32 leaf weight that autocast casts, until the region exits
     (``cached_cast``, aten/src/ATen/autocast_mode.cpp): measured as the live bytes at the end of a no-grad
     forward under CPU autocast with the cache on minus off, against ``autocast_cached_parameters``."""
-    from lightning_longctx.memory.planner import autocast_cached_parameters
+    from lightning_longctx.memory.phases import autocast_cached_parameters
     from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
     from lightning_longctx.ops import track_memory
 

@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import config_schema  # noqa: F401  (registers the structured configs)
-from .memory.planner import (
+from .memory import (
     GIB,
     MemoryKnobs,
     ModelShape,
@@ -31,7 +31,7 @@ from .memory.planner import (
     kv_cache_bytes,
     max_context,
 )
-from .memory.planner import plan as make_plan
+from .memory import plan as make_plan
 
 log = logging.getLogger("lightning_longctx.cli")
 

@@ -2,25 +2,13 @@
 
 Main API: :func:`plan` -> :class:`Plan` (breakdown, peak phase, ``fits``), :func:`max_context`,
 :func:`check_budget` (raises :class:`PlanError` with what to change). Arithmetic only, no Lightning
-import. Formulas and their validation: ``docs/memory_planner.md``.
+import. Inputs in :mod:`.shapes`, the per-phase arithmetic in :mod:`.phases`, the API in :mod:`.planner`;
+formulas and their validation: ``docs/memory_planner.md``.
 """
 
-from .planner import (
-    GIB,
-    ClusterShape,
-    MemoryKnobs,
-    ModelShape,
-    Plan,
-    PlanError,
-    attention_stage_bytes,
-    cache_heads_per_rank,
-    check_budget,
-    kv_cache_bytes,
-    layer_saved_bytes,
-    max_context,
-    plan,
-    suggestions,
-)
+from .phases import attention_stage_bytes, cache_heads_per_rank, kv_cache_bytes, layer_saved_bytes
+from .planner import Plan, PlanError, check_budget, max_context, plan, suggestions
+from .shapes import GIB, ClusterShape, MemoryKnobs, ModelShape, check_precision
 
 __all__ = [
     "GIB",
@@ -32,6 +20,7 @@ __all__ = [
     "attention_stage_bytes",
     "cache_heads_per_rank",
     "check_budget",
+    "check_precision",
     "kv_cache_bytes",
     "layer_saved_bytes",
     "max_context",

@@ -1,0 +1,359 @@
+"""The memory planner's arithmetic: bytes of each building block (attention stage, saved layer activations,
+MLP and logits transients, parameters / gradients / optimizer states, KV cache) and of each phase of an SFT or
+LongStraw step on one rank.
+
+Dimension legend (DeepSpeed ALST style): ``S`` sequence (SFT) or prompt (LongStraw) tokens, ``P`` SP ranks,
+``s_l = ceil(S / P)`` local tokens, ``s = P * s_l``; ``E`` hidden, ``I`` intermediate, ``V`` vocab, ``H`` /
+``H_kv`` query / K/V heads, ``d`` head_dim, ``g = H / H_kv``; ``C`` query heads a rank attends per stage
+(``head_chunk_size``; ``H / P`` for plain Ulysses), ``m = max(1, C / g)`` K/V heads per stage;
+``b`` = bytes of the compute dtype, ``a = 4`` (float32 statistics: LSE, RMSNorm, log-softmax).
+
+Precision (``memory.precision``, Lightning's strings, :data:`PRECISIONS`): ``b`` is the compute dtype and
+``p`` the dtype parameters, gradients and AdamW states are held in: ``bf16-mixed`` (the GPU default) has
+``p = 4`` (fp32 master weights) and ``b = 2``; ``bf16-true`` ``p = b = 2``; ``32-true`` 4; ``64-true`` 8.
+
+Every formula counts the tensors this package's code keeps alive, as the live-tensor tracker sees them; the
+peak of a step is the persistent part plus the largest transient of its phases.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..parallel.ulysses import check_head_layout
+from .shapes import (
+    FLOAT32,
+    FULL_ATTENTION,
+    INT64,
+    ClusterShape,
+    MemoryKnobs,
+    ModelShape,
+)
+
+
+# ------------------------------------------------------------------------------------- building blocks
+def stage_layout(model: ModelShape, sp: int, head_chunk_size: int | None) -> tuple[int, int, int]:
+    """``(C, m, stages)`` of the head-chunked schedule; raises with the numbers when it cannot run."""
+    h, kv = model.num_attention_heads, model.num_key_value_heads
+    chunk = check_head_layout(h, kv, sp, head_chunk_size)
+    g, local = h // kv, h // sp
+    return chunk, max(1, chunk // g), local // chunk
+
+
+def attention_stage_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, local_tokens: int) -> dict[str, int]:
+    """Transient bytes of one stage of the fused head-chunked attention, forward and backward.
+
+    In units ``u = s * d * b`` (one head over the full sequence, what a rank holds after the all-to-all):
+
+    - forward: ``3C + 4m``: the stage's q, k, v, the RoPE temporaries of q and k, the stage output.
+    - backward (eager kernels): ``8C + m``: the recomputed q, k, v, the transposed copies of out and
+      grad-out, the GQA-expanded K/V and dq/dk/dv; with flash-attn (native GQA, no transposed copies)
+      ``4C + 4m``; ``+ (C + 2m)`` under SP (the all-to-all copies of q, k, v and of their gradients).
+      Plus ``s_l (2E + H d) b`` outside the stages: the grad of x, its per-stage partial, the grad of the
+      attention output.
+
+    The counts were read off ``models/attention.py`` and fitted to the tracker over 34 head layouts
+    (``H``, ``H_kv``, ``C``, ``P``): the attention block's backward peak within -14% / +18% of it.
+    """
+    c, m, _ = stage_layout(model, sp, knobs.head_chunk_size)
+    b, d = knobs.dtype_bytes, model.head_dim
+    unit = local_tokens * sp * d * b
+    stage_bwd = (8 * c + m) if knobs.attention_backend == "eager" else (4 * c + 4 * m)  # units of u
+    if sp > 1:
+        stage_bwd += c + 2 * m
+    outside = local_tokens * (2 * model.hidden_size + model.num_attention_heads * d) * b
+    return {"forward": (3 * c + 4 * m) * unit, "backward": stage_bwd * unit + outside}
+
+
+def _norm_saved(e: int, b: int) -> int:
+    """Per token, one RMSNorm: a float32 copy of a half input, ``x * rsqrt`` and the output, the rsqrt."""
+    return e * ((FLOAT32 if b < FLOAT32 else 0) + 2 * b) + FLOAT32
+
+
+def layer_saved_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, kind: str) -> dict[str, int]:
+    """Bytes per local token a layer keeps for backward (no checkpointing), split at the attention.
+
+    ``pre``: input RMSNorm (:func:`_norm_saved`) + the attention's output ``H d b``, per-stage LSE ``a H``
+    (``H / P`` heads x ``s`` tokens) and RoPE cos/sin ``2 d b``. ``post``: the two residual sums ``2 E b``,
+    the post-attention RMSNorm and the SwiGLU intermediates ``4 I b`` (gate, silu, up, product; 0 when the
+    MLP is tiled). A linear-attention layer (not implemented by ``DecoderLM`` yet; estimate) keeps its q, k,
+    v, z projections and gates ``(2 q_k + 2 v + 2 n_v) b`` per token in place of the attention terms.
+    """
+    e, b, d, h = model.hidden_size, knobs.dtype_bytes, model.head_dim, model.num_attention_heads
+    if kind == FULL_ATTENTION:
+        mixer = h * d * b + FLOAT32 * h + 2 * d * b
+    else:
+        mixer = (2 * model.linear_qk_dim + 2 * model.linear_v_dim + 2 * model.linear_num_value_heads) * b
+    tiled = knobs.mlp_chunk_size is not None
+    post = 2 * e * b + _norm_saved(e, b) + (0 if tiled else 4 * model.intermediate_size * b)
+    return {"pre": _norm_saved(e, b) + mixer, "post": post}
+
+
+def _mlp_transients(model: ModelShape, knobs: MemoryKnobs, local_tokens: int) -> dict[str, int]:
+    """SwiGLU transients beyond the saved intermediates: ``I b`` per token each way untiled (the next
+    intermediate while the others are saved; in backward each new gradient replaces a freed input); tiled
+    with ``c``-token tiles, one tile's ``4 I b`` forward, its recompute plus gradients ``7 I b`` in backward,
+    and the grad-of-x buffer ``E b`` over all local tokens."""
+    b, e, i = knobs.dtype_bytes, model.hidden_size, model.intermediate_size
+    chunk = knobs.mlp_chunk_size
+    if chunk is None or chunk >= local_tokens:
+        return {"forward": local_tokens * i * b, "backward": local_tokens * i * b}
+    return {"forward": chunk * 4 * i * b, "backward": chunk * 7 * i * b + local_tokens * e * b}
+
+
+def _logits(model: ModelShape, knobs: MemoryKnobs, tokens: int, autocast_cast: bool = False) -> dict[str, int]:
+    """lm_head + cross-entropy: saved per token and the forward/backward transients.
+
+    Plain: saves the float32 log-softmax ``a V``; transients ``V b`` (+ ``a V`` upcast when half) forward,
+    ``2 a V + V b`` backward. Chunked (``c`` tokens): saves the LSE, int64 targets and mask ``a + 9``;
+    transients ``c V (b + 2a)`` each way, plus the float32 lm_head gradient ``a V E`` in backward, plus
+    (``autocast_cast``: fp32 weights under autocast) the per-chunk bf16 cast of ``weight.T`` ``V E b``.
+    """
+    b, v, e = knobs.dtype_bytes, model.vocab_size, model.hidden_size
+    half = FLOAT32 if b < FLOAT32 else 0
+    chunk = knobs.logits_chunk_size
+    if chunk is None or chunk >= tokens:
+        return {"saved": tokens * (FLOAT32 * v + INT64), "forward": tokens * v * (b + half),
+                "backward": tokens * v * (2 * FLOAT32 + b)}
+    cast = v * e * b if autocast_cast else 0
+    return {"saved": tokens * (FLOAT32 + INT64 + 1), "forward": chunk * v * (b + 2 * FLOAT32) + cast,
+            "backward": chunk * v * (b + 2 * FLOAT32) + FLOAT32 * v * e + cast}
+
+
+def _sharded(cluster: ClusterShape) -> bool:
+    return cluster.sharding == "fsdp" and cluster.world > 1
+
+
+def _static(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs) -> dict[str, int]:
+    """Parameters, gradients and optimizer states (``optimizer_states`` tensors per parameter, AdamW: 2, in
+    the parameter dtype as torch keeps them), ``p`` bytes each (fp32 under ``bf16-mixed``). ``fsdp``: each
+    divided by the world size, plus FSDP2's buffers of the largest layer ``N_l``: its gathered parameters in
+    the compute dtype for two layers (current + prefetch, ``2 N_l b``; FSDP2 ``MixedPrecisionPolicy``
+    all-gathers bf16 under ``bf16-mixed``), one layer's unsharded gradients ``N_l b`` and the reduce-scatter
+    input they are copied into in the reduce dtype ``N_l p`` (``foreach_reduce``: both alive at the copy-in;
+    fp32 under ``bf16-mixed``, ``reduce_dtype=float32``)."""
+    n, pb, b = model.num_parameters(), knobs.param_bytes, knobs.dtype_bytes
+    if not _sharded(cluster):
+        return {"params": n * pb, "grads": n * pb, "optimizer": knobs.optimizer_states * n * pb, "fsdp_buffers": 0}
+    shard = math.ceil(n / cluster.world)
+    return {"params": shard * pb, "grads": shard * pb, "optimizer": knobs.optimizer_states * shard * pb,
+            "fsdp_buffers": model.largest_layer_parameters() * (3 * b + pb)}
+
+
+def autocast_cached_parameters(model: ModelShape, logits_chunked: bool) -> int:
+    """Parameters torch's autocast caches a bf16 copy of (one per weight, until the outermost autocast region
+    exits; ``cached_cast`` in ``aten/src/ATen/autocast_mode.cpp`` caches only fp32 leaves that require grad and
+    are not views). In ``DecoderLM``: ``o_proj`` (and its bias) and the SwiGLU weights, which ``nn.Linear``
+    passes as they are, and ``lm_head`` on the plain (unchunked) logits path. Not cached: q/k/v (each stage
+    concatenates weight slices: not leaves), the chunked lm_head (``weight.T`` is a view: cast per chunk, a
+    transient), the embedding (``F.embedding`` is not autocast) and the norm weights (``mul`` is not
+    autocast). A linear-attention layer: all of its mixer parameters (estimate)."""
+    e, h, d = model.hidden_size, model.num_attention_heads, model.head_dim
+    o_proj = h * d * e + (e if model.attention_bias else 0)
+    mlp = 3 * e * model.intermediate_size
+    per_full, per_linear = o_proj + mlp, model.linear_layer_parameters() + mlp
+    lm_head = 0 if logits_chunked else model.vocab_size * e
+    return model.full_layers * per_full + model.linear_layers * per_linear + lm_head
+
+
+def weight_copies_bytes(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, tokens: int,
+                        autocast_only: bool) -> int:
+    """Low-precision copies of full-size weights alive through forward and backward under ``bf16-mixed``
+    with full replicas (0 under FSDP sharding, whose per-layer copies are ``fsdp_buffers``, and without mixed
+    precision). ``autocast_only`` (LongStraw: a plain module under Lightning's autocast): the bf16 copies
+    autocast caches (:func:`autocast_cached_parameters`), alive for the whole ``training_step``, optimizer
+    step included; they outlive the region anyway as the saved inputs of each layer's backward. Else (SFT
+    replicas, FSDP2 on a 1-wide shard mesh with ``reshard_after_forward=False`` and ``MixedPrecisionPolicy``):
+    the unsharded bf16 copy of every parameter, ``N b``."""
+    if not knobs.mixed or _sharded(cluster):
+        return 0
+    chunked = knobs.logits_chunk_size is not None and knobs.logits_chunk_size < tokens
+    cast = autocast_cached_parameters(model, chunked) if autocast_only else model.num_parameters()
+    return cast * knobs.dtype_bytes
+
+
+def _recurrent_state(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
+    """Per rank, all linear layers: the float32 state ``n_v/P x d_k x d_v`` twice (the running state and its
+    chunk-boundary copy) plus the conv state ``(K - 1)(2 q_k + v) b / P``."""
+    if not model.linear_layers:
+        return 0
+    nv = max(1, model.linear_num_value_heads // sp)
+    state = nv * model.linear_key_head_dim * model.linear_value_head_dim * FLOAT32
+    conv = (model.linear_conv_kernel_dim - 1) * (2 * model.linear_qk_dim + model.linear_v_dim) * knobs.dtype_bytes
+    return model.linear_layers * (2 * state + math.ceil(conv / sp))
+
+
+def cache_heads_per_rank(model: ModelShape, sp: int, head_chunk_size: int | None) -> int:
+    """K/V heads in one rank's cache layout: ``max(1, H_kv / P)``, as plain Ulysses, for every chunk size.
+
+    The head schedule keeps each rank on its own query heads (UPipe's GQA schedule, see
+    ``parallel.head_schedule``), so chunked stages deliver a rank exactly plain Ulysses' K/V heads
+    (``head_chunk_size`` is accepted for symmetry with the other terms and does not change the answer).
+    """
+    del head_chunk_size
+    return max(1, model.num_key_value_heads // sp)
+
+
+def kv_cache_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, cached_tokens: int) -> int:
+    """Per rank: ``2 x full layers x S' x n_r x d x b``, K and V of every full-attention layer for the cached
+    prompt, ``n_r`` = :func:`cache_heads_per_rank` (``H_kv`` without SP: the KV bytes per token x S')."""
+    if not model.full_layers:
+        return 0
+    n_r = cache_heads_per_rank(model, sp, knobs.head_chunk_size)
+    return 2 * model.full_layers * cached_tokens * n_r * model.head_dim * knobs.dtype_bytes
+
+
+# ------------------------------------------------------------------------------------------ the phases
+def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int):
+    """Components and phases of one SFT step (forward, backward, optimizer step) on one rank.
+
+    Persistent: ``static`` (:func:`_static`) and either the saved activations (embedding output + every
+    layer's :func:`layer_saved_bytes` + final norm + logits) or, with checkpointing, one ``E b`` input per
+    layer (host memory when offloaded). Phases add the transients alive together: the logits (forward,
+    backward), the last layer's MLP backward, its attention forward and backward (with checkpointing: after
+    recomputing that layer), and the optimizer step (``static`` + one parameter-sized AdamW temporary).
+    Under ``bf16-mixed`` with replicas the forward and backward phases also hold the bf16 weight copies
+    (:func:`weight_copies_bytes`); the optimizer step runs after they are freed.
+    """
+    sp = cluster.sp
+    s_l = math.ceil(seq_len / sp)
+    b, e = knobs.dtype_bytes, model.hidden_size
+    static = _static(model, cluster, knobs)
+    copies = weight_copies_bytes(model, cluster, knobs, s_l, autocast_only=False)
+    base = sum(static.values()) + copies
+    kinds = list(model.layer_types)
+    per_kind = {k: layer_saved_bytes(model, knobs, sp, k) for k in set(kinds)}
+    last = kinds[-1]
+    saved_layers = s_l * sum(per_kind[k]["pre"] + per_kind[k]["post"] for k in kinds)
+    logits = _logits(model, knobs, s_l)
+    top = s_l * _norm_saved(e, b) + logits["saved"]  # final norm and the loss
+    attn = attention_stage_bytes(model, knobs, sp, s_l) if model.full_layers else {"forward": 0, "backward": 0}
+    mlp = _mlp_transients(model, knobs, s_l)
+    grad_stream = s_l * e * b  # the residual stream's gradient (the branches' own grads are in their transients)
+    layer_pre, layer_full = s_l * per_kind[last]["pre"], s_l * (per_kind[last]["pre"] + per_kind[last]["post"])
+    comp = dict(static)
+    host = 0
+    if knobs.activation_checkpointing:
+        ckpt = (model.num_hidden_layers + 1) * s_l * e * b
+        host = ckpt if knobs.offload_checkpoints else 0
+        comp.update(saved_activations=0, checkpoints=0 if host else ckpt)
+        kept = comp["checkpoints"]
+        below = kept - (0 if host else s_l * e * b)  # in backward the last layer's output is no longer needed
+        recompute = layer_full
+        phases = {
+            "forward layer": base + kept + s_l * (per_kind[last]["pre"]) + attn["forward"],
+            "forward logits": base + kept + top + logits["forward"],
+            "backward logits": base + kept + top + logits["backward"],
+            "backward mlp": base + below + recompute + grad_stream + mlp["backward"],
+            "backward attention": base + below + layer_pre + grad_stream + attn["backward"],
+        }
+        comp["layer_recompute"] = recompute
+    else:
+        kept = s_l * e * b + saved_layers  # embedding output + every layer's saved tensors
+        comp.update(saved_activations=kept + top, checkpoints=0)
+        below = kept - layer_full
+        phases = {
+            "forward attention": base + below + layer_pre + attn["forward"],
+            "forward logits": base + kept + top + logits["forward"],
+            "backward logits": base + kept + top + logits["backward"],
+            "backward mlp": base + kept + grad_stream + mlp["backward"],
+            "backward attention": base + below + layer_pre + grad_stream + attn["backward"],
+        }
+    phases["optimizer step"] = base - copies + static["params"]
+    comp["weight_copies"] = copies
+    comp.update(attention_stage=max(attn.values()), mlp_tiles=max(mlp.values()),
+                logits_chunk=max(logits["forward"], logits["backward"]), grad_stream=grad_stream)
+    return comp, phases, host
+
+
+def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int, group_size: int,
+                     response_len: int, prompt_grad: str = "full"):
+    """Components and phases of one exact LongStraw group step on one rank (``seq_len`` = prompt tokens).
+
+    Persistent through the step: ``static``, the KV cache of the cached prompt ``S' = P floor((S-1)/P)``
+    (:func:`kv_cache_bytes`), the recurrent states of linear layers, and with ``prompt_grad="full"`` the
+    accumulated cache gradients (the LongStraw accumulators: as many elements as the cache, in the
+    parameter dtype ``p``: fp32 under ``bf16-mixed``) and one ``E b`` checkpoint per layer and local token
+    (host memory when offloaded). Under ``bf16-mixed`` (fp32 replicas under autocast) every phase also holds
+    autocast's cached bf16 weight copies (:func:`weight_copies_bytes`; the step, and the optimizer step,
+    run inside ``training_step``), and the chunked lm_head casts its weight per chunk. Phases:
+
+    - prefill: one layer's no-grad forward over ``s_l`` tokens: hidden, residual and norm plus the larger
+      of the attention stage and the MLP (``3 I b`` per token, or one tile's ``4 I b``);
+    - replay of one branch of ``T = response_len`` tokens: its activations (``T`` tokens through every
+      layer) plus, per layer, the cache gradient's full-size temporaries (slice backward: ``2x`` one
+      layer's K/V) and the stage's GQA-expanded prefix K/V and their gradients ``(3C + m) S' d b`` (eager;
+      flash: ``2m``);
+    - grouped backward: one layer recomputed with autograd from its checkpoint: :func:`layer_saved_bytes`
+      plus, since the cache path keeps every stage in the graph, ``(5 H/P + 2m x stages) s d b``.
+
+    G never appears: nothing of a branch outlives its replay.
+    """
+    sp = cluster.sp
+    cached = sp * ((seq_len - 1) // sp)
+    s_l = max(cached // sp, 1)
+    b, e, d = knobs.dtype_bytes, model.hidden_size, model.head_dim
+    static = _static(model, cluster, knobs)
+    t = response_len + sp  # the branch: the prompt tail (< P tokens) + the response
+    t_l = math.ceil(t / sp)
+    copies = weight_copies_bytes(model, cluster, knobs, t_l, autocast_only=True)
+    base = sum(static.values()) + copies
+    kv = kv_cache_bytes(model, knobs, sp, cached)
+    state = _recurrent_state(model, knobs, sp)
+    full = prompt_grad == "full"
+    ckpt = model.num_hidden_layers * s_l * e * b if full else 0
+    host = ckpt if knobs.offload_checkpoints else 0
+    ckpt_dev = 0 if host else ckpt
+    acc = (kv // b * knobs.param_bytes + state) if full else 0
+    comp = dict(static, weight_copies=copies)
+    comp.update(kv_cache=kv, recurrent_state=state, checkpoints=ckpt_dev, longstraw_accumulators=acc)
+    persistent = base + kv + state + ckpt_dev
+    kinds = set(model.layer_types)
+    per_kind = {k: layer_saved_bytes(model, knobs, sp, k) for k in kinds}
+    worst_layer = max(v["pre"] + v["post"] for v in per_kind.values())
+    mlp = _mlp_transients(model, knobs, s_l)
+    comp["mlp_tiles"] = max(mlp.values())
+    if model.full_layers:
+        c, m, stages = stage_layout(model, sp, knobs.head_chunk_size)
+        attn = attention_stage_bytes(model, knobs, sp, s_l)
+        unit = cached * d * b
+        expand = (3 * c + m) if knobs.attention_backend == "eager" else 2 * m
+        layer_kv = kv // model.full_layers
+        replay_cache = 2 * layer_kv + expand * unit
+        # the cache path is plain autograd: every stage's q (local and exchanged), output and RoPE
+        # intermediates stay in the graph until the layer's backward (5 copies per local head), and each
+        # stage's k, v (2m per stage); fitted to the tracker
+        graph_stages = (5 * model.num_attention_heads // sp + 2 * m * stages) * s_l * sp * d * b
+    else:
+        attn, replay_cache, graph_stages = {"forward": 0, "backward": 0}, 0, 0
+    comp["attention_stage"] = max(attn.values())
+    branch = t_l * (sum(per_kind[k]["pre"] + per_kind[k]["post"] for k in model.layer_types) + 2 * e * b)
+    logits = _logits(model, knobs, t_l, autocast_cast=knobs.mixed and not _sharded(cluster))
+    branch += logits["saved"] + logits["backward"]
+    chunk = knobs.mlp_chunk_size
+    mlp_nograd = (3 * s_l if chunk is None or chunk >= s_l else 4 * chunk) * model.intermediate_size * b
+    prefill = s_l * (2 * e * b + _norm_saved(e, b)) + max(attn["forward"], mlp_nograd)
+    # the layer's forward with autograd (its peak: everything saved, before the backward frees it)
+    grouped = s_l * worst_layer + graph_stages + 2 * s_l * e * b
+    comp.update(replay_branch=branch + replay_cache, layer_recompute=s_l * worst_layer + graph_stages)
+    phases = {
+        "prefill": persistent + prefill,
+        "replay": persistent + acc + branch + replay_cache,
+    }
+    if full:
+        phases["grouped backward"] = persistent + acc + grouped
+    phases["optimizer step"] = base + static["params"]
+    return comp, phases, host
+
+
+__all__ = [
+    "attention_stage_bytes",
+    "autocast_cached_parameters",
+    "cache_heads_per_rank",
+    "kv_cache_bytes",
+    "layer_saved_bytes",
+    "longstraw_phases",
+    "sft_phases",
+    "stage_layout",
+    "weight_copies_bytes",
+]

@@ -1,0 +1,260 @@
+"""The memory planner's inputs: model, cluster and memory-knob shapes read from configs (dicts, DictConfigs,
+dataclasses) and validated, plus the precision table (``memory.precision``). Arithmetic only, no Lightning.
+
+:data:`PRECISIONS` maps each ``memory.precision`` to ``(p, b)``: the bytes parameters, gradients and AdamW
+states are held in, and the bytes of the compute dtype (see :mod:`.phases`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 2**30
+FLOAT32 = 4
+INT64 = 8
+# Lightning precision -> (bytes of parameters, gradients and optimizer states; bytes of the compute dtype)
+PRECISIONS = {"bf16-mixed": (4, 2), "bf16-true": (2, 2), "32-true": (4, 4), "64-true": (8, 8)}
+# the removed ``memory.dtype`` values and the precision each meant (bfloat16 ran as bf16-true)
+LEGACY_DTYPES = {"float32": "32-true", "bfloat16": "bf16-true", "float64": "64-true"}
+BACKENDS = ("eager", "flash")
+MODES = ("sft", "longstraw")
+SHARDINGS = ("fsdp", "replicate")
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
+
+def check_precision(precision: Any, legacy_dtype: Any = None) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else ValueError naming the allowed values.
+
+    ``legacy_dtype``: the removed ``memory.dtype`` key; any value raises, naming the precision to set instead
+    (``bfloat16`` ran as ``bf16-true``, without fp32 master weights; ``bf16-mixed`` is the training default).
+    """
+    if legacy_dtype is not None:
+        old = str(legacy_dtype)
+        meant = LEGACY_DTYPES.get(old)
+        was = f"it ran as memory.precision={meant}" if meant else "it is not a supported dtype"
+        raise ValueError(
+            f"memory.dtype={old} is no longer a setting ({was}): set memory.precision to one of "
+            f"{list(PRECISIONS)} instead, e.g. memory.precision=bf16-mixed (bf16 compute with fp32 master weights, "
+            "gradients and optimizer states: the GPU default) or memory.precision=bf16-true (everything in bf16, "
+            "the least memory; AdamW updates below bf16's resolution are lost), and remove memory.dtype"
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(f"memory.precision={precision!r} is not supported; use one of {list(PRECISIONS)}")
+    return str(precision)
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    value = cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
+    return default if value is None else value
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture numbers the planner needs, read from an HF-style config (dict, DictConfig, dataclass).
+
+    ``layer_types`` entries are ``"full_attention"`` or ``"linear_attention"`` (Gated DeltaNet, as in
+    transformers' ``qwen3_5_text``, with its ``linear_*`` fields); ``attn_output_gate`` doubles ``q_proj``
+    (Qwen3.5's gated attention).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    layer_types: tuple[str, ...] = ()
+    attn_output_gate: bool = False
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ModelShape:
+        heads = int(_get(cfg, "num_attention_heads"))
+        hidden = int(_get(cfg, "hidden_size"))
+        layers = int(_get(cfg, "num_hidden_layers"))
+        types = tuple(_get(cfg, "layer_types", None) or [FULL_ATTENTION] * layers)
+        if len(types) != layers:
+            raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers={layers}")
+        unknown = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+        if unknown:
+            raise ValueError(f"unknown layer_types {unknown}; use {FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}")
+        defaults = {f: cls.__dataclass_fields__[f].default for f in cls.__dataclass_fields__}
+        return cls(
+            vocab_size=int(_get(cfg, "vocab_size")), hidden_size=hidden,
+            intermediate_size=int(_get(cfg, "intermediate_size")), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=int(_get(cfg, "num_key_value_heads", heads)),
+            head_dim=int(_get(cfg, "head_dim", hidden // heads)),
+            tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
+            attention_bias=bool(_get(cfg, "attention_bias", False)), qk_norm=bool(_get(cfg, "qk_norm", False)),
+            layer_types=types, attn_output_gate=bool(_get(cfg, "attn_output_gate", False)),
+            **{f: int(_get(cfg, f, defaults[f])) for f in (
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim")},
+        )
+
+    @property
+    def full_layers(self) -> int:
+        return sum(t == FULL_ATTENTION for t in self.layer_types)
+
+    @property
+    def linear_layers(self) -> int:
+        return sum(t == LINEAR_ATTENTION for t in self.layer_types)
+
+    @property
+    def linear_qk_dim(self) -> int:
+        """Width of the linear layer's q (and k) projections: ``linear_num_key_heads * linear_key_head_dim``."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_v_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    def full_layer_parameters(self) -> int:
+        e, h, kv, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        q = e * h * d * (2 if self.attn_output_gate else 1)
+        bias = (h * d * (2 if self.attn_output_gate else 1) + 2 * kv * d + e) if self.attention_bias else 0
+        return q + 2 * e * kv * d + h * d * e + bias + (2 * d if self.qk_norm else 0)
+
+    def linear_layer_parameters(self) -> int:
+        e, nv = self.hidden_size, self.linear_num_value_heads
+        qkvz = e * (2 * self.linear_qk_dim + 2 * self.linear_v_dim)
+        conv = (2 * self.linear_qk_dim + self.linear_v_dim) * self.linear_conv_kernel_dim
+        return qkvz + e * 2 * nv + conv + 2 * nv + self.linear_value_head_dim + self.linear_v_dim * e
+
+    def num_parameters(self) -> int:
+        """``V E (x2 untied) + E`` + per layer: mixer + ``3 E I`` (SwiGLU) + ``2 E`` (norms)."""
+        e = self.hidden_size
+        embed = self.vocab_size * e * (1 if self.tie_word_embeddings else 2) + e
+        per_layer = 3 * e * self.intermediate_size + 2 * e
+        mixers = self.full_layers * self.full_layer_parameters() + self.linear_layers * self.linear_layer_parameters()
+        return embed + self.num_hidden_layers * per_layer + mixers
+
+    def largest_layer_parameters(self) -> int:
+        mixer = max(self.full_layer_parameters() if self.full_layers else 0,
+                    self.linear_layer_parameters() if self.linear_layers else 0)
+        return mixer + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """``devices`` per node x ``num_nodes``; ``sp_size`` ranks per sequence-parallel group (None = devices)."""
+
+    devices: int = 1
+    num_nodes: int = 1
+    sp_size: int | None = None
+    sharding: str = "fsdp"
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ClusterShape:
+        sp = _get(cfg, "sp_size", None)
+        return cls(devices=int(_get(cfg, "devices", 1)), num_nodes=int(_get(cfg, "num_nodes", 1)),
+                   sp_size=None if sp is None else int(sp), sharding=str(_get(cfg, "sharding", "fsdp")))
+
+    @property
+    def world(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def sp(self) -> int:
+        return self.devices if self.sp_size is None else self.sp_size
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp
+
+    def validate(self) -> None:
+        if self.devices < 1 or self.num_nodes < 1:
+            raise ValueError(f"devices={self.devices} and num_nodes={self.num_nodes} must be >= 1")
+        if self.sp < 1 or self.world % self.sp:
+            raise ValueError(f"world size {self.world} (devices x nodes) must be divisible by sp_size={self.sp}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding={self.sharding!r} must be one of {SHARDINGS}")
+
+
+@dataclass(frozen=True)
+class MemoryKnobs:
+    """A memory budget per rank and the knobs that trade compute for memory (``MemoryConfig`` + runtime).
+
+    ``attention_backend``: ``"eager"`` counts the copies of this package's CPU/pure-torch kernels (GQA K/V
+    expanded per stage, transposed copies); ``"flash"`` those of flash-attn on GPU (native GQA).
+    ``reserve_gib``: what the runtime holds outside tensors (CUDA context, allocator fragmentation, NCCL).
+    ``precision``: one of :data:`PRECISIONS` (Lightning's precision string; ``bf16-mixed`` by default).
+    """
+
+    budget_gib: float = 80.0
+    precision: str = "bf16-mixed"
+    head_chunk_size: int | None = None
+    activation_checkpointing: bool = False
+    offload_checkpoints: bool = False
+    mlp_chunk_size: int | None = None
+    logits_chunk_size: int | None = None
+    attention_backend: str = "flash"
+    reserve_gib: float = 0.0
+    optimizer_states: int = 2
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> MemoryKnobs:
+        def opt_int(name):
+            value = _get(cfg, name, None)
+            return None if value is None else int(value)
+
+        precision = check_precision(_get(cfg, "precision", "bf16-mixed"), _get(cfg, "dtype", None))
+        return cls(
+            budget_gib=float(_get(cfg, "budget_gib", 80.0)), precision=precision,
+            head_chunk_size=opt_int("head_chunk_size"),
+            activation_checkpointing=bool(_get(cfg, "activation_checkpointing", False)),
+            offload_checkpoints=bool(_get(cfg, "offload_checkpoints", False)),
+            mlp_chunk_size=opt_int("mlp_chunk_size"), logits_chunk_size=opt_int("logits_chunk_size"),
+            attention_backend=str(_get(cfg, "attention_backend", "flash")),
+            reserve_gib=float(_get(cfg, "reserve_gib", 0.0)), optimizer_states=int(_get(cfg, "optimizer_states", 2)),
+        )
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision)
+
+    @property
+    def dtype_bytes(self) -> int:
+        """``b``: bytes of the compute dtype (activations, KV cache, gathered FSDP weights)."""
+        return PRECISIONS[self.precision][1]
+
+    @property
+    def param_bytes(self) -> int:
+        """``p``: bytes of the parameters, their gradients and the optimizer states (fp32 under bf16-mixed)."""
+        return PRECISIONS[self.precision][0]
+
+    @property
+    def mixed(self) -> bool:
+        """Compute in a lower precision than the parameters (autocast / FSDP2 ``MixedPrecisionPolicy``)."""
+        return self.dtype_bytes < self.param_bytes
+
+    @property
+    def compute_dtype(self) -> str:
+        return {2: "bfloat16", 4: "float32", 8: "float64"}[self.dtype_bytes]
+
+
+__all__ = [
+    "BACKENDS",
+    "GIB",
+    "LEGACY_DTYPES",
+    "MODES",
+    "PRECISIONS",
+    "SHARDINGS",
+    "ClusterShape",
+    "MemoryKnobs",
+    "ModelShape",
+    "check_precision",
+]
