@@ -1,20 +1,19 @@
 """Register ``"ulysses"`` with Lightning (which has no entry-point discovery for strategies).
 
 ``import lightning_longctx`` already makes ``strategy="ulysses"`` work without importing Lightning: it registers
-small factories that import this package when called (see :mod:`lightning_longctx`). :func:`register_strategies`
-runs when ``lightning_longctx.lightning`` is imported and registers the classes themselves (idempotent):
-``lightning.pytorch``'s ``StrategyRegistry`` gets :class:`~.strategy.UlyssesStrategy` and ``lightning.fabric``'s
-``STRATEGY_REGISTRY`` gets :class:`~.fabric.UlyssesFabricStrategy`. The standalone ``pytorch_lightning`` /
-``lightning_fabric`` packages are separate copies with separate registries; if one of them is imported (now or
-later), ``"ulysses"`` there is a stub that raises a clear error naming the right import.
+small factories that import this package when called (:mod:`lightning_longctx._registration`).
+:func:`register_strategies` runs when ``lightning_longctx.lightning`` is imported and registers the classes
+themselves (idempotent): ``lightning.pytorch``'s ``StrategyRegistry`` gets :class:`~.strategy.UlyssesStrategy`
+and ``lightning.fabric``'s ``STRATEGY_REGISTRY`` gets :class:`~.fabric.UlyssesFabricStrategy`. The standalone
+``pytorch_lightning`` / ``lightning_fabric`` packages are separate copies with separate registries; if one of
+them is imported (now or later), ``"ulysses"`` there is a stub that raises a clear error naming the right import.
 """
 
 from __future__ import annotations
 
 import sys
 
-from .. import _STRATEGY_NAME as STRATEGY_NAME
-from .. import _register_in, _register_lazily
+from .._registration import STRATEGY_NAME, register_in, register_lazily
 
 __all__ = ["STRATEGY_NAME", "register_strategies"]
 
@@ -27,14 +26,14 @@ def register_strategies() -> None:
     from .fabric import UlyssesFabricStrategy
     from .strategy import UlyssesStrategy
 
-    _register_in("lightning.pytorch.strategies", UlyssesStrategy)
-    _register_in("lightning.fabric.strategies", UlyssesFabricStrategy)
+    register_in("lightning.pytorch.strategies", UlyssesStrategy)
+    register_in("lightning.fabric.strategies", UlyssesFabricStrategy)
     if "pytorch_lightning" in sys.modules:
         import pytorch_lightning.strategies  # noqa: F401
 
-        _register_in("pytorch_lightning.strategies")
+        register_in("pytorch_lightning.strategies")
     if "lightning_fabric" in sys.modules:
         import lightning_fabric.strategies  # noqa: F401
 
-        _register_in("lightning_fabric.strategies")
-    _register_lazily()  # still hooks the standalone packages' registries if they are not imported yet
+        register_in("lightning_fabric.strategies")
+    register_lazily()  # still hooks the standalone packages' registries if they are not imported yet
