@@ -28,6 +28,12 @@ SHAPES = {
     "qwen2": dict(num_key_value_heads=8, attention_bias=True, attention_out_bias=False),
     # Qwen3: qk-norm, head_dim 8 != hidden 32 / 8 heads, biases everywhere, tied embeddings.
     "qwen3": dict(num_key_value_heads=4, head_dim=8, qk_norm=True, attention_bias=True, tie_word_embeddings=True),
+    # Qwen3.5 hybrid: a Gated DeltaNet layer (2 key heads < 4 ranks: replicated; 4 value heads) then a gated
+    # full-attention layer with partial RoPE; zero-centred norms.
+    "hybrid": dict(num_key_value_heads=2, head_dim=8, qk_norm=True, attn_output_gate=True, zero_centered_norms=True,
+                   partial_rotary_factor=0.5, layer_types=["linear_attention", "full_attention"],
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                   linear_conv_kernel_dim=4),
 }
 
 
@@ -48,6 +54,8 @@ def tiny_model(config: DecoderConfig, memory: MemoryConfig | None = None, *, see
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("A_log"):  # mild decay, so the state carries far and its gradient matters
+                p.copy_(torch.log(0.05 + 0.5 * torch.rand_like(p)))
             elif name.endswith(".bias"):
                 p.copy_(0.2 * torch.randn_like(p))
     return model
@@ -98,10 +106,11 @@ def run_whole(model, ids, positions):
 
 
 def run_split(model, prefix_ids, prefix_pos, rest_ids, rest_pos):
-    """The same sequence as [prefix; rest]: the prefix with ``return_kv``, the rest with ``prefix_kv``."""
+    """The same sequence as [prefix; rest]: the prefix with ``return_state``, the rest with ``prefix_state``."""
     h_prefix, h_rest = model.embed(prefix_ids), model.embed(rest_ids)
     for layer in model.layers:
-        h_prefix, kv = layer(h_prefix, prefix_pos, return_kv=True)
-        assert kv[0].shape[2] == layer.self_attn.kv_cache_heads(), "cache layout head count"
-        h_rest = layer(h_rest, rest_pos, prefix_kv=kv)
+        h_prefix, kv = layer(h_prefix, prefix_pos, return_state=True)
+        if layer.layer_type == "full_attention":
+            assert kv[0].shape[2] == layer.self_attn.kv_cache_heads(), "cache layout head count"
+        h_rest = layer(h_rest, rest_pos, prefix_state=kv)
     return model.final_hidden(h_prefix), model.final_hidden(h_rest)

@@ -117,19 +117,21 @@ def test_train_refuses_an_unknown_precision_before_any_work(monkeypatch, overrid
         cli.run_train(compose_cfg(override, "plan.check=false"))
 
 
-def test_train_hybrid_stops_with_a_clear_not_implemented_error(monkeypatch):
-    import lightning.pytorch as pl
+def test_train_hybrid_builds_the_qwen3_5_shaped_model():
+    """``model=tiny_hybrid`` builds a DecoderLM with 3 Gated DeltaNet layers and 1 gated attention layer (the
+    two-process run of the demo task on it is ``test_demo_task_trains_the_hybrid``)."""
+    model = cli.build_model(compose_cfg("model=tiny_hybrid"))
+    assert [layer.layer_type for layer in model.layers] == ["linear_attention"] * 3 + ["full_attention"]
+    assert model.config.shape_model_type() == "qwen3_5_text" and model.config.rotary_dim == 4
 
-    monkeypatch.setattr(pl, "Trainer", lambda *a, **k: (_ for _ in ()).throw(AssertionError("Trainer built")))
-    with pytest.raises(NotImplementedError, match="linear_attention.*longctx-plan model=tiny_hybrid"):
-        cli.run_train(compose_cfg("model=tiny_hybrid"))
 
-
-def test_two_step_cpu_run_writes_tensorboard_loss_and_reward(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "tiny_hybrid"])
+def test_two_step_cpu_run_writes_tensorboard_loss_and_reward(tmp_path, model):
+    """The demo task on 2 CPU processes (tiny_hybrid: 3 Gated DeltaNet layers + 1 gated attention layer)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = run_script("longctx-train", "trainer=smoke", "task.seq_len=256", f"hydra.run.dir={tmp_path}",
-                     timeout=300, cwd=tmp_path)
+    out = run_script("longctx-train", "trainer=smoke", "task.seq_len=256", f"model={model}",
+                     f"hydra.run.dir={tmp_path}", timeout=300, cwd=tmp_path)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "longctx-train summary" in out.stdout and "TensorBoard logdir" in out.stdout, out.stdout

@@ -138,16 +138,17 @@ def test_hybrid_preset_matches_transformers_qwen3_5_text_fields():
         pytest.skip("this transformers has no qwen3_5_text")
     cfg = compose_cfg("model=qwen3_5_27b").model
     fields = {k: v for k, v in OmegaConf.to_container(cfg).items()
-              if k not in ("name", "hf_id", "pretrained", "qk_norm", "attn_output_gate", "rope_theta",
-                           "partial_rotary_factor")}
+              if k not in ("name", "hf_id", "pretrained", "qk_norm", "attn_output_gate", "zero_centered_norms",
+                           "rope_theta", "partial_rotary_factor")}
     hf = transformers.Qwen3_5TextConfig(**fields)  # every field name is one qwen3_5_text knows
     assert list(hf.layer_types) == list(cfg.layer_types)
     assert (hf.linear_num_value_heads, hf.head_dim, hf.num_key_value_heads) == (48, 256, 4)
 
 
-def test_hybrid_model_cannot_be_built_yet_and_says_so():
-    with pytest.raises(NotImplementedError, match="linear_attention"):
-        decoder_config(compose_cfg("model=tiny_hybrid").model)
+def test_hybrid_presets_build_qwen3_5_text_configs():
+    for preset in ("tiny_hybrid", "qwen3_5_27b"):
+        config = decoder_config(compose_cfg(f"model={preset}").model)
+        assert config.shape_model_type() == "qwen3_5_text" and config.zero_centered_norms
 
 
 def test_slurm_preset_gives_lightning_one_task_per_device():

@@ -144,7 +144,7 @@ def test_detached_prompt_equals_reference_with_prompt_kv_detached():
         cache = []
         for layer in model.layers:
             pos = torch.arange(s - 1)[None]
-            hidden, kv = layer(hidden, pos, return_kv=True)
+            hidden, kv = layer(hidden, pos, return_state=True)
             cache.append(kv)
     total = sum(r.numel() for r in responses)
     for i, r in enumerate(responses):
@@ -152,7 +152,7 @@ def test_detached_prompt_equals_reference_with_prompt_kv_detached():
         pos = torch.arange(s - 1, s - 1 + r.numel())[None]
         h = model.embed(ids)
         for layer, kv in zip(model.layers, cache):
-            h = layer(h, pos, prefix_kv=kv)
+            h = layer(h, pos, prefix_state=kv)
         logits = model.final_hidden(h)[0] @ model.output_weight.T
         logp = F.log_softmax(logits, -1).gather(1, r[:, None])[:, 0]
         ratio = torch.exp(logp - logp.detach())

@@ -20,6 +20,7 @@ def _module(kv_heads, qk_norm, bias, chunk, seed=0):
     config = tiny_config("llama", num_key_value_heads=kv_heads, head_dim=6, qk_norm=qk_norm, attention_bias=bias)
     torch.manual_seed(seed)
     attn = DecoderAttention(config, chunk).double()
+    attn.config = config  # what the plain reference reads (theta, eps)
     with torch.no_grad():
         for p in attn.parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 2 else 1.0))
@@ -41,9 +42,9 @@ def plain_attention(attn, x, positions):
     k = attn.k_proj(x).view(b, s, -1, d)
     v = attn.v_proj(x).view(b, s, -1, d)
     if attn.q_norm is not None:
-        q = attn.q_norm.weight * q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + attn.eps)
-        k = attn.k_norm.weight * k / torch.sqrt(k.pow(2).mean(-1, keepdim=True) + attn.eps)
-    inv_freq = attn.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        q = attn.q_norm.weight * q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + attn.config.rms_norm_eps)
+        k = attn.k_norm.weight * k / torch.sqrt(k.pow(2).mean(-1, keepdim=True) + attn.config.rms_norm_eps)
+    inv_freq = attn.config.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     angle = positions[..., None, None].double() * inv_freq  # (b, s, 1, d/2)
     cos, sin = angle.cos(), angle.sin()
 

@@ -37,9 +37,28 @@ def test_decoder_config_errors_name_the_numbers(overrides, message):
         DecoderConfig(**{**BASE, **overrides})
 
 
-def test_linear_attention_layers_are_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="layer_types\\[0\\]='linear_attention'"):
-        DecoderConfig(**BASE, layer_types=["linear_attention", "full_attention"])
+HYBRID = dict(layer_types=["linear_attention", "full_attention"], qk_norm=True, attn_output_gate=True,
+              zero_centered_norms=True)
+
+
+def test_hybrid_config_fills_qwen3_5_text_defaults_and_infers_its_type():
+    config = DecoderConfig(**BASE, **HYBRID)
+    assert config.shape_model_type() == "qwen3_5_text" and config.has_linear_layers
+    assert (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+            config.linear_value_head_dim, config.linear_conv_kernel_dim) == (16, 32, 128, 128, 4)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(layer_types=["mamba", "full_attention"]), "layer_types\\[0\\]='mamba' is unknown"),
+    (dict(linear_num_key_heads=3, linear_num_value_heads=4), "linear_num_value_heads=4 must be a multiple of "
+                                                              "linear_num_key_heads=3"),
+    (dict(attn_output_gate=False), "no supported HF architecture"),
+    (dict(partial_rotary_factor=0.0), "partial_rotary_factor=0.0 must lie in"),
+    (dict(model_type="qwen3"), "model_type='qwen3' does not match"),
+])
+def test_bad_hybrid_configs_are_refused_naming_the_values(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        DecoderConfig(**BASE, **{**HYBRID, **overrides})
 
 
 @pytest.mark.parametrize("overrides, message", [

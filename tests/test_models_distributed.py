@@ -38,10 +38,12 @@ MODEL_CASES = [
     ("llama", dict(head_chunk_size=1, logits_chunk_size=5)),
     ("qwen2", dict(head_chunk_size=2, mlp_chunk_size=4)),
     ("qwen3", dict(head_chunk_size=1, mlp_chunk_size=3, logits_chunk_size=4)),
+    ("hybrid", dict()),  # Gated DeltaNet: all-to-all to value-head slices of the full sequence
+    ("hybrid", dict(head_chunk_size=1)),  # one value head (and query head) per rank and stage
 ]
 # Checkpointing (recomputation replays the all-to-alls in backward) on 2 ranks only: its first call imports
 # torch._dynamo (~3 s per process), which 4 processes on a 2-core CI machine pay at the same time.
-CHECKPOINTING = {"qwen2": dict(activation_checkpointing=True),
+CHECKPOINTING = {"qwen2": dict(activation_checkpointing=True), "hybrid": dict(activation_checkpointing=True),
                  "qwen3": dict(activation_checkpointing=True, offload_checkpoints=True)}
 
 
@@ -111,7 +113,7 @@ def _check_all(rank, world, with_hf):
     for shape, knobs in MODEL_CASES:
         extra = CHECKPOINTING.get(shape, {}) if world == 2 else {}
         _check_model(rank, world, group, shape, MemoryConfig(**knobs, **extra))
-    for shape, chunk in (("llama", None), ("llama", 1), ("qwen3", 1)):
+    for shape, chunk in (("llama", None), ("llama", 1), ("qwen3", 1), ("hybrid", None), ("hybrid", 1)):
         _check_prefix(rank, world, group, shape, chunk)
     model = tiny_model(tiny_config("llama"))
     set_sequence_parallel_group(model, group)

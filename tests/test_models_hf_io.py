@@ -1,6 +1,7 @@
 """HF checkpoints both ways: DecoderLM.from_pretrained == transformers on tiny random Llama / Qwen2 / Qwen3
 checkpoints written here with save_pretrained (fp32 logits, 1e-5), and save_pretrained -> transformers gives
-the same logits again. Unsupported fields fail loudly, naming the field."""
+the same logits again. Unsupported fields fail loudly, naming the field. (Scaled RoPE: test_models_rope.py;
+Qwen3.5: test_models_hybrid_hf.py.)"""
 
 import json
 
@@ -76,6 +77,11 @@ def test_from_pretrained_dtype_cast(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.float64}
 
 
+def _save(path, kind):
+    _hf_model(kind).save_pretrained(path)
+    return path
+
+
 def _edit_config(path, **changes):
     config = json.loads((path / "config.json").read_text())
     config.update(changes)
@@ -83,9 +89,12 @@ def _edit_config(path, **changes):
 
 
 @pytest.mark.parametrize("kind, changes, message", [
-    ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
-     "rope_parameters.rope_type='llama3'"),
-    ("llama", dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling.rope_type='linear'"),
+    ("llama", dict(rope_parameters={"rope_type": "proportional", "rope_theta": 5e5, "factor": 8.0}),
+     "rope_parameters.rope_type='proportional'"),
+    ("llama", dict(rope_scaling={"type": "su", "factor": 2.0}), "rope_scaling.rope_type='su'"),
+    ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5"),
+    ("qwen3", dict(rope_parameters={"full_attention": {"rope_type": "default"}}), "per-layer-type RoPE"),
     ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ("llama", dict(mlp_bias=True), "mlp_bias=True"),
     ("llama", dict(attention_dropout=0.1), "attention_dropout=0.1"),
@@ -108,3 +117,10 @@ def test_mismatched_weights_fail_naming_the_tensors(tmp_path):
     _edit_config(tmp_path, num_hidden_layers=2, intermediate_size=40)
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight: checkpoint \\(32, 48\\)"):
         DecoderLM.from_pretrained(tmp_path)
+
+
+def test_partial_rope_cannot_be_saved_as_llama(tmp_path):
+    model = DecoderLM.from_pretrained(_save(tmp_path, "llama"))
+    model.config.partial_rotary_factor = 0.5
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 cannot be saved as llama"):
+        model.save_pretrained(tmp_path / "out")

@@ -1,6 +1,6 @@
 """The prefix-state API LongStraw builds on, in one process (float64, 1e-10).
 
-A sequence run as [prefix; rest] -- the prefix through every layer with ``return_kv=True``, the rest with
+A sequence run as [prefix; rest] -- the prefix through every layer with ``return_state=True``, the rest with
 ``prefix_kv`` = that layer's cache -- equals the sequence run whole: the hidden states of both parts and
 every parameter gradient, including a loss on the rest alone, whose gradient reaches the prefix
 computation only through the cache. The 2- and 4-rank version is in ``test_models_distributed.py``.
@@ -60,15 +60,15 @@ def test_cache_layout_and_leaf_cache_gradients():
     hidden = torch.randn(1, 10, config.hidden_size, generator=g, dtype=torch.float64)
     positions = torch.arange(10)[None]
     with torch.no_grad():
-        _, (k, v) = layer(hidden[:, :6], positions[:, :6], return_kv=True)
+        _, (k, v) = layer(hidden[:, :6], positions[:, :6], return_state=True)
     assert k.shape == (1, 6, config.num_key_value_heads, config.head_dim)  # [b, s, H_kv, d] without SP
     k_leaf, v_leaf = k.clone().requires_grad_(), v.clone().requires_grad_()
-    out = layer(hidden[:, 6:], positions[:, 6:], prefix_kv=(k_leaf, v_leaf))
+    out = layer(hidden[:, 6:], positions[:, 6:], prefix_state=(k_leaf, v_leaf))
     probe = torch.randn(out.shape, generator=g, dtype=torch.float64)
     dk, dv = torch.autograd.grad((out * probe).sum(), (k_leaf, v_leaf))
     # Reference: the whole sequence with the prefix K/V as explicit differentiable intermediates.
-    _, (k_ref, v_ref) = layer(hidden[:, :6], positions[:, :6], return_kv=True)
-    out_ref = layer(hidden[:, 6:], positions[:, 6:], prefix_kv=(k_ref, v_ref))
+    _, (k_ref, v_ref) = layer(hidden[:, :6], positions[:, :6], return_state=True)
+    out_ref = layer(hidden[:, 6:], positions[:, 6:], prefix_state=(k_ref, v_ref))
     assert_close_rel(out, out_ref, TOL, "branch output")
     dk_ref, dv_ref = torch.autograd.grad((out_ref * probe).sum(), (k_ref, v_ref))
     assert_close_rel(dk, dk_ref, TOL, "cache key grad")
@@ -86,7 +86,7 @@ def test_key_values_equals_the_kv_that_forward_returns():
         hidden = torch.randn(1, 9, model.config.hidden_size, dtype=torch.float64)
         pos = torch.arange(9)[None]
         layer = model.layers[0]
-        _, (k, v) = layer(hidden, pos, return_kv=True)
-        k2, v2 = layer.key_values(hidden, pos)
+        _, (k, v) = layer(hidden, pos, return_state=True)
+        k2, v2 = layer.prompt_state(hidden, pos)
         torch.testing.assert_close(k2, k, atol=0, rtol=0)
         torch.testing.assert_close(v2, v, atol=0, rtol=0)

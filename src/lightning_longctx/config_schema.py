@@ -24,7 +24,8 @@ class ModelConf:
 
     ``pretrained``: a local HF checkpoint directory to load (``DecoderLM.from_pretrained``); None = random
     init (shape-only runs, planning). ``hf_id``: the hub id the preset is shaped after (informational).
-    ``linear_*`` / ``attn_output_gate`` / ``partial_rotary_factor``: the hybrid (qwen3_5_text) fields.
+    ``linear_*`` / ``attn_output_gate`` / ``zero_centered_norms`` / ``partial_rotary_factor``: the hybrid
+    (qwen3_5_text) fields.
     """
 
     name: str = MISSING
@@ -44,6 +45,7 @@ class ModelConf:
     qk_norm: bool = False
     layer_types: list[str] | None = None
     attn_output_gate: bool = False
+    zero_centered_norms: bool = False
     partial_rotary_factor: float = 1.0
     linear_num_key_heads: int | None = None
     linear_num_value_heads: int | None = None

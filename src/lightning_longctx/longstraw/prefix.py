@@ -1,9 +1,10 @@
 """The shared prompt, run once: prefill, branch replay over its cache, and the grouped backward.
 
 Model contract (``lightning_longctx.models.DecoderLM`` implements it): ``embed(ids [1, s_l]) -> [1, s_l, hidden]``,
-``layers`` whose ``layer(hidden, position_ids, prefix_kv=None, return_kv=False)`` returns the new hidden
-(and, with ``return_kv``, this layer's keys/values in the head-sharded cache layout), ``final_hidden`` and
-``output_weight`` for the log-probs, and ``sp_group``.
+``layers`` whose ``layer(hidden, position_ids, prefix_state=None, return_state=False, state_every=None)``
+returns the new hidden (and, with ``return_state``, this layer's state in its head-sharded layout: K/V for
+attention, a ``LinearState`` for Gated DeltaNet) and ``layer.prompt_state(hidden, position_ids)`` only the
+state, ``final_hidden`` and ``output_weight`` for the log-probs, and ``sp_group``.
 
 Under sequence parallelism over ``group`` (``P`` ranks), the cached part of the prompt is its first
 ``S' = P * floor((S - 1) / P)`` tokens, so every rank holds an equal slice without padding *inside* the
@@ -19,20 +20,26 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..models.gated_deltanet import LinearState
 from ..ops.losses import chunked_token_logprobs
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
 from .grads import move_grad_into
+from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
 
 
 @dataclass
 class PromptState:
     """What later tokens need of the prompt, per layer; nothing else of the prompt stays alive.
 
-    ``keys``/``values``: per layer, the cache ``[1, S', kv_cache_heads, head_dim]`` (head-sharded under SP,
-    in the compute dtype); leaves that require grad when the prompt gradient is wanted, so every branch's
-    backward accumulates into one gradient buffer per layer and tensor, in ``grad_dtype`` (fp32 by default:
-    with a bf16 cache a post-accumulate hook moves each branch's bf16 gradient into the fp32 buffer, so the
-    sum over the G branches never rounds at bf16 precision; :meth:`cache_grad` reads it).
+    ``caches``: per layer, its state after the cached prompt, as the layer's ``return_state`` gives it
+    (head-sharded under SP): attention ``(keys, values)``, each ``[1, S', kv_cache_heads, head_dim]`` in the
+    compute dtype; Gated DeltaNet a :class:`~lightning_longctx.models.LinearState` (recurrent state
+    ``[1, Hv/P, Dk, Dv]`` in fp32, conv tail ``[1, K-1, C_l]``, and for the grouped backward the states every
+    ``state_segment`` tokens, graph-free, possibly on the host). The differentiable tensors are leaves that
+    require grad when the prompt gradient is wanted, so every branch's backward accumulates into one
+    gradient buffer per layer and tensor, in ``grad_dtype`` (fp32 by default: with a bf16 cache a
+    post-accumulate hook moves each branch's bf16 gradient into the fp32 buffer, so the sum over the G
+    branches never rounds at bf16 precision; :meth:`cache_grad` reads it).
     ``checkpoints``: per layer, its input ``[1, S'/P, hidden]`` on this rank (possibly on the host), for the
     grouped backward.
     """
@@ -40,25 +47,40 @@ class PromptState:
     prompt_ids: torch.Tensor  # [S], full
     cached_length: int  # S'
     group: dist.ProcessGroup | None
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
+    caches: list = field(default_factory=list)
     checkpoints: list[torch.Tensor] = field(default_factory=list)
     grad_dtype: torch.dtype = torch.float32
-    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, 0 = K / 1 = V) -> buffer
+    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, tensor index) -> buffer
+    state_segment: int | None = None
 
-    def add_cache(self, key: torch.Tensor, value: torch.Tensor, requires_grad: bool) -> None:
-        """Append one layer's cache as leaves; with ``requires_grad`` their gradients sum in ``grad_dtype``."""
-        layer = len(self.keys)
-        for which, (tensors, t) in enumerate(((self.keys, key), (self.values, value))):
+    def add_cache(self, cache, requires_grad: bool, *, offload: bool = False) -> None:
+        """Append one layer's state as leaves; with ``requires_grad`` their gradients sum in ``grad_dtype``.
+
+        ``cache``: ``(keys, values)`` or a ``LinearState`` (whose ``boundaries`` stay graph-free, on the host
+        with ``offload``)."""
+        layer = len(self.caches)
+        leaves = []
+        for which, t in enumerate(cache[:2]):
             leaf = t.detach().requires_grad_(requires_grad)
             if requires_grad and leaf.dtype != self.grad_dtype:
                 leaf.register_post_accumulate_grad_hook(move_grad_into(self.grads, (layer, which), self.grad_dtype))
-            tensors.append(leaf)
+            leaves.append(leaf)
+        if isinstance(cache, LinearState):
+            boundaries = cache.boundaries
+            if boundaries is not None and offload:
+                boundaries = _to_host(boundaries)
+            self.caches.append(LinearState(*leaves, boundaries))
+        else:
+            self.caches.append(tuple(leaves))
 
     def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
-        """The gradient summed over the group so far of layer ``layer``'s K (``which=0``) or V (``1``)."""
-        leaf = (self.keys, self.values)[which][layer]
-        return self.grads.get((layer, which), leaf.grad)
+        """The gradient summed over the group so far of layer ``layer``'s state tensor ``which`` (attention:
+        0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail)."""
+        return self.grads.get((layer, which), self.caches[layer][which].grad)
+
+    def layer_cache(self, layer: int):
+        """Layer ``layer``'s state, as its ``prefix_state`` (None when nothing was cached)."""
+        return self.caches[layer] if self.caches else None
 
     @property
     def tail_ids(self) -> torch.Tensor:
@@ -76,13 +98,18 @@ class PromptState:
 def prefill(
     model, prompt_ids: torch.Tensor, group, *, keep_checkpoints: bool, cache_requires_grad: bool,
     offload_checkpoints: bool = False, progress=None, grad_dtype: torch.dtype = torch.float32,
+    state_segment: int = DEFAULT_STATE_SEGMENT,
 ) -> PromptState:
-    """Run the cached part of the prompt once without autograd, keeping per layer K/V and checkpoints.
+    """Run the cached part of the prompt once without autograd, keeping per layer its state and checkpoint.
 
-    ``grad_dtype``: the dtype the cache gradients accumulate in over the group (see :class:`PromptState`)."""
+    ``grad_dtype``: the dtype the cache gradients accumulate in over the group (see :class:`PromptState`).
+    ``state_segment``: with ``keep_checkpoints``, linear layers also keep their state every that many tokens
+    (a multiple of 64), where the grouped backward restarts their scan segment by segment."""
     world = group_size(group)
     cached = world * ((prompt_ids.numel() - 1) // world)
-    state = PromptState(prompt_ids=prompt_ids, cached_length=cached, group=group, grad_dtype=grad_dtype)
+    every = state_segment if keep_checkpoints else None
+    state = PromptState(prompt_ids=prompt_ids, cached_length=cached, group=group, grad_dtype=grad_dtype,
+                        state_segment=every)
     if cached == 0:
         return state
     ids, pos = state.local_prefix()
@@ -93,10 +120,10 @@ def prefill(
             if keep_checkpoints:
                 state.checkpoints.append(_to_host(hidden) if offload_checkpoints else hidden)
             if index < last:
-                hidden, (key, value) = layer(hidden, pos, return_kv=True)
-            else:  # nothing reads the last layer's output at prompt positions: only its K/V
-                key, value = layer.key_values(hidden, pos)
-            state.add_cache(key, value, cache_requires_grad)
+                hidden, cache = layer(hidden, pos, return_state=True, state_every=every)
+            else:  # nothing reads the last layer's output at prompt positions: only its state
+                cache = layer.prompt_state(hidden, pos, state_every=every)
+            state.add_cache(cache, cache_requires_grad, offload=offload_checkpoints)
             if progress is not None:
                 progress(f"prefill layer {index + 1}/{len(model.layers)}")
     return state
@@ -139,10 +166,8 @@ def make_branch(state: PromptState, response: torch.Tensor) -> Branch:
 def branch_logprobs(model, state: PromptState, branch: Branch, *, logits_chunk_size=None, entropy=False):
     """Forward one branch over the cached prompt; ``[n_l]`` log-probs of its targets (0 where ignored)."""
     hidden = model.embed(branch.input_ids)
-    for layer, key, value in zip(model.layers, state.keys or [None] * len(model.layers),
-                                 state.values or [None] * len(model.layers)):
-        prefix = None if key is None else (key, value)
-        hidden = layer(hidden, branch.position_ids, prefix_kv=prefix)
+    for index, layer in enumerate(model.layers):
+        hidden = layer(hidden, branch.position_ids, prefix_state=state.layer_cache(index))
     hidden = model.final_hidden(hidden)
     return chunked_token_logprobs(
         hidden[0], model.output_weight, branch.targets[0], chunk_size=logits_chunk_size, return_entropy=entropy
@@ -150,10 +175,12 @@ def branch_logprobs(model, state: PromptState, branch: Branch, *, logits_chunk_s
 
 
 def grouped_backward(model, state: PromptState, *, progress=None) -> None:
-    """Push the cache gradients accumulated over the whole group back through the prompt, once.
+    """Push the state gradients accumulated over the whole group back through the prompt, once.
 
-    For layers L..1: recompute the layer from its checkpoint with autograd and back-propagate the cache
+    For layers L..1: recompute the layer from its checkpoint with autograd and back-propagate the state
     gradient of that layer together with the gradient arriving from the layer above; then the embedding.
+    Gated DeltaNet layers recompute their scan segment by segment in reverse from the stored states
+    (:func:`.linear_backward.linear_layer_backward`), so only one segment's scan graph is alive.
     """
     if state.cached_length == 0:
         return
@@ -161,30 +188,40 @@ def grouped_backward(model, state: PromptState, *, progress=None) -> None:
     grad_hidden = None
     layers = list(model.layers)
     for index in reversed(range(len(layers))):
-        checkpoint = state.checkpoints[index]
-        hidden_in = checkpoint.to(ids.device, non_blocking=True).detach().requires_grad_()
-        if grad_hidden is None:  # the top layer: only its K/V received a gradient
-            hidden_out, (key, value) = None, layers[index].key_values(hidden_in, pos)
+        layer = layers[index]
+        hidden_in = state.checkpoints[index].to(ids.device, non_blocking=True).detach().requires_grad_()
+        cache_grads = [state.cache_grad(index, which) for which in (0, 1)]
+        if isinstance(state.caches[index], LinearState):
+            grad_in = linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads,
+                                            state.caches[index].boundaries, state.state_segment)
         else:
-            hidden_out, (key, value) = layers[index](hidden_in, pos, return_kv=True)
-        outputs, grads = [], []
-        for which, out in enumerate((key, value)):
-            cache_grad = state.cache_grad(index, which)
-            if cache_grad is not None:
-                outputs.append(out)
-                grads.append(cache_grad.to(out.dtype))  # summed in grad_dtype; the layer's backward runs in its own
-        if grad_hidden is not None:
-            outputs.append(hidden_out)
-            grads.append(grad_hidden)
-        if outputs:
-            torch.autograd.backward(outputs, grads)
-        grad_hidden = hidden_in.grad
-        # this layer's cache, cache gradient and checkpoint are no longer needed
-        state.keys[index] = state.values[index] = state.checkpoints[index] = None
+            grad_in = _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads)
+        grad_hidden = grad_in
+        # this layer's state, state gradient and checkpoint are no longer needed
+        state.caches[index] = state.checkpoints[index] = None
         state.grads.pop((index, 0), None)
         state.grads.pop((index, 1), None)
-        del hidden_in, hidden_out, key, value, outputs, grads
+        del hidden_in, cache_grads
         if progress is not None:
             progress(f"grouped backward layer {index + 1}/{len(layers)}")
     if grad_hidden is not None:
         torch.autograd.backward(model.embed(ids), grad_hidden)
+
+
+def _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads):
+    """Recompute an attention layer over the prompt and back-propagate its K/V and output gradients."""
+    if grad_hidden is None:  # the top layer: only its K/V received a gradient
+        hidden_out, (key, value) = None, layer.prompt_state(hidden_in, pos)
+    else:
+        hidden_out, (key, value) = layer(hidden_in, pos, return_state=True)
+    outputs, grads = [], []
+    for out, cache_grad in zip((key, value), cache_grads):
+        if cache_grad is not None:
+            outputs.append(out)
+            grads.append(cache_grad.to(out.dtype))  # summed in grad_dtype; the layer's backward runs in its own
+    if grad_hidden is not None:
+        outputs.append(hidden_out)
+        grads.append(grad_hidden)
+    if outputs:
+        torch.autograd.backward(outputs, grads)
+    return hidden_in.grad

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ..ops.memory import track_memory
 from ..parallel import gather_ints, group_size, set_sequence_parallel_group
 from .grads import GroupGradients, accumulation_dtype
+from .linear_backward import DEFAULT_STATE_SEGMENT, check_state_segment
 from .losses import LOSS_TYPES, policy_token_terms, response_weights
 from .prefix import branch_logprobs, grouped_backward, make_branch, prefill
 
@@ -62,6 +63,12 @@ def validate_group(
 ) -> None:
     """Every input check of :func:`longstraw_step`; raises ``ValueError`` before any work."""
     vocab = model.output_weight.shape[0]
+    dynamic = [i for i, layer in enumerate(getattr(model, "layers", [])) if getattr(
+        getattr(getattr(layer, "self_attn", None), "rotary", None), "is_dynamic", False)]
+    if dynamic:
+        raise ValueError(f"layers {dynamic} use a length-dependent RoPE (dynamic NTK / longrope): the prompt state "
+                         "and each branch would be rotated with different frequencies than the whole sequence; "
+                         "LongStraw supports static RoPE types (default, linear, llama3, yarn)")
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
     if prompt_grad not in PROMPT_GRADS:
@@ -149,6 +156,7 @@ def longstraw_step(
     progress: Callable[[str], None] | None = None,
     accumulate_dtype: torch.dtype | None = None,
     measure_memory: bool = True,
+    state_segment: int = DEFAULT_STATE_SEGMENT,
 ) -> StepOutput:
     """Accumulate into ``param.grad`` the exact gradient of the group loss for one prompt and G responses.
 
@@ -171,6 +179,10 @@ def longstraw_step(
             over the G branches and the grouped backward, and reduced over ``group`` in; default float32
             (float64 for float64 models). With bf16 compute this keeps the sum of G bf16 gradients exact to
             fp32 precision; the result is added to ``.grad`` in the parameters' dtype.
+        state_segment: Gated DeltaNet layers keep their recurrent state every that many prompt tokens (a
+            multiple of 64; optionally on the host with ``offload_checkpoints``), and the grouped backward
+            recomputes their scan one such segment at a time, in reverse (memory per layer: one state per
+            segment in the prefill, one segment's scan graph in the backward).
         measure_memory: track the step's peak live tensor bytes (``StepOutput.peak_bytes``; on CPU a dispatch
             mode that sees every op, which costs time on small ops): False for training loops, which read the
             device's own peak (``ops.memory.device_peak_bytes``).
@@ -179,6 +191,7 @@ def longstraw_step(
     """
     validate_group(model, prompt_ids, responses, advantages, loss_type=loss_type, prompt_grad=prompt_grad,
                    old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, max_response_length=max_response_length)
+    check_state_segment(state_segment)
     check_group_agrees(prompt_ids, responses, group)
     set_sequence_parallel_group(model, group)
     lengths = [r.numel() for r in responses]
@@ -194,7 +207,7 @@ def longstraw_step(
     with tracker as memory, step_grads:
         state = prefill(model, prompt_ids, group, keep_checkpoints=prompt_grad == "full",
                         cache_requires_grad=prompt_grad == "full", offload_checkpoints=offload_checkpoints,
-                        progress=progress, grad_dtype=grad_dtype)
+                        progress=progress, grad_dtype=grad_dtype, state_segment=state_segment)
         for i, response in enumerate(responses):
             branch = make_branch(state, response)
             logp_l, entropy_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size,
@@ -289,8 +302,7 @@ def _last_logits(model, state, branch, last: int, vocab: int, group) -> torch.Te
     """Logits ``[vocab]`` at response position ``last`` (held by one rank), on every rank."""
     hidden = model.embed(branch.input_ids)
     for index, layer in enumerate(model.layers):
-        prefix = (state.keys[index], state.values[index]) if state.keys else None
-        hidden = layer(hidden, branch.position_ids, prefix_kv=prefix)
+        hidden = layer(hidden, branch.position_ids, prefix_state=state.layer_cache(index))
     hidden = model.final_hidden(hidden)[0]
     logits = hidden.new_zeros(vocab, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     mine = (branch.response_index == last).nonzero()

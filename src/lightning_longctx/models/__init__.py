@@ -1,17 +1,20 @@
-"""The decoder family we own: Llama / Qwen2 / Qwen3 shapes, built for long context.
+"""The decoder family we own: Llama / Qwen2 / Qwen3 shapes and the Qwen3.5 hybrids (Gated DeltaNet linear
+layers, :mod:`.gated_deltanet`, between gated full-attention layers), built for long context.
 
 Main API: :class:`DecoderLM` (``forward(input_ids, position_ids, labels, shift_labels) -> DecoderOutput``,
 ``from_pretrained`` / ``save_pretrained`` for local HF directories) configured by :class:`DecoderConfig`
 (architecture, HF field names) and :class:`MemoryConfig` (head chunking, checkpointing, offload, tiled MLP,
 chunked logits: memory knobs that leave every number unchanged). The attention block is fused and
 head-chunked as UPipe runs it (:mod:`.attention`). The prefix-state API LongStraw builds on:
-``DecoderLM.embed``, ``DecoderLM.layers``, ``DecoderLayer.forward(..., prefix_kv=, return_kv=)``,
+``DecoderLM.embed``, ``DecoderLM.layers``, ``DecoderLayer.forward(..., prefix_state=, return_state=)``,
+``DecoderLayer.prompt_state``,
 ``DecoderLM.final_hidden``, ``DecoderLM.output_weight``.
 """
 
 from .attention import DecoderAttention, FusedAttention
 from .config import DecoderConfig, MemoryConfig
 from .decoder import DecoderLayer, DecoderLM, DecoderMLP, DecoderOutput, default_position_ids, sp_token_mean
+from .gated_deltanet import GatedDeltaNet, LinearState
 from .hf_io import config_from_hf, config_to_hf
 from .norm import RMSNorm
 
@@ -23,6 +26,8 @@ __all__ = [
     "DecoderMLP",
     "DecoderOutput",
     "FusedAttention",
+    "GatedDeltaNet",
+    "LinearState",
     "MemoryConfig",
     "RMSNorm",
     "config_from_hf",

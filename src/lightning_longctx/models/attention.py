@@ -38,7 +38,7 @@ from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size, head_schedu
 from ..parallel.ulysses import check_head_layout
 from .config import DecoderConfig
 from .norm import RMSNorm, rms_norm
-from .rope import apply_rope, rope_cos_sin
+from .rope import RotaryEmbedding, apply_rope
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, d
     return stages
 
 
-def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send, head_dim, eps):
+def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send, head_dim, norm_spec):
     """Local q ``[b, s_l, C*P, d]`` and k, v ``[b, s_l, P*m, d]`` of one stage from its weight slices."""
     b, s_l, _ = x_BSE.shape
     # One matmul for the stage's q/k/v rows (a small copy of the weight slices): a single pass over x, and a
@@ -94,7 +94,7 @@ def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send,
     # 2*P*m) * d] buffer dies once RoPE has produced q and k (RoPE's products save only cos/sin).
     q, k, v = q.view(b, s_l, -1, head_dim), k.view(b, s_l, -1, head_dim), v.reshape(b, s_l, -1, head_dim).clone()
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        q, k = rms_norm(q, q_norm, *norm_spec), rms_norm(k, k_norm, *norm_spec)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q, k = q.to(v.dtype), k.to(v.dtype)  # no-op, except under autocast (norm weights / cos promote)
     if kv_send is not None:
@@ -103,34 +103,39 @@ def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send,
 
 
 def _stage_weights(weights, stage: Stage, head_dim: int):
-    """Copies ``(wq, bq, wk, bk, wv, bv)`` of the stage's head rows (None biases stay None)."""
+    """Copies ``(wq, bq, wk, bk, wv, bv)`` of the stage's head rows, flattened to ``[rows, E]`` / ``[rows]``.
+
+    The inputs are head-split (``[heads, d, E]`` weights, ``[heads, d]`` biases; None biases stay None):
+    views of the projections, so a gated ``q_proj`` (``[query | gate]`` per head) gives its query rows without
+    a copy of the whole weight."""
     heads = (stage.q_index,) * 2 + (stage.kv_heads,) * 4
-    return tuple(None if t is None else t.unflatten(0, (-1, head_dim)).index_select(0, h).flatten(0, 1)
-                 for t, h in zip(weights, heads))
+    return tuple(None if t is None else t.index_select(0, h).flatten(0, 1) for t, h in zip(weights, heads))
 
 
 def _add_head_rows(grad: torch.Tensor, heads: torch.Tensor, rows_grad: torch.Tensor, head_dim: int) -> None:
-    """``grad[rows of heads] += rows_grad`` for a weight or bias whose dim 0 is ``heads x head_dim``."""
-    grad.unflatten(0, (-1, head_dim)).index_add_(0, heads, rows_grad.unflatten(0, (-1, head_dim)))
+    """``grad[heads] += rows_grad`` for a head-split weight or bias gradient (``[heads, d, ...]``)."""
+    grad.index_add_(0, heads, rows_grad.unflatten(0, (-1, head_dim)))
 
 
 class FusedAttention(torch.autograd.Function):
     """``x [b, s_l, E]`` -> attention output ``[b, s_l, H, d]`` (before o_proj), stage by stage.
 
-    Inputs after ``x, cos, sin``: ``wq, bq, wk, bk, wv, bv, q_norm, k_norm`` (biases and norms may be None),
-    then the static ``stages, group, head_dim, eps, softmax_scale, backend``.
+    Inputs after ``x, cos, sin``: ``wq, bq, wk, bk, wv, bv`` head-split (``[heads, d, E]`` / ``[heads, d]``,
+    see :func:`_stage_weights`), ``q_norm, k_norm`` (biases and norms may be None),
+    then the static ``stages, group, head_dim, norm_spec, softmax_scale, backend`` (``norm_spec``: the q/k
+    norms' ``(eps, zero_centered)``).
     """
 
     @staticmethod
-    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, stages, group, head_dim, eps, scale,
+    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, stages, group, head_dim, norm_spec, scale,
                 backend):
-        heads = wq.shape[0] // head_dim
+        heads = wq.shape[0]
         weights = (wq, bq, wk, bk, wv, bv)
         out = None  # [b, s_l, H, d], allocated at the first stage in the attention's dtype (autocast)
         lses = []
         for st in stages:
             q, k, v = _stage_qkv(x, cos, sin, *_stage_weights(weights, st, head_dim), q_norm, k_norm, st.kv_send,
-                                 head_dim, eps)
+                                 head_dim, norm_spec)
             q_st, k_st, v_st = seq_to_head(q, group), seq_to_head(k, group), seq_to_head(v, group)  # [b, s, C|m, d]
             del q, k, v
             out_st, lse_st = attention_forward(q_st, k_st, v_st, causal=True, softmax_scale=scale, backend=backend)
@@ -140,7 +145,7 @@ class FusedAttention(torch.autograd.Function):
             out.index_copy_(2, st.q_index, head_to_seq(out_st, group))
             lses.append(lse_st)  # [b, C, s]
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, out, *lses)
-        ctx.static = (stages, group, head_dim, eps, scale, backend)
+        ctx.static = (stages, group, head_dim, norm_spec, scale, backend)
         device = x.device.type  # the recomputation in backward must see forward's autocast state
         amp = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if amp else None
@@ -149,7 +154,7 @@ class FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, out, *lses = ctx.saved_tensors
-        stages, group, head_dim, eps, scale, backend = ctx.static
+        stages, group, head_dim, norm_spec, scale, backend = ctx.static
         need = ctx.needs_input_grad
         full = (x, None, None, wq, bq, wk, bk, wv, bv, q_norm, k_norm)
         # Weight grads accumulate row slices into zeros; x's and the norms' take the first stage's tensor.
@@ -163,7 +168,7 @@ class FusedAttention(torch.autograd.Function):
             with torch.enable_grad(), amp:
                 sliced = [None if t is None else t.detach().requires_grad_(need[3 + i])
                           for i, t in enumerate(_stage_weights(full[3:9], st, head_dim))]
-                q, k, v = _stage_qkv(x_leaf, cos, sin, *sliced, *norms, st.kv_send, head_dim, eps)
+                q, k, v = _stage_qkv(x_leaf, cos, sin, *sliced, *norms, st.kv_send, head_dim, norm_spec)
             q_st, k_st, v_st = (seq_to_head(t.detach(), group) for t in (q, k, v))
             out_st = seq_to_head(out.index_select(2, st.q_index), group)
             do_st = seq_to_head(grad_out.index_select(2, st.q_index), group)
@@ -192,13 +197,13 @@ class FusedAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, eps, scale, backend,
+def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, norm_spec, scale, backend,
                           prefix_kv, return_kv):
     """Plain-autograd twin of :class:`FusedAttention` that also returns / consumes the K/V cache."""
     outs, keys, values = [], [], []
     for st in stages:
         q, k, v = _stage_qkv(x, cos, sin, *_stage_weights(weights, st, head_dim), q_norm, k_norm, st.kv_send,
-                             head_dim, eps)
+                             head_dim, norm_spec)
         q_st, k_st, v_st = SeqToHead.apply(q, group), SeqToHead.apply(k, group), SeqToHead.apply(v, group)
         if return_kv and st.cache_new:
             keys.append(k_st)
@@ -217,14 +222,14 @@ def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, h
     return out, kv
 
 
-def _key_values(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, eps):
+def _key_values(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, norm_spec):
     """The cache-layout ``(k, v)`` of :func:`_attention_with_cache`'s ``return_kv``, without attending."""
     keys, values = [], []
     for st in stages:
         if not st.cache_new:
             continue
         _, k, v = _stage_qkv(x, cos, sin, *_stage_weights(weights, st, head_dim), q_norm, k_norm, st.kv_send,
-                             head_dim, eps)
+                             head_dim, norm_spec)
         keys.append(SeqToHead.apply(k, group))
         values.append(SeqToHead.apply(v, group))
     return torch.cat(keys, dim=2), torch.cat(values, dim=2)
@@ -242,13 +247,15 @@ class DecoderAttention(nn.Module):
         super().__init__()
         e, h, h_kv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, h_kv, d
-        self.rope_theta, self.eps = config.rope_theta, config.rms_norm_eps
-        self.q_proj = nn.Linear(e, h * d, bias=config.attention_bias)
+        self.norm_spec = (config.rms_norm_eps, config.zero_centered_norms)  # (eps, zero-centred) of q/k norms
+        self.attn_output_gate = config.attn_output_gate
+        self.q_proj = nn.Linear(e, h * d * (2 if config.attn_output_gate else 1), bias=config.attention_bias)
         self.k_proj = nn.Linear(e, h_kv * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(e, h_kv * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(h * d, e, bias=config.attention_out_bias)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, config.zero_centered_norms) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, config.zero_centered_norms) if config.qk_norm else None
+        self.rotary = RotaryEmbedding(config)
         self.sp_group: dist.ProcessGroup | None = None
         self.head_chunk_size = head_chunk_size
         self.backend = "auto"
@@ -269,18 +276,32 @@ class DecoderAttention(nn.Module):
         return stages[-1].cache_start + stages[-1].kv_per_rank
 
     def _weights(self):
-        weights = (self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias, self.v_proj.weight,
-                   self.v_proj.bias)
+        """Head-split views ``(wq [H, d, E], bq [H, d], wk, bk, wv, bv)`` and the q/k norm scales."""
+        h, d = self.num_heads, self.head_dim
+        wq, bq = self.q_proj.weight, self.q_proj.bias
+        if self.attn_output_gate:  # rows are [query_h | gate_h] per head: the query half, as a strided view
+            wq, bq = wq.view(h, 2, d, -1)[:, 0], None if bq is None else bq.view(h, 2, d)[:, 0]
+        split = lambda t: None if t is None else t.view(-1, d, *t.shape[1:])  # noqa: E731
+        weights = (split(wq) if wq.dim() == 2 else wq, split(bq) if bq is not None and bq.dim() == 1 else bq,
+                   split(self.k_proj.weight), split(self.k_proj.bias), split(self.v_proj.weight),
+                   split(self.v_proj.bias))
         q_norm = None if self.q_norm is None else self.q_norm.weight
         k_norm = None if self.k_norm is None else self.k_norm.weight
         return weights, q_norm, k_norm
 
+    def _output_gate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``sigmoid(gate) [b, s_l, H * d]``: the gate rows of ``q_proj`` applied to this rank's tokens."""
+        h, d = self.num_heads, self.head_dim
+        w = self.q_proj.weight.view(h, 2, d, -1)[:, 1].reshape(h * d, -1)
+        b = None if self.q_proj.bias is None else self.q_proj.bias.view(h, 2, d)[:, 1].reshape(h * d)
+        return torch.sigmoid(F.linear(hidden, w, b))
+
     def key_values(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Only ``(k, v)`` in cache layout ``[b, s, n_r, d]`` for the normed ``hidden [b, s_l, E]``."""
-        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, hidden.dtype)
+        cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
         weights, q_norm, k_norm = self._weights()
         return _key_values(hidden, cos, sin, weights, q_norm, k_norm, self.stages(hidden.device), self.sp_group,
-                           self.head_dim, self.eps)
+                           self.head_dim, self.norm_spec)
 
     def forward(
         self,
@@ -302,14 +323,17 @@ class DecoderAttention(nn.Module):
         Returns:
             ``[b, s_l, E]``, and with ``return_kv`` the tuple ``(out, (k, v))``.
         """
-        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, hidden.dtype)
+        cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
         stages = self.stages(hidden.device)
         weights, q_norm, k_norm = self._weights()
-        static = (stages, self.sp_group, self.head_dim, self.eps, None, self.backend)
+        static = (stages, self.sp_group, self.head_dim, self.norm_spec, None, self.backend)
         if prefix_kv is None and not return_kv:
             out = FusedAttention.apply(hidden, cos, sin, *weights, q_norm, k_norm, *static)
             kv = None
         else:
             out, kv = _attention_with_cache(hidden, cos, sin, weights, q_norm, k_norm, *static, prefix_kv, return_kv)
-        out = self.o_proj(out.flatten(2))  # [b, s_l, E]
+        out = out.flatten(2)  # [b, s_l, H * d]
+        if self.attn_output_gate:
+            out = out * self._output_gate(hidden)
+        out = self.o_proj(out)  # [b, s_l, E]
         return (out, kv) if return_kv else out

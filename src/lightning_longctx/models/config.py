@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 
 
 def _positive(name: str, value, *, allow_none: bool = False) -> None:
@@ -28,17 +29,32 @@ class DecoderConfig:
         vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads: as in HF.
         num_key_value_heads: K/V heads (GQA); None = ``num_attention_heads``.
         head_dim: per-head width; None = ``hidden_size // num_attention_heads`` (Qwen3 sets it explicitly).
-        rope_theta: RoPE base (default rope only: no scaling).
+        rope_theta: RoPE base.
+        rope_parameters: HF's ``rope_parameters`` for a scaled RoPE (``{"rope_type": "llama3" | "yarn" |
+            "linear" | "dynamic" | "longrope", "factor": ..., ...}``, without ``rope_theta``); None = default
+            RoPE (a default type may keep metadata to write back, such as Qwen3.5's ``mrope_section``).
+            The inverse frequencies and the attention scaling come from transformers' own RoPE
+            initialisation functions (:mod:`.rope`).
+        partial_rotary_factor: fraction of ``head_dim`` that RoPE rotates (the leading dims, rotate-half
+            layout); the rest passes through (Qwen3.5: 0.25).
+        attn_output_gate: ``q_proj`` holds ``[query | gate]`` per head and the attention output is
+            multiplied by ``sigmoid(gate)`` before ``o_proj`` (Qwen3.5's gated full attention).
+        zero_centered_norms: every RMSNorm but the linear layers' gated norm scales by ``1 + weight``
+            (weights initialised to zero; Qwen3.5).
+        linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
+            linear_conv_kernel_dim: the Gated DeltaNet layers (``layer_types`` entry ``"linear_attention"``);
+            as transformers' ``qwen3_5_text`` (defaults 16, 32, 128, 128, 4 when a linear layer exists).
         rms_norm_eps: epsilon of every RMSNorm (also the q/k norms).
         tie_word_embeddings: ``lm_head.weight`` is ``embed_tokens.weight``.
         attention_bias: bias on q/k/v projections (and on o_proj unless ``attention_out_bias`` says otherwise).
         qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
-        layer_types: one entry per layer; only ``"full_attention"`` is implemented.
+        layer_types: one entry per layer, ``"full_attention"`` or ``"linear_attention"`` (Gated DeltaNet).
         attention_out_bias: bias on o_proj; None = ``attention_bias`` (Llama, Qwen3). Qwen2 is
             ``attention_bias=True, attention_out_bias=False``.
         pad_token_id: as HF's ``nn.Embedding(padding_idx=...)``: that row gets no gradient.
-        model_type: the HF architecture ``save_pretrained`` writes (``llama``, ``qwen2``, ``qwen3``); None =
-            inferred from the shape (qk_norm -> qwen3, q/k/v bias without o_proj bias -> qwen2, else llama).
+        model_type: the HF architecture ``save_pretrained`` writes (``llama``, ``qwen2``, ``qwen3``,
+            ``qwen3_5_text``); None = inferred from the shape (linear layers or the output gate -> qwen3_5_text,
+            qk_norm -> qwen3, q/k/v bias without o_proj bias -> qwen2, else llama).
         initializer_range, max_position_embeddings, bos_token_id, eos_token_id: metadata kept for HF round
             trips (``max_position_embeddings`` does not limit the sequence length; default RoPE ignores it).
     """
@@ -63,6 +79,15 @@ class DecoderConfig:
     max_position_embeddings: int | None = None
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    zero_centered_norms: bool = False
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -91,8 +116,32 @@ class DecoderConfig:
             raise ValueError(f"pad_token_id={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size})")
         if self.attention_out_bias is None:
             self.attention_out_bias = self.attention_bias
+        self._check_rope()
         self._check_layer_types()
         self._check_model_type()
+
+    def _check_rope(self) -> None:
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must lie in (0, 1]")
+        if self.rotary_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} x partial_rotary_factor={self.partial_rotary_factor} = "
+                             f"{self.rotary_dim} rotary dims must be even")
+        if self.rope_parameters is not None:
+            self.rope_parameters = dict(self.rope_parameters)
+            # a default type may still carry metadata to write back (Qwen3.5's mrope_section: with text-only
+            # positions mRoPE is plain partial RoPE); without any, it is simply the default
+            extra = set(self.rope_parameters) - {"rope_type", "rope_theta", "partial_rotary_factor"}
+            if self.rope_parameters.get("rope_type", "default") == "default" and not extra:
+                self.rope_parameters = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head RoPE rotates: ``int(head_dim * partial_rotary_factor)`` (as HF)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def has_linear_layers(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
@@ -103,40 +152,56 @@ class DecoderConfig:
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}"
             )
         for i, kind in enumerate(self.layer_types):
-            if kind == LINEAR_ATTENTION:
-                raise NotImplementedError(
-                    f"layer_types[{i}]={kind!r}: hybrid linear-attention layers are not implemented yet; "
-                    f"only {FULL_ATTENTION!r} is supported"
-                )
-            if kind != FULL_ATTENTION:
-                raise ValueError(f"layer_types[{i}]={kind!r} is unknown; only {FULL_ATTENTION!r} is supported")
+            if kind not in LAYER_TYPES:
+                raise ValueError(f"layer_types[{i}]={kind!r} is unknown; choose from {LAYER_TYPES}")
+        if not self.has_linear_layers:
+            return
+        defaults = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+            _positive(name, getattr(self, name))
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                             f"linear_num_key_heads={self.linear_num_key_heads}")
 
     def _check_model_type(self) -> None:
         inferred = self.shape_model_type()
         if inferred is None:
             raise ValueError(
                 f"no supported HF architecture has qk_norm={self.qk_norm}, attention_bias={self.attention_bias}, "
-                f"attention_out_bias={self.attention_out_bias}"
+                f"attention_out_bias={self.attention_out_bias}, attn_output_gate={self.attn_output_gate}, "
+                f"zero_centered_norms={self.zero_centered_norms}, linear layers={self.has_linear_layers}"
             )
         if self.model_type is None:
             return
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type={self.model_type!r} is not one of {MODEL_TYPES}")
+        qwen3_5 = self.qk_norm and self.attn_output_gate and self.zero_centered_norms
+        plain = not (self.attn_output_gate or self.zero_centered_norms or self.has_linear_layers)
         compatible = {
-            "llama": not self.qk_norm and self.attention_out_bias == self.attention_bias,
-            "qwen2": not self.qk_norm and self.attention_bias and not self.attention_out_bias,
-            "qwen3": self.qk_norm and self.attention_out_bias == self.attention_bias,
+            "llama": plain and not self.qk_norm and self.attention_out_bias == self.attention_bias,
+            "qwen2": plain and not self.qk_norm and self.attention_bias and not self.attention_out_bias,
+            "qwen3": plain and self.qk_norm and self.attention_out_bias == self.attention_bias,
+            "qwen3_5_text": qwen3_5 and self.attention_out_bias == self.attention_bias,
         }[self.model_type]
         if not compatible:
             raise ValueError(
                 f"model_type={self.model_type!r} does not match qk_norm={self.qk_norm}, attention_bias="
-                f"{self.attention_bias}, attention_out_bias={self.attention_out_bias}"
+                f"{self.attention_bias}, attention_out_bias={self.attention_out_bias}, attn_output_gate="
+                f"{self.attn_output_gate}, zero_centered_norms={self.zero_centered_norms}, linear layers="
+                f"{self.has_linear_layers}"
             )
 
     def shape_model_type(self) -> str | None:
         """The HF ``model_type`` this shape saves as: ``model_type`` if set, else inferred (None: none fits)."""
         if self.model_type is not None:
             return self.model_type
+        if self.attn_output_gate or self.zero_centered_norms or self.has_linear_layers:
+            fits = (self.qk_norm and self.attn_output_gate and self.zero_centered_norms
+                    and self.attention_out_bias == self.attention_bias)
+            return "qwen3_5_text" if fits else None
         if self.qk_norm:
             return "qwen3" if self.attention_out_bias == self.attention_bias else None
         if self.attention_bias and not self.attention_out_bias:
@@ -175,4 +240,4 @@ class MemoryConfig:
             )
 
 
-__all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "MODEL_TYPES", "DecoderConfig", "MemoryConfig"]
+__all__ = ["FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION", "MODEL_TYPES", "DecoderConfig", "MemoryConfig"]

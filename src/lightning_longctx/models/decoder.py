@@ -28,7 +28,8 @@ from ..ops.mlp import tiled_mlp
 from ..parallel import group_rank, group_size
 from ..parallel import shift_labels as shift_hf_labels
 from .attention import DecoderAttention
-from .config import DecoderConfig, MemoryConfig
+from .config import FULL_ATTENTION, LINEAR_ATTENTION, DecoderConfig, MemoryConfig
+from .gated_deltanet import GatedDeltaNet
 from .norm import RMSNorm
 
 
@@ -73,41 +74,63 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``."""
+    """Pre-norm block: ``h + mixer(norm(h))``, then ``h + mlp(norm(h))``.
 
-    def __init__(self, config: DecoderConfig, memory: MemoryConfig) -> None:
+    The mixer is the layer type's: ``self_attn`` (:class:`DecoderAttention`, ``"full_attention"``) or
+    ``linear_attn`` (:class:`GatedDeltaNet`, ``"linear_attention"``), named as in transformers.
+    """
+
+    def __init__(self, config: DecoderConfig, memory: MemoryConfig, layer_type: str = FULL_ATTENTION) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, memory.head_chunk_size)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps, zero = config.rms_norm_eps, config.zero_centered_norms
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero)
+        if layer_type == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(config, memory.head_chunk_size)
+        else:
+            self.self_attn = DecoderAttention(config, memory.head_chunk_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero)
         self.mlp = DecoderMLP(config)
         self.mlp_chunk_size = memory.mlp_chunk_size
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        position_ids: torch.Tensor,
-        *,
-        prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-        return_kv: bool = False,
-    ):
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer: ``self_attn`` or ``linear_attn``."""
+        return self.linear_attn if self.layer_type == LINEAR_ATTENTION else self.self_attn
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, prefix_state=None,
+                return_state: bool = False, state_every: int | None = None):
         """``hidden [b, s_l, E]`` at global ``position_ids [b, s_l]`` -> ``[b, s_l, E]``.
 
-        With ``prefix_kv=(k_cache, v_cache)`` (cache layout, earlier tokens at earlier positions) the tokens
-        attend to the whole cache and causally to themselves; with ``return_kv`` the layer also returns its
-        own ``(k, v)`` in cache layout (see :mod:`.attention`). Both stay differentiable.
+        Prompt state (LongStraw, generation): with ``prefix_state`` the tokens continue earlier ones, with
+        ``return_state`` the layer also returns what later tokens need of this call, both differentiable.
+        Attention layers: ``(k_cache, v_cache)`` in cache layout (every token attends to the whole cache and
+        causally to itself, see :mod:`.attention`). Linear layers: a :class:`LinearState` (the recurrent state
+        and the conv tail; ``state_every=N`` adds graph-free states every N tokens, see :mod:`.gated_deltanet`).
         """
-        attn = self.self_attn(self.input_layernorm(hidden), position_ids, prefix_kv=prefix_kv, return_kv=return_kv)
-        attn, kv = attn if return_kv else (attn, None)
-        hidden = hidden + attn
-        hidden = hidden + tiled_mlp(self.mlp, self.post_attention_layernorm(hidden), self.mlp_chunk_size)
-        return (hidden, kv) if return_kv else hidden
+        normed = self.input_layernorm(hidden)
+        if self.layer_type == LINEAR_ATTENTION:
+            mixed = self.linear_attn(normed, prefix_state=prefix_state, return_state=return_state,
+                                     state_every=state_every)
+        else:
+            mixed = self.self_attn(normed, position_ids, prefix_kv=prefix_state, return_kv=return_state)
+        mixed, state = mixed if return_state else (mixed, None)
+        hidden = self.residual_mlp(hidden, mixed)
+        return (hidden, state) if return_state else hidden
 
-    def key_values(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Only this layer's ``(k, v)`` for ``hidden`` in cache layout, as ``forward(..., return_kv=True)``
-        returns them, without the attention and MLP (differentiable). LongStraw needs no more of the
-        prompt's last layer: no later token reads that layer's output at prompt positions."""
-        return self.self_attn.key_values(self.input_layernorm(hidden), position_ids)
+    def residual_mlp(self, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """``h = hidden + mixed``, then ``h + mlp(norm(h))``: the layer after its token mixer."""
+        hidden = hidden + mixed
+        return hidden + tiled_mlp(self.mlp, self.post_attention_layernorm(hidden), self.mlp_chunk_size)
+
+    def prompt_state(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, state_every: int | None = None):
+        """Only this layer's state for ``hidden``, as ``forward(..., return_state=True)`` returns it, without the
+        MLP (attention: without attending either). LongStraw needs no more of the prompt's last layer: no
+        later token reads that layer's output at prompt positions."""
+        normed = self.input_layernorm(hidden)
+        if self.layer_type == LINEAR_ATTENTION:
+            return self.linear_attn.core(normed, return_state=True, state_every=state_every)[1]
+        return self.self_attn.key_values(normed, position_ids)
 
 
 class DecoderModel(nn.Module):
@@ -116,8 +139,8 @@ class DecoderModel(nn.Module):
     def __init__(self, config: DecoderConfig, memory: MemoryConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config, memory) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, memory, kind) for kind in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norms)
 
 
 class DecoderLM(nn.Module):
@@ -154,6 +177,10 @@ class DecoderLM(nn.Module):
             if module.padding_idx is not None:
                 with torch.no_grad():
                     module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.Conv1d):  # the linear layers' depthwise conv, as transformers initialises it
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, GatedDeltaNet):
+            module.reset_parameters()
 
     def tie_weights(self) -> None:
         """Make ``lm_head.weight`` the embedding matrix when ``tie_word_embeddings``."""
@@ -164,7 +191,7 @@ class DecoderLM(nn.Module):
         """Switch memory knobs in place (the numbers do not change; only memory and time do)."""
         self.memory = memory
         for layer in self.layers:
-            layer.self_attn.head_chunk_size = memory.head_chunk_size
+            layer.mixer.head_chunk_size = memory.head_chunk_size
             layer.mlp_chunk_size = memory.mlp_chunk_size
 
     @property

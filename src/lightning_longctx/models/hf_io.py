@@ -1,61 +1,96 @@
 """HF checkpoints both ways: local ``config.json`` + safetensors (single file or sharded with an index).
 
-Supported ``model_type``: ``llama``, ``qwen2``, ``qwen3`` with default RoPE, SiLU MLP without bias and no
-sliding window. Anything that would change the numbers and that ``DecoderLM`` does not implement is an
-error naming the field, never a silent mismatch. Parameter names are identical on both sides (see
-:mod:`.decoder`); a tied ``lm_head.weight`` is absent from the files, as transformers writes it.
-transformers itself is not needed here.
+Supported ``model_type``: ``llama``, ``qwen2``, ``qwen3`` (SiLU MLP without bias, no sliding window) and the
+hybrid ``qwen3_5_text`` (Gated DeltaNet + gated full attention), also as the text tower of a multimodal
+``qwen3_5`` checkpoint. RoPE may be default or any of transformers' scaled types (:mod:`.rope`). Anything that
+would change the numbers and that ``DecoderLM`` does not implement is an error naming the field, never a
+silent mismatch. Parameter names are identical on both sides (see :mod:`.decoder`); a tied ``lm_head.weight``
+is absent from the files, as transformers writes it. transformers itself is needed only for scaled RoPE.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import MODEL_TYPES, DecoderConfig
+from .config import LINEAR_ATTENTION, MODEL_TYPES, DecoderConfig
+from .rope import rope_fields_from_hf, rope_fields_to_hf
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM"}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints contain
+# Weights of a Qwen3.5 checkpoint outside the text decoder (transformers' Qwen3_5ForCausalLM ignores them too).
+_SKIPPED_PREFIXES = {"qwen3_5_text": ("mtp.", "model.visual."), "qwen3_5": ("mtp.", "model.visual.")}
+_TEXT_TOWER_PREFIX = "model.language_model."  # the multimodal qwen3_5 checkpoint's decoder
+# transformers' class defaults where they differ from the generic ones (applied when config.json omits them).
+_QWEN3_5_DEFAULTS = dict(head_dim=256, num_key_value_heads=4, partial_rotary_factor=0.25,
+                         max_position_embeddings=32768, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32)
+_REFUSED = {
+    "qwen3_next": "its MLPs are mixture-of-experts (num_experts={num_experts}, num_experts_per_tok="
+                  "{num_experts_per_tok}), which DecoderLM does not implement yet, and its linear-attention "
+                  "weights use the fused per-key-head in_proj_qkvz / in_proj_ba layout",
+    "qwen3_5_moe": "its MLPs are mixture-of-experts, which DecoderLM does not implement yet",
+    "qwen3_5_moe_text": "its MLPs are mixture-of-experts, which DecoderLM does not implement yet",
+}
 
 
 def _unsupported(model_type: str, field: str, value, why: str) -> ValueError:
     return ValueError(f"{model_type} checkpoint field {field}={value!r} is not supported: {why}")
 
 
-def _rope_theta(hf: dict, model_type: str) -> float:
-    """The RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    for field, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if not spec:
-            continue
-        kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind != "default":
-            raise _unsupported(model_type, f"{field}.rope_type", kind, "only default RoPE is implemented")
-        factor = spec.get("partial_rotary_factor", 1.0)
-        if factor != 1.0:
-            raise _unsupported(model_type, f"{field}.partial_rotary_factor", factor, "rotary covers all of head_dim")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _unsupported(model_type, "partial_rotary_factor", hf["partial_rotary_factor"], "rotary covers all dims")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def text_config(hf: dict) -> dict:
+    """The decoder's config dict: ``hf`` itself, or a multimodal ``qwen3_5`` checkpoint's ``text_config``."""
+    if hf.get("model_type") != "qwen3_5":
+        return hf
+    text = dict(hf.get("text_config") or {})
+    text.setdefault("model_type", "qwen3_5_text")
+    if "tie_word_embeddings" in hf:  # the multimodal model ties by its own top-level flag
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
+
+
+def _layer_types(hf: dict, model_type: str, layers: int) -> list[str]:
+    if model_type != "qwen3_5_text":
+        layer_types = hf.get("layer_types") or ["full_attention"] * layers
+        for i, kind in enumerate(layer_types):
+            if kind != "full_attention":
+                raise _unsupported(model_type, f"layer_types[{i}]", kind, "only full_attention layers are implemented")
+        return list(layer_types)
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    interval = hf.get("full_attention_interval", 4)  # as Qwen3_5TextConfig.__post_init__
+    return [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(layers)]
 
 
 def config_from_hf(hf: dict) -> DecoderConfig:
     """Translate a transformers ``config.json`` dict into a :class:`DecoderConfig`.
 
+    A multimodal ``qwen3_5`` config is read through its ``text_config`` (the decoder alone).
     Raises:
-        ValueError: for a ``model_type`` other than llama/qwen2/qwen3, or a field value we do not implement
-            (rope scaling, sliding window, hidden_act != silu, mlp_bias, attention dropout, ...).
+        ValueError: for a ``model_type`` other than llama/qwen2/qwen3/qwen3_5_text/qwen3_5 (qwen3_next and the
+            MoE variants with the reason), or a field value we do not implement (unknown rope type, sliding
+            window, hidden_act != silu, mlp_bias, attention dropout, partial RoPE outside Qwen3.5, ...).
     """
+    if hf.get("model_type") in _REFUSED:
+        reason = _REFUSED[hf["model_type"]].format_map({k: hf.get(k) for k in ("num_experts", "num_experts_per_tok")})
+        raise ValueError(f"model_type={hf['model_type']!r} is not supported: {reason}")
+    hf = text_config(hf)
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type={model_type!r} is not supported; DecoderLM loads {MODEL_TYPES}")
+        raise ValueError(f"model_type={model_type!r} is not supported; DecoderLM loads {MODEL_TYPES} and qwen3_5")
+    hybrid = model_type == "qwen3_5_text"
+    if hybrid:
+        hf = {**_QWEN3_5_DEFAULTS, **hf}
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise _unsupported(model_type, "hidden_act", act, "the MLP is SwiGLU with silu")
@@ -65,17 +100,19 @@ def config_from_hf(hf: dict) -> DecoderConfig:
         raise _unsupported(model_type, "attention_dropout", hf["attention_dropout"], "attention has no dropout")
     if hf.get("use_sliding_window", False):
         raise _unsupported(model_type, "use_sliding_window", True, "all layers attend to the full sequence")
+    rope = rope_fields_from_hf(hf, model_type)
+    if not hybrid and rope["partial_rotary_factor"] != 1.0:
+        raise _unsupported(model_type, "partial_rotary_factor", rope["partial_rotary_factor"],
+                           f"transformers' {model_type} rotates all of head_dim")
     heads = hf["num_attention_heads"]
     layers = hf["num_hidden_layers"]
-    layer_types = hf.get("layer_types") or ["full_attention"] * layers
-    for i, kind in enumerate(layer_types):
-        if kind != "full_attention":
-            raise _unsupported(model_type, f"layer_types[{i}]", kind, "only full_attention layers are implemented")
     if model_type == "qwen2":
         attention_bias, out_bias = True, False  # Qwen2: q/k/v with bias, o_proj without
     else:
         attention_bias = bool(hf.get("attention_bias", False))
         out_bias = attention_bias
+    linear = {name: hf.get(name) for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                              "linear_value_head_dim", "linear_conv_kernel_dim")} if hybrid else {}
     return DecoderConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -84,13 +121,16 @@ def config_from_hf(hf: dict) -> DecoderConfig:
         num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=_rope_theta(hf, model_type),
+        **rope,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         attention_out_bias=out_bias,
-        qk_norm=model_type == "qwen3",
-        layer_types=list(layer_types),
+        qk_norm=model_type in ("qwen3", "qwen3_5_text"),
+        attn_output_gate=hybrid,
+        zero_centered_norms=hybrid,
+        layer_types=_layer_types(hf, model_type, layers),
+        **linear,
         pad_token_id=hf.get("pad_token_id"),
         model_type=model_type,
         initializer_range=hf.get("initializer_range", 0.02),
@@ -101,8 +141,15 @@ def config_from_hf(hf: dict) -> DecoderConfig:
 
 
 def config_to_hf(config: DecoderConfig, dtype: torch.dtype) -> dict:
-    """The ``config.json`` dict transformers reads back into the same architecture."""
+    """The ``config.json`` dict transformers reads back into the same architecture (and RoPE).
+
+    Raises:
+        ValueError: partial RoPE on an architecture whose transformers class rotates all of head_dim.
+    """
     model_type = config.shape_model_type()
+    if model_type != "qwen3_5_text" and config.partial_rotary_factor != 1.0:
+        raise ValueError(f"partial_rotary_factor={config.partial_rotary_factor} cannot be saved as {model_type}: "
+                         "transformers' class rotates all of head_dim")
     hf = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -115,9 +162,7 @@ def config_to_hf(config: DecoderConfig, dtype: torch.dtype) -> dict:
         "head_dim": config.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,  # transformers 4.x
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},  # transformers 5
-        "rope_scaling": None,
+        **rope_fields_to_hf(config, with_partial=model_type == "qwen3_5_text"),
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_dropout": 0.0,
         "initializer_range": config.initializer_range,
@@ -129,17 +174,37 @@ def config_to_hf(config: DecoderConfig, dtype: torch.dtype) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if model_type in ("llama", "qwen3"):
+    if model_type in ("llama", "qwen3", "qwen3_5_text"):
         hf["attention_bias"] = config.attention_bias
     if model_type == "llama":
         hf["mlp_bias"] = False
+    elif model_type == "qwen3_5_text":
+        hf["layer_types"] = list(config.layer_types)
+        hf.update({name: getattr(config, name) for name in (
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim") if getattr(config, name) is not None})
     else:
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_hidden_layers,
                   layer_types=list(config.layer_types))
     return hf
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def checkpoint_key(hf: dict, key: str) -> str | None:
+    """The DecoderLM parameter name of checkpoint tensor ``key``, or None for a tensor outside the decoder.
+
+    A multimodal ``qwen3_5`` checkpoint holds the decoder under ``model.language_model.``; both Qwen3.5 forms
+    may hold ``model.visual.*`` and multi-token-prediction ``mtp.*`` weights, which are skipped.
+    """
+    model_type = hf.get("model_type")
+    if key.endswith(_IGNORED_KEYS) or key.startswith(_SKIPPED_PREFIXES.get(model_type, ())):
+        return None
+    if model_type == "qwen3_5" and key.startswith(_TEXT_TOWER_PREFIX):
+        return "model." + key.removeprefix(_TEXT_TOWER_PREFIX)
+    return key
+
+
+def _read_tensors(path: Path, hf: dict) -> dict[str, torch.Tensor]:
+    """The decoder's tensors of the checkpoint at ``path``, under DecoderLM names (see :func:`checkpoint_key`)."""
     if (path / SINGLE_FILE).exists():
         files = [path / SINGLE_FILE]
     elif (path / INDEX_FILE).exists():
@@ -147,12 +212,18 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         files = [path / name for name in sorted(set(weight_map.values()))]
     else:
         raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors is read)")
-    tensors = {}
+    tensors, skipped = {}, []
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                if not key.endswith(_IGNORED_KEYS):
-                    tensors[key] = f.get_tensor(key)
+                name = checkpoint_key(hf, key)
+                if name is not None:
+                    tensors[name] = f.get_tensor(key)
+                elif not key.endswith(_IGNORED_KEYS):
+                    skipped.append(key)
+    if skipped:
+        groups = sorted({".".join(k.split(".")[:2]) if k.startswith("model.") else k.split(".")[0] for k in skipped})
+        logger.info("%s: skipped %d tensors outside the text decoder (%s)", path, len(skipped), ", ".join(groups))
     return tensors
 
 
@@ -161,7 +232,8 @@ def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None)
 
     Args:
         cls: :class:`~lightning_longctx.models.DecoderLM` (or a subclass).
-        path: directory with ``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json``.
+        path: directory with ``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json``
+            (a multimodal ``qwen3_5`` checkpoint loads its text decoder; see :func:`checkpoint_key`).
         memory: optional :class:`~lightning_longctx.models.MemoryConfig`.
         dtype: cast every parameter to this dtype; None keeps the stored dtype.
     Raises:
@@ -169,8 +241,9 @@ def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None)
             match the architecture (missing, unexpected or wrongly shaped tensors, named).
     """
     path = Path(path)
-    config = config_from_hf(json.loads((path / "config.json").read_text()))
-    tensors = _read_tensors(path)
+    hf = json.loads((path / "config.json").read_text())
+    config = config_from_hf(hf)
+    tensors = _read_tensors(path, hf)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied: the embedding matrix is the output matrix
     with torch.device("meta"):

@@ -11,6 +11,9 @@ Main API:
   tokens to a cached prefix plus themselves (causally).
 - :func:`chunked_token_logprobs` / :func:`chunked_cross_entropy`: lm_head log-probs and summed loss
   without materialising ``[tokens, vocab]`` logits.
+- :func:`gated_delta_rule` (:class:`GatedDeltaOutput`): the Gated DeltaNet scan ``[batch, seq, heads, dim]``
+  with initial/final/boundary states; chunked torch path with an O(chunk) recompute backward, or
+  flash-linear-attention's kernel on CUDA.
 - :func:`tiled_mlp`: a token-wise MLP run and recomputed over slices of the sequence.
 - :func:`track_memory` (:class:`MemoryTracker` on CPU, :class:`CudaMemoryTracker` on CUDA): live and peak
   tensor bytes of a block of code, to pin memory bounds in tests; :func:`reset_device_peak` /
@@ -18,6 +21,7 @@ Main API:
 """
 
 from .attention import attention_backward, attention_forward, attention_with_lse
+from .gated_delta import GatedDeltaOutput, gated_delta_rule
 from .losses import chunked_cross_entropy, chunked_token_logprobs
 from .memory import CudaMemoryTracker, MemoryTracker, device_peak_bytes, reset_device_peak, track_memory
 from .merge import merge_attention_outputs, prefix_attention
@@ -25,6 +29,7 @@ from .mlp import tiled_mlp
 
 __all__ = [
     "CudaMemoryTracker",
+    "GatedDeltaOutput",
     "MemoryTracker",
     "attention_backward",
     "attention_forward",
@@ -32,6 +37,7 @@ __all__ = [
     "chunked_cross_entropy",
     "chunked_token_logprobs",
     "device_peak_bytes",
+    "gated_delta_rule",
     "merge_attention_outputs",
     "prefix_attention",
     "reset_device_peak",

@@ -1,0 +1,270 @@
+"""Gated delta rule (Gated DeltaNet's linear-attention scan) with an O(chunk) memory backward.
+
+Main API: :func:`gated_delta_rule`, returning :class:`GatedDeltaOutput`. Per value head, token by token::
+
+    S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T (scale * q_t)
+
+with q, k l2-normalised over ``Dk`` (``x * rsqrt(sum x^2 + 1e-6)``, as transformers and fla) when
+``use_qk_l2norm``, the state ``S`` ``[b, Hv, Dk, Dv]``, and GQA: value head ``j`` reads key head
+``j // (Hv // Hk)`` (consecutive heads, ``repeat_interleave``).
+
+The torch path is the chunked WY/UT form of transformers' ``torch_chunk_gated_delta_rule`` (per-chunk
+cumulative decay, one unit-lower-triangular solve, a loop over chunks), wrapped in an autograd Function:
+the forward runs without a graph and saves only the raw inputs plus the state at the start of every group
+of ``checkpoint_chunks`` chunks; the backward walks the groups in reverse and recomputes one group at a time
+with autograd from its saved start state, seeded with that group's output gradient and the carried state
+gradient. The l2norm, the scale, the GQA expansion and the casts run inside the recomputed group, so
+nothing per token beyond the inputs is kept (transformers' torch path keeps every chunk's intermediates).
+
+Compute dtype: float64 if any input is float64, else float32 (bf16/fp16 inputs are cast per group, as
+transformers casts to fp32). The output is in ``v``'s dtype, the states in the compute dtype.
+
+``backend="auto"`` uses flash-linear-attention's Triton kernel (:mod:`.gated_delta_cuda`) on CUDA when it
+is importable and supports the inputs, else the torch path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.nn import functional as F
+
+from . import gated_delta_cuda
+
+BACKENDS = ("auto", "torch", "fla")
+_L2NORM_EPS = 1e-6
+_DEFAULT_GROUP_TOKENS = 256  # tokens per recomputed group (one saved state each) unless checkpoint_chunks
+
+
+class GatedDeltaOutput(NamedTuple):
+    """``output`` ``[b, T, Hv, Dv]`` (v's dtype); ``final_state`` ``[b, Hv, Dk, Dv]`` (compute dtype) or None;
+    ``boundary_states`` ``[n, b, Hv, Dk, Dv]`` (detached; the states after N, 2N, ... < T tokens) or None."""
+
+    output: torch.Tensor
+    final_state: torch.Tensor | None
+    boundary_states: torch.Tensor | None
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float64 if any given tensor is float64, else float32: the dtype the scan and its states use."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2NORM_EPS)
+
+
+def _scan_group(q, k, v, g, beta, state, *, scale, use_qk_l2norm, chunk_size, record=False):
+    """Run the chunked scan over one stretch of tokens, from ``state``.
+
+    q, k ``[b, L, Hk, Dk]``, v ``[b, L, Hv, Dv]``, g, beta ``[b, L, Hv]`` in any float dtype; ``state``
+    ``[b, Hv, Dk, Dv]`` in the compute dtype. ``L`` need not be a multiple of ``chunk_size`` (the tail is
+    zero-padded: beta = k = 0 and g = 0 leave the state unchanged). Returns ``(o [b, L, Hv, Dv]`` in the
+    compute dtype, ``final state``, ``the states after each chunk`` (a list, empty unless ``record``)).
+    """
+    acc = state.dtype
+    b, length, hk, _ = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    q, k = q.to(acc), k.to(acc)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * scale
+    if hv != hk:
+        q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
+    q, k, v = (x.to(acc).transpose(1, 2) for x in (q, k, v))  # [b, Hv, L, D]
+    g, beta = (x.to(acc).transpose(1, 2) for x in (g, beta))  # [b, Hv, L]
+    pad = (-length) % chunk_size
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (length + pad) // chunk_size
+    q, k, v = (x.reshape(b, hv, n, chunk_size, x.shape[-1]) for x in (q, k, v))
+    g, beta = (x.reshape(b, hv, n, chunk_size) for x in (g, beta))
+
+    gc = g.cumsum(dim=-1)  # log of the decay from the chunk start through position i
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # e^{gc_i - gc_j}, i>=j
+    k_beta = k * beta.unsqueeze(-1)
+    # (I + A) [U | W] = [V beta | K beta e^{gc}] with A_ij = beta_i k_i.k_j e^{gc_i - gc_j} strictly lower:
+    # the in-chunk delta-rule corrections; then the new values are U - W S for the chunk's start state S.
+    ut = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
+    rhs = torch.cat((v * beta.unsqueeze(-1), k_beta * gc.exp().unsqueeze(-1)), dim=-1)
+    uw = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
+    u, w = uw[..., :dv], uw[..., dv:]
+    attn = (q @ k.transpose(-1, -2)) * decay  # causal in-chunk scores, diagonal included
+    q_decayed = q * gc.exp().unsqueeze(-1)
+    k_to_end = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)
+    chunk_decay = gc[..., -1].exp()[..., None, None]
+
+    outs, states = [], []
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        outs.append(q_decayed[:, :, i] @ state + attn[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
+        if record:
+            states.append(state)
+    o = torch.stack(outs, dim=2).reshape(b, hv, n * chunk_size, dv)[:, :, :length].transpose(1, 2)
+    return o, state, states
+
+
+def _group_bounds(tokens: int, span: int) -> list[tuple[int, int]]:
+    return [(start, min(start + span, tokens)) for start in range(0, tokens, span)]
+
+
+class _GatedDeltaScan(torch.autograd.Function):
+    """Chunked scan whose backward recomputes one group of chunks at a time (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, group_chunks, state_every):
+        acc = compute_dtype(q, k, v, g, beta, initial_state)
+        b, tokens, hk, dk = q.shape
+        hv, dv = v.shape[2], v.shape[3]
+        if initial_state is None:
+            state = torch.zeros(b, hv, dk, dv, dtype=acc, device=v.device)
+        else:
+            state = initial_state.detach().to(acc)
+        opts = {"scale": scale, "use_qk_l2norm": use_qk_l2norm, "chunk_size": chunk_size}
+        out = torch.empty(b, tokens, hv, dv, dtype=v.dtype, device=v.device)
+        starts, boundaries = [], []
+        for t0, t1 in _group_bounds(tokens, chunk_size * group_chunks):
+            starts.append(state)
+            sl = slice(t0, t1)
+            o, state, chunk_states = _scan_group(
+                q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state, record=state_every is not None, **opts
+            )
+            out[:, sl] = o
+            for j, s in enumerate(chunk_states):
+                done = t0 + (j + 1) * chunk_size
+                if done < tokens and done % state_every == 0:
+                    boundaries.append(s)
+        ctx.save_for_backward(q, k, v, g, beta, *starts)
+        ctx.opts, ctx.span = opts, chunk_size * group_chunks
+        ctx.initial_dtype = None if initial_state is None else initial_state.dtype
+        bounds = torch.stack(boundaries) if boundaries else state.new_zeros(0, b, hv, dk, dv)
+        ctx.mark_non_differentiable(bounds)
+        return out, state, bounds
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out, d_state, _d_bounds):
+        q, k, v, g, beta, *starts = ctx.saved_tensors
+        inputs = (q, k, v, g, beta)
+        needs = ctx.needs_input_grad[:5]
+        need_h0 = ctx.needs_input_grad[5]
+        grads = [torch.empty_like(x) if need else None for x, need in zip(inputs, needs)]
+        d_state = d_state.to(starts[0].dtype)
+        bounds = _group_bounds(q.shape[1], ctx.span)
+        for index in reversed(range(len(bounds))):
+            sl = slice(*bounds[index])
+            with torch.enable_grad():
+                leaves = [x[:, sl].detach().requires_grad_(need) for x, need in zip(inputs, needs)]
+                start = starts[index].detach().requires_grad_(index > 0 or need_h0)
+                o, end, _ = _scan_group(*leaves, start, **ctx.opts)
+                wrt = [x for x in (*leaves, start) if x.requires_grad]
+                got = torch.autograd.grad((o, end), wrt, (d_out[:, sl].to(o.dtype), d_state), allow_unused=True)
+            got = iter(got)
+            for i, leaf in enumerate(leaves):
+                if leaf.requires_grad:
+                    grad = next(got)
+                    grads[i][:, sl] = 0 if grad is None else grad
+            if start.requires_grad:
+                grad = next(got)
+                d_state = torch.zeros_like(start) if grad is None else grad
+        d_h0 = d_state.to(ctx.initial_dtype) if need_h0 else None
+        return (*grads, d_h0, None, None, None, None, None)
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, chunk_size, state_every, backend, checkpoint_chunks):
+    if backend not in BACKENDS:
+        raise ValueError(f"gated_delta_rule: backend must be one of {BACKENDS}, got {backend!r}")
+    for name, x, dims in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
+        if not isinstance(x, torch.Tensor) or x.dim() != dims or not x.is_floating_point():
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"gated_delta_rule: {name} must be a {dims}-D float tensor, got {shape}")
+    if q.shape != k.shape:
+        raise ValueError(f"gated_delta_rule: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
+    b, tokens, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if v.shape[:2] != (b, tokens):
+        raise ValueError(f"gated_delta_rule: v {tuple(v.shape)} must be [b={b}, T={tokens}, Hv, Dv]")
+    if tokens < 1 or hk < 1 or hv % hk:
+        raise ValueError(f"gated_delta_rule: need T >= 1 and Hv % Hk == 0, got T={tokens}, Hv={hv}, Hk={hk}")
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (b, tokens, hv):
+            raise ValueError(f"gated_delta_rule: {name} {tuple(x.shape)} must be [b, T, Hv] = {(b, tokens, hv)}")
+    if initial_state is not None and tuple(initial_state.shape) != (b, hv, dk, dv):
+        raise ValueError(
+            f"gated_delta_rule: initial_state {tuple(initial_state.shape)} must be [b, Hv, Dk, Dv] = {(b, hv, dk, dv)}"
+        )
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"gated_delta_rule: chunk_size must be a positive int, got {chunk_size!r}")
+    if state_every is not None and (not isinstance(state_every, int) or state_every < 1 or state_every % chunk_size):
+        raise ValueError(
+            f"gated_delta_rule: state_every must be a positive multiple of chunk_size={chunk_size}, got {state_every!r}"
+        )
+    if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
+        raise ValueError(f"gated_delta_rule: checkpoint_chunks must be a positive int, got {checkpoint_chunks!r}")
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    state_every: int | None = None,
+    backend: str = "auto",
+    checkpoint_chunks: int | None = None,
+) -> GatedDeltaOutput:
+    """The gated delta rule scan over a sequence, exact, with a memory-bounded backward.
+
+    Args:
+        q, k: ``[b, T, Hk, Dk]``. v: ``[b, T, Hv, Dv]`` with ``Hv % Hk == 0`` (value head j reads key head
+            ``j // (Hv // Hk)``). g: ``[b, T, Hv]`` log-decay (<= 0). beta: ``[b, T, Hv]``.
+        scale: multiplies q (after the l2norm); default ``Dk ** -0.5``.
+        initial_state: ``[b, Hv, Dk, Dv]`` or None (zeros); differentiable.
+        output_final_state: return the state after the last token (differentiable).
+        use_qk_l2norm: l2-normalise q and k over Dk first (``x * rsqrt(sum x^2 + 1e-6)``).
+        chunk_size: the chunk length of the WY/UT form (T is padded internally).
+        state_every: a positive multiple of ``chunk_size``: also return the (detached) states after
+            N, 2N, ... tokens, for every multiple of N strictly less than T.
+        backend: ``"auto"`` (fla on CUDA when importable and supported, else torch), ``"torch"`` or ``"fla"``.
+        checkpoint_chunks: torch path: chunks per recomputed group, i.e. one saved state per
+            ``chunk_size * checkpoint_chunks`` tokens; default ``max(1, 256 // chunk_size)``.
+
+    Returns:
+        :class:`GatedDeltaOutput` ``(output [b, T, Hv, Dv]`` in v's dtype, ``final_state [b, Hv, Dk, Dv]``
+        in the compute dtype (float64 for float64 inputs, else float32) or None, ``boundary_states
+        [n, b, Hv, Dk, Dv]`` or None``)``.
+
+    Raises:
+        ValueError: bad shapes, ``Hv % Hk``, state shape, ``state_every``, ``chunk_size`` or backend, or
+            ``backend="fla"`` when fla is missing or does not support the inputs.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, chunk_size, state_every, backend, checkpoint_chunks)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    use_fla = False
+    if backend != "torch":
+        reason = gated_delta_cuda.fla_unsupported_reason(q, k, v, g, beta, initial_state, chunk_size)
+        if backend == "fla" and reason is not None:
+            raise ValueError(f"gated_delta_rule: backend='fla' cannot run: {reason}")
+        use_fla = reason is None
+    if use_fla:
+        out, final, bounds = gated_delta_cuda.fla_gated_delta_rule(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, state_every=state_every,
+        )
+        return GatedDeltaOutput(out, final, bounds)
+    group = checkpoint_chunks or max(1, _DEFAULT_GROUP_TOKENS // chunk_size)
+    out, final, bounds = _GatedDeltaScan.apply(
+        q, k, v, g, beta, initial_state, float(scale), bool(use_qk_l2norm), chunk_size, group, state_every
+    )
+    return GatedDeltaOutput(out, final if output_final_state else None, bounds if state_every is not None else None)
