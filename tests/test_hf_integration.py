@@ -115,3 +115,14 @@ def test_eager_attention_is_refused():
     )
     with pytest.raises(ValueError, match="got 'eager'"):
         install_ulysses(model, None)
+
+
+def test_hybrid_linear_attention_models_are_refused_not_run_on_a_slice():
+    """transformers' Gated DeltaNet is not an attention function: under SP it would scan one rank's slice."""
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with pytest.raises(NotImplementedError, match="linear_attention.*DecoderLM.from_pretrained"):
+        install_ulysses(model, None)

@@ -70,3 +70,18 @@ def test_bad_hybrid_configs_are_refused_naming_the_values(overrides, message):
 def test_memory_config_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         MemoryConfig(**overrides)
+
+
+@pytest.mark.parametrize("sp_size, chunk, message", [
+    (8, None, "linear_num_value_heads=4 must be divisible by sp_size=8"),
+    (2, 3, "head_chunk_size=3 must divide"),
+])
+def test_bad_linear_layouts_are_refused_up_front_naming_the_numbers(sp_size, chunk, message):
+    """The strategy's set-up check covers the Gated DeltaNet layers too, before any communication."""
+    from lightning_longctx.lightning.parallelize import check_attention_heads
+    from lightning_longctx.models import DecoderLM
+
+    config = DecoderConfig(**{**BASE, "num_attention_heads": 8}, **HYBRID, linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    with pytest.raises(ValueError, match=message):
+        check_attention_heads(DecoderLM(config), sp_size, chunk)

@@ -149,8 +149,8 @@ def build_task(cfg: DictConfig, model) -> tuple[Any, Any]:
             model, group_size=task.group_size, loss_type=task.loss_type, prompt_grad=task.prompt_grad,
             beta=task.beta, clip_eps=tuple(task.clip_eps), scale_rewards=task.scale_rewards,
             max_new_tokens=task.max_new_tokens, temperature=task.temperature, top_p=task.top_p,
-            logits_chunk_size=cfg.memory.logits_chunk_size, lr=task.lr, weight_decay=task.weight_decay,
-            seed=task.seed,
+            logits_chunk_size=cfg.memory.logits_chunk_size, state_segment=task.state_segment, lr=task.lr,
+            weight_decay=task.weight_decay, seed=task.seed,
         )
         data = NeedleHaystack(task.num_prompts, task.seq_len - 3, vocab, seed=task.seed)
         return module, DataLoader(data, batch_size=1, collate_fn=collate_prompt_groups, num_workers=task.num_workers)

@@ -129,6 +129,7 @@ class NeedleGRPOConf(TaskConf):
     top_p: float = 1.0
     loss_type: str = "token_mean"
     prompt_grad: str = "full"
+    state_segment: int = 16384  # hybrids: linear-layer states kept every this many prompt tokens
     beta: float = 0.0
     clip_eps: list[float] = field(default_factory=lambda: [0.2, 0.2])
     scale_rewards: bool = True

@@ -73,6 +73,21 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if all(hasattr(m, a) for a in ("is_causal", "scaling", "head_dim"))]
 
 
+def _refuse_token_mixers_it_cannot_parallelize(model: nn.Module) -> None:
+    """Linear-attention / recurrent layers (Qwen3.5's Gated DeltaNet, Mamba, ...) are not attention functions:
+    the registry never sees them, so under SP they would silently scan only this rank's slice of the sequence.
+    """
+    layer_types = getattr(getattr(model, "config", None), "layer_types", None) or []
+    linear = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if linear:
+        raise NotImplementedError(
+            f"install_ulysses: {type(model).__name__} has {linear} layers, which transformers does not run "
+            "through its attention registry, so they would see only this rank's slice of the sequence; load the "
+            "checkpoint with lightning_longctx.models.DecoderLM.from_pretrained (qwen3_5_text / qwen3_5), "
+            "whose Gated DeltaNet layers are sequence-parallel"
+        )
+
+
 class UlyssesHandle:
     """Undo for :func:`install_ulysses`: ``remove()`` (idempotent), or use as a context manager."""
 
@@ -126,6 +141,8 @@ def install_ulysses(
         once no installation uses it, the registry entry.
     Raises:
         ValueError: if the model is already installed, uses ``"eager"``, or has no attention modules.
+        NotImplementedError: for models with linear-attention / recurrent layers (Qwen3.5 hybrids): they would
+            silently run on this rank's slice only; use ``DecoderLM.from_pretrained`` for those.
     """
     if id(model) in _HANDLES:
         raise ValueError("install_ulysses: this model is already installed; uninstall_ulysses(model) first")
@@ -135,6 +152,7 @@ def install_ulysses(
     if name is None or name == "eager" or name not in functions:
         raise ValueError(f"install_ulysses needs config._attn_implementation to be an AttentionInterface entry "
                          f"(e.g. 'sdpa'), got {name!r}; load the model with attn_implementation='sdpa'")
+    _refuse_token_mixers_it_cannot_parallelize(model)
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"install_ulysses found no attention module in {type(model).__name__}")

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..longstraw import group_advantages, longstraw_step, sample, score
+from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
 from ..ops.memory import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
 
@@ -39,7 +40,8 @@ class LongStrawModule(pl.LightningModule):
     Args:
         model: the policy (a ``DecoderLM``).
         group_size: responses sampled per prompt (G).
-        loss_type, prompt_grad, beta, clip_eps, max_response_length, logits_chunk_size: see ``longstraw_step``.
+        loss_type, prompt_grad, beta, clip_eps, max_response_length, logits_chunk_size, offload_checkpoints,
+            state_segment: see ``longstraw_step`` (``state_segment``: hybrids' linear layers).
         scale_rewards: GRPO advantages ``(r - mean) / (std + 1e-4)``; False = Dr.GRPO ``r - mean``.
         ref_model: frozen reference policy for the KL term (needed when ``beta > 0``).
         max_new_tokens, temperature, top_p, eos_token_id: sampling.
@@ -68,6 +70,8 @@ class LongStrawModule(pl.LightningModule):
         eos_token_id: int | None = None,
         max_response_length: int | None = None,
         logits_chunk_size: int | None = None,
+        offload_checkpoints: bool = False,
+        state_segment: int = DEFAULT_STATE_SEGMENT,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         seed: int = 0,
@@ -84,6 +88,7 @@ class LongStrawModule(pl.LightningModule):
         self.step_kwargs = dict(
             loss_type=loss_type, prompt_grad=prompt_grad, beta=beta, clip_eps=tuple(clip_eps),
             max_response_length=max_response_length or max_new_tokens, logits_chunk_size=logits_chunk_size,
+            offload_checkpoints=offload_checkpoints, state_segment=state_segment,
         )
         self.sample_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   eos_token_id=eos_token_id)

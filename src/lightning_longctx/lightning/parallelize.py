@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..models.gated_deltanet import GatedDeltaNet, check_linear_layout
 from ..parallel import broadcast_coalesced, set_sequence_parallel_group
 from ..parallel.ulysses import _validate_local
 
@@ -65,7 +66,8 @@ def attention_shapes(module: nn.Module) -> dict[tuple[int, int, int | None], str
 
 def check_attention_heads(module: nn.Module, sp_size: int, head_chunk_size: int | None = None) -> None:
     """Raise ``ValueError`` naming the numbers if any attention shape of ``module`` cannot run on ``sp_size``
-    ranks (the rules of :func:`lightning_longctx.parallel.ulysses_attention`, checked on meta tensors)."""
+    ranks (the rules of :func:`lightning_longctx.parallel.ulysses_attention`, checked on meta tensors), or any
+    Gated DeltaNet layer's heads (:func:`lightning_longctx.models.gated_deltanet.check_linear_layout`)."""
     for (heads, kv, chunk), where in attention_shapes(module).items():
         chunk = head_chunk_size if head_chunk_size is not None else chunk
         q = torch.empty(1, 1, heads, 2, device="meta")
@@ -74,6 +76,13 @@ def check_attention_heads(module: nn.Module, sp_size: int, head_chunk_size: int 
             _validate_local(q, k, k, sp_size, chunk)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+    for where, sub in module.named_modules():  # Gated DeltaNet layers: value heads split over the ranks
+        if isinstance(sub, GatedDeltaNet):
+            chunk = head_chunk_size if head_chunk_size is not None else sub.head_chunk_size
+            try:
+                check_linear_layout(sub.num_k_heads, sub.num_v_heads, sp_size, chunk)
+            except ValueError as exc:
+                raise ValueError(f"{where or type(module).__name__}: {exc}") from None
 
 
 def pretrained_models(module: nn.Module) -> list[nn.Module]:

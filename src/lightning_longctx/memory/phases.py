@@ -76,7 +76,7 @@ def layer_saved_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, kind: str)
     ``pre``: input RMSNorm (:func:`_norm_saved`) + the attention's output ``H d b``, per-stage LSE ``a H``
     (``H / P`` heads x ``s`` tokens) and RoPE cos/sin ``2 d b``. ``post``: the two residual sums ``2 E b``,
     the post-attention RMSNorm and the SwiGLU intermediates ``4 I b`` (gate, silu, up, product; 0 when the
-    MLP is tiled). A linear-attention layer (not implemented by ``DecoderLM`` yet; estimate) keeps its q, k,
+    MLP is tiled). A linear-attention layer (Gated DeltaNet; an estimate from its shapes) keeps its q, k,
     v, z projections and gates ``(2 q_k + 2 v + 2 n_v) b`` per token in place of the attention terms.
     """
     e, b, d, h = model.hidden_size, knobs.dtype_bytes, model.head_dim, model.num_attention_heads
@@ -183,6 +183,19 @@ def _recurrent_state(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
     return model.linear_layers * (2 * state + math.ceil(conv / sp))
 
 
+STATE_SEGMENT = 16384  # longstraw_step's default state_segment (tokens between stored linear-layer states)
+
+
+def _segment_states(model: ModelShape, sp: int, cached: int, segment: int = STATE_SEGMENT) -> int:
+    """Per rank, all linear layers: the float32 states LongStraw's prefill stores every ``segment`` prompt
+    tokens for the segmented grouped backward, ``ceil(S' / segment) - 1`` per layer."""
+    if not model.linear_layers or cached <= segment:
+        return 0
+    nv = max(1, model.linear_num_value_heads // sp)
+    state = nv * model.linear_key_head_dim * model.linear_value_head_dim * FLOAT32
+    return model.linear_layers * (math.ceil(cached / segment) - 1) * state
+
+
 def cache_heads_per_rank(model: ModelShape, sp: int, head_chunk_size: int | None) -> int:
     """K/V heads in one rank's cache layout: ``max(1, H_kv / P)``, as plain Ulysses, for every chunk size.
 
@@ -273,8 +286,9 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     Persistent through the step: ``static``, the KV cache of the cached prompt ``S' = P floor((S-1)/P)``
     (:func:`kv_cache_bytes`), the recurrent states of linear layers, and with ``prompt_grad="full"`` the
     accumulated cache gradients (the LongStraw accumulators: as many elements as the cache, in the
-    parameter dtype ``p``: fp32 under ``bf16-mixed``) and one ``E b`` checkpoint per layer and local token
-    (host memory when offloaded). Under ``bf16-mixed`` (fp32 replicas under autocast) every phase also holds
+    parameter dtype ``p``: fp32 under ``bf16-mixed``) and one ``E b`` checkpoint per layer and local token,
+    plus the linear layers' states every ``STATE_SEGMENT`` tokens (host memory when offloaded). Under
+    ``bf16-mixed`` (fp32 replicas under autocast) every phase also holds
     autocast's cached bf16 weight copies (:func:`weight_copies_bytes`; the step, and the optimizer step,
     run inside ``training_step``), and the chunked lm_head casts its weight per chunk. Phases:
 
@@ -302,6 +316,7 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     state = _recurrent_state(model, knobs, sp)
     full = prompt_grad == "full"
     ckpt = model.num_hidden_layers * s_l * e * b if full else 0
+    ckpt += _segment_states(model, sp, cached) if full else 0  # they live (and are offloaded) with the checkpoints
     host = ckpt if knobs.offload_checkpoints else 0
     ckpt_dev = 0 if host else ckpt
     acc = (kv // b * knobs.param_bytes + state) if full else 0

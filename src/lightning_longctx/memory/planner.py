@@ -132,8 +132,8 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         notes.append("LongStraw: parameters, gradients and optimizer states are full replicas on every rank "
                      "(LongStrawModule handles SP itself; the strategy does not shard it)")
     if model.linear_layers:
-        notes.append(f"{model.linear_layers} linear-attention layers: activation terms are estimates "
-                     "(DecoderLM does not implement them yet)")
+        notes.append(f"{model.linear_layers} linear-attention (Gated DeltaNet) layers: their activation terms are "
+                     "estimates from the layer shapes, not fitted to the tracker yet")
     return Plan(mode=mode, seq_len=seq_len, group_size=group_size, response_len=response_len, sp=cluster.sp,
                 dp=cluster.dp, local_tokens=local, head_chunk_size=chunk, breakdown=comp, phases=phases,
                 peak_phase=peak_phase, total_bytes=phases[peak_phase] + reserve,
