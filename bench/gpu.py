@@ -11,6 +11,17 @@ Part 2, ``longstraw``: :func:`lightning_longctx.longstraw.longstraw_step` with G
 largest prompt that fits (searched downward from ``--prompt`` on OOM), ``prompt_grad="full"`` (exact) and
 ``"none"`` (detached): peak memory, seconds and the ratios G8 / G2.
 
+Part 3, ``hybrid``: a Qwen3-Next / Qwen3.5-shaped hybrid (``--hybrid-layers`` layers, 3 Gated DeltaNet : 1 gated
+full attention; hidden 2048, attention 16 heads / 2 K/V heads of 256 with partial RoPE 0.25, linear 16 key /
+32 value heads of 128, conv 4): (a) ``scan``: :func:`lightning_longctx.ops.gated_delta_rule` in bf16, fla (when
+importable) and torch against the torch path in fp32 on the same bf16 inputs (output, final state and every
+input gradient, relative L2 errors, and fla vs torch directly), with forward and forward + backward seconds;
+(b) ``check``: the exact LongStraw step (several state segments) against plain autograd over each whole
+sequence ``cat(P, r_i)``, fp32, relative L2 error of the loss and of all parameter gradients (and the
+detached step's, for scale); (c) ``straw``: the hybrid step in bf16 at G = 2 and G = 8, ``prompt_grad`` full
+and none, peak memory, seconds and the ratios G8 / G2. The hybrid part has ``--hybrid-budget`` seconds
+(default 120) reserved at the end of the total budget: parts 1 and 2 stop that much earlier.
+
 Timing: one warm-up run per configuration at a small size, excluded; ``torch.cuda.synchronize()`` around each
 timed run. A time guard stops growing a sweep when the elapsed time plus the next run's estimate would break the
 budget (``--budget`` seconds in total, 450 by default).
@@ -26,92 +37,34 @@ goes (torch / flash-attn versions, device, every measurement, the ratios).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_common import MIB, Clock, free, group_inputs, guarded, measure, straw_row, sync  # noqa: E402, F401
+from gpu_hybrid import fla_version, hybrid_bench  # noqa: E402
 
 from lightning_longctx.longstraw import longstraw_step  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
-from lightning_longctx.ops import attention_cuda, track_memory  # noqa: E402
+from lightning_longctx.ops import (  # noqa: E402
+    attention_cuda,
+)
 
 CHUNKS = (None, 1)
 GROUPS = (2, 8)
 PROMPT_GRADS = ("full", "none")
-MIB = 2.0**20
 
 # Llama3-8B attention/MLP shapes; a small vocab (lm_head is not what is measured).
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-
-
-class Clock:
-    """Elapsed time against the total budget; ``fits(estimate)`` is the time guard."""
-
-    def __init__(self, budget_s: float) -> None:
-        self.start, self.budget = time.perf_counter(), budget_s
-
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def fits(self, estimate_s: float, deadline_s: float | None = None) -> bool:
-        deadline = self.budget if deadline_s is None else min(deadline_s, self.budget)
-        return self.elapsed + estimate_s <= deadline
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def measure(fn, device: torch.device) -> dict:
-    """Run ``fn()`` once: seconds (synchronised), ``peak_bytes`` above the start, absolute peak allocated.
-
-    On CUDA the allocator's peak is reset first and read through :class:`~lightning_longctx.ops.CudaMemoryTracker`
-    (so a tracker nested inside ``fn``, as in ``longstraw_step``, cannot hide the peak); on CPU it is the
-    live-tensor tracker and ``peak_allocated_bytes`` equals ``peak_bytes`` (parameters excluded).
-    """
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    with track_memory(device) as mem:
-        t0 = time.perf_counter()
-        result = fn()
-        _sync(device)
-        seconds = time.perf_counter() - t0
-    peak = int(mem.peak_bytes)
-    allocated = max(start_bytes + peak, torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else peak
-    return dict(seconds=seconds, peak_bytes=peak, peak_allocated_bytes=int(allocated), result=result)
-
-
-def _guarded(fn, device: torch.device, model: torch.nn.Module):
-    """``(measurement, None)`` or ``(None, "oom")``; the OOM's frames (and any partial grads) are dropped
-    before the cache is emptied, so the next run starts clean."""
-    try:
-        return measure(fn, device), None
-    except torch.cuda.OutOfMemoryError:
-        pass
-    model.zero_grad(set_to_none=True)
-    _free(device)
-    return None, "oom"
-
-
 def build_model(args, device: torch.device, dtype: torch.dtype) -> DecoderLM:
     shape = TINY if args.smoke else LLAMA3_8B
     config = DecoderConfig(vocab_size=args.vocab, num_hidden_layers=args.layers, **shape)
@@ -151,7 +104,7 @@ def model_sweep(model, args, device, clock: Clock, deadline_s: float) -> list[di
     for backend, chunk in configs:  # warm-up per configuration, excluded from timing
         configure(model, backend, chunk, args.logits_chunk)
         train_step(model, torch.randint(0, args.vocab, (1, args.warmup_seq), generator=gen).to(device))
-        _sync(device)
+        sync(device)
     alive = set(configs)  # configurations that have not hit OOM yet
     last_seconds: dict[tuple, float] = {}
     for seq in args.seqs:
@@ -167,7 +120,7 @@ def model_sweep(model, args, device, clock: Clock, deadline_s: float) -> list[di
                 runs.append({**row, "status": "skipped_time"})
                 continue
             configure(model, backend, chunk, args.logits_chunk)
-            m, failure = _guarded(lambda ids=ids: train_step(model, ids), device, model)
+            m, failure = guarded(lambda ids=ids: train_step(model, ids), device, model)
             if failure:
                 alive.discard((backend, chunk))
                 runs.append({**row, "status": failure})
@@ -206,14 +159,6 @@ def max_seq(runs: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ part 2
-def group_inputs(args, device, prompt_tokens: int, groups: int, gen: torch.Generator):
-    prompt = torch.randint(0, args.vocab, (prompt_tokens,), generator=gen).to(device)
-    responses = [torch.randint(0, args.vocab, (max(1, args.response // (1 + i % 2)),), generator=gen).to(device)
-                 for i in range(groups)]
-    advantages = torch.randn(groups, generator=gen).to(device)
-    return prompt, responses, advantages
-
-
 def straw_step(model, prompt, responses, advantages, prompt_grad: str, logits_chunk: int) -> float:
     model.zero_grad(set_to_none=True)
     # keywords only, and only those longstraw_step has had from the start
@@ -223,23 +168,23 @@ def straw_step(model, prompt, responses, advantages, prompt_grad: str, logits_ch
     return out.loss
 
 
-def longstraw_bench(model, args, device, clock: Clock) -> dict:
+def longstraw_bench(model, args, device, clock: Clock, deadline_s: float | None = None) -> dict:
     backend = backends_for(device)[0]
     configure(model, backend, args.straw_head_chunk, args.logits_chunk)
     gen = torch.Generator().manual_seed(1)
     for prompt_grad in PROMPT_GRADS:  # warm-up, excluded
         straw_step(model, *group_inputs(args, device, args.warmup_seq, 2, gen), prompt_grad, args.logits_chunk)
-    _sync(device)
+    sync(device)
 
     result = dict(backend=backend, head_chunk_size=args.straw_head_chunk, response_tokens=args.response,
                   search=[], runs=[], prompt_tokens=None)
     prompt_tokens, estimate = args.prompt, 0.0
     while prompt_tokens >= args.min_prompt:  # largest prompt that fits, G = 8, exact: the biggest step
-        if not clock.fits(estimate):
+        if not clock.fits(estimate, deadline_s):
             result["search"].append(dict(prompt=prompt_tokens, status="skipped_time"))
             break
         inputs = group_inputs(args, device, prompt_tokens, max(GROUPS), gen)
-        m, failure = _guarded(lambda inputs=inputs: straw_step(model, *inputs, "full", args.logits_chunk), device,
+        m, failure = guarded(lambda inputs=inputs: straw_step(model, *inputs, "full", args.logits_chunk), device,
                               model)
         del inputs
         result["search"].append(dict(prompt=prompt_tokens, status=failure or "ok",
@@ -257,11 +202,11 @@ def longstraw_bench(model, args, device, clock: Clock) -> dict:
         for groups in GROUPS:
             row = dict(G=groups, prompt_grad=prompt_grad)
             last = [r["seconds"] for r in result["search"] + result["runs"] if r.get("seconds")]
-            if not clock.fits(1.5 * max(last, default=0.0)):
+            if not clock.fits(1.5 * max(last, default=0.0), deadline_s):
                 result["runs"].append({**row, "status": "skipped_time"})
                 continue
             inputs = group_inputs(args, device, result["prompt_tokens"], groups, gen)
-            m, failure = _guarded(lambda inputs=inputs, pg=prompt_grad: straw_step(model, *inputs, pg,
+            m, failure = guarded(lambda inputs=inputs, pg=prompt_grad: straw_step(model, *inputs, pg,
                                                                                    args.logits_chunk), device, model)
             del inputs
             if failure:
@@ -270,7 +215,7 @@ def longstraw_bench(model, args, device, clock: Clock) -> dict:
                 result["runs"].append({**row, "status": "ok", "seconds": m["seconds"], "peak_bytes": m["peak_bytes"],
                                        "peak_allocated_bytes": m["peak_allocated_bytes"],
                                        "loss": float(m["result"])})
-            print(_straw_row(result["prompt_tokens"], result["runs"][-1]), flush=True)
+            print(straw_row(result["prompt_tokens"], result["runs"][-1]), flush=True)
 
     ok = {(r["prompt_grad"], r["G"]): r for r in result["runs"] if r["status"] == "ok"}
     ratios = {}
@@ -293,13 +238,6 @@ def _model_row(r: dict) -> str:
             f"{r['seconds']:>8.2f} {r['tokens_per_s']:>10.0f}")
 
 
-def _straw_row(prompt: int, r: dict) -> str:
-    head = f"{'longstraw':>15} {r['prompt_grad']:>5} {prompt:>8} G={r['G']}"
-    if r["status"] != "ok":
-        return f"{head} {r['status']:>10}"
-    return f"{head} {r['peak_bytes'] / MIB:>10.1f} {r['peak_allocated_bytes'] / MIB:>12.1f} {r['seconds']:>8.2f}"
-
-
 def versions(device: torch.device) -> dict:
     try:
         import flash_attn
@@ -307,7 +245,8 @@ def versions(device: torch.device) -> dict:
         flash = flash_attn.__version__
     except ImportError:
         flash = None
-    return dict(torch=torch.__version__, cuda=torch.version.cuda, flash_attn=flash, python=platform.python_version(),
+    return dict(torch=torch.__version__, cuda=torch.version.cuda, flash_attn=flash, fla=fla_version(),
+                python=platform.python_version(),
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu")
 
 
@@ -321,15 +260,25 @@ def parse_args(argv=None):
     parser.add_argument("--seqs", type=int, nargs="+", default=None)
     parser.add_argument("--prompt", type=int, default=None, help="LongStraw search start (prompt tokens)")
     parser.add_argument("--response", type=int, default=None, help="longest response (lengths vary down to 1/2)")
+    parser.add_argument("--hybrid-budget", type=float, default=None,
+                        help="seconds reserved for the hybrid part at the end (default 120; smoke: 0)")
+    parser.add_argument("--hybrid-layers", type=int, default=4)
+    parser.add_argument("--hybrid-prompt", type=int, default=None, help="hybrid G=2/8 step prompt tokens")
     args = parser.parse_args(argv)
     if args.smoke:
         # no effective time guard: the smoke run exists to exercise every code path, also on a loaded CI machine
-        defaults = dict(budget=1e9, vocab=256, seqs=[128, 256], prompt=192, response=8)
+        defaults = dict(budget=1e9, vocab=256, seqs=[128, 256], prompt=192, response=8, hybrid_budget=0.0,
+                        hybrid_prompt=192)
         args.warmup_seq, args.min_prompt, args.logits_chunk, args.straw_head_chunk = 32, 32, 128, 1
+        # hybrid: scan tokens; the fp32 check's prompt, state segment (several segments) and responses
+        args.scan_tokens, args.check_prompt, args.check_segment, args.check_response = 256, 160, 64, 6
+        args.hybrid_segment = 64
     else:
         defaults = dict(budget=450.0, vocab=2048, seqs=[16384 * 2**i for i in range(7)], prompt=262144,
-                        response=512)
+                        response=512, hybrid_budget=120.0, hybrid_prompt=65536)
         args.warmup_seq, args.min_prompt, args.logits_chunk, args.straw_head_chunk = 2048, 4096, 8192, 1
+        args.scan_tokens, args.check_prompt, args.check_segment, args.check_response = 32768, 8192, 2048, 128
+        args.hybrid_segment = 16384
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -351,16 +300,20 @@ def main(argv=None) -> dict:
           f"{args.layers} layers {meta['shape']}, {meta['dtype']}, budget {args.budget:.0f} s")
     print(f"{'backend':>15} {'chunk':>5} {'seq':>8} {'peak MiB':>12} {'alloc MiB':>12} {'time s':>8} {'tok/s':>10}")
 
-    runs = model_sweep(model, args, device, clock, deadline_s=0.55 * args.budget)
+    before_hybrid = args.budget - args.hybrid_budget  # parts 1 and 2 leave the hybrid part its reserve
+    runs = model_sweep(model, args, device, clock, deadline_s=0.55 * before_hybrid)
     ratios = model_ratios(runs)
     for r in ratios:
         print(f"  {r['backend']} seq {r['seq']}: chunk=1/None peak {r['peak_ratio']:.3f}, time {r['time_ratio']:.3f}")
-    straw = longstraw_bench(model, args, device, clock)
+    straw = longstraw_bench(model, args, device, clock, deadline_s=before_hybrid)
     for prompt_grad, values in straw["ratios"].items():
         print(f"  longstraw {prompt_grad}: " + ", ".join(f"{k} {v:.3f}" for k, v in values.items()))
+    del model
+    free(device)
+    hybrid = hybrid_bench(args, device, dtype, clock)
 
     report = dict(meta={**meta, "elapsed_s": clock.elapsed}, model_runs=runs, model_ratios=ratios,
-                  max_seq=max_seq(runs), longstraw=straw)
+                  max_seq=max_seq(runs), longstraw=straw, hybrid=hybrid)
     Path(args.out).write_text(json.dumps(_clean(report), indent=2, allow_nan=False))
     print(f"wrote {args.out} after {clock.elapsed:.1f} s")
     return report

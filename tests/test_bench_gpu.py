@@ -20,7 +20,7 @@ def test_bench_gpu_smoke_writes_complete_json(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "tok/s" in proc.stdout  # the human-readable table
     report = json.loads(out.read_text())
@@ -53,3 +53,31 @@ def test_bench_gpu_smoke_writes_complete_json(tmp_path):
         ratios = straw["ratios"][prompt_grad]
         assert set(ratios) == {"peak_G8_over_G2", "time_G8_over_G2"}
         assert all(_finite(v) and v > 0 for v in ratios.values()), ratios
+
+    hybrid = report["hybrid"]
+    assert hybrid["layers"] == 4 and hybrid["parameters"] > 0
+    scan = hybrid["scan"]
+    assert "fla_version" in scan and scan["backends"][0] == "torch"
+    timed = {(r["backend"], r["dtype"], r["what"]) for r in scan["runs"] if _finite(r.get("seconds"))}
+    assert {("torch", "bfloat16", "fwd"), ("torch", "bfloat16", "fwd_bwd"), ("torch", "float32", "fwd_bwd")} <= timed
+    errors = scan["errors"]["torch_bf16_vs_torch_fp32"]
+    assert set(errors) == {"output", "final_state", "grad_q", "grad_k", "grad_v", "grad_g", "grad_beta",
+                           "grad_initial_state"}, errors
+    assert all(_finite(v) and v < 2e-2 for v in errors.values()), errors
+    assert scan["agree"] is True
+
+    check = hybrid["check"]
+    assert check["prompt_tokens"] > 2 * check["state_segment"]  # the segmented reverse scan runs
+    full, none = check["full"], check["none"]
+    assert full["status"] == none["status"] == "ok" and not full["missing"]
+    assert full["grad_rel_error"] < 1e-4 and full["loss_rel_error"] < 1e-5, full  # fp32 on CPU
+    assert none["grad_rel_error"] > 10 * full["grad_rel_error"], (none, full)  # detached is biased
+    assert check["agree"] is True
+
+    hstraw = hybrid["straw"]
+    measured = {(r["prompt_grad"], r["G"]) for r in hstraw["runs"] if r["status"] == "ok"}
+    assert measured == {("full", 2), ("full", 8), ("none", 2), ("none", 8)}, hstraw["runs"]
+    for r in hstraw["runs"]:
+        assert all(_finite(r[k]) for k in ("seconds", "peak_bytes", "peak_allocated_bytes", "loss")), r
+    assert set(hstraw["ratios"]) == {"full", "none"}
+    assert all(_finite(v) and v > 0 for ratios in hstraw["ratios"].values() for v in ratios.values())

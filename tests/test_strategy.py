@@ -51,7 +51,8 @@ def _assert_matches(name, errors):
 
 
 @pytest.mark.parametrize(
-    "case", ["trainer_fsdp", "trainer_replicate", "fabric_fsdp", "fabric_replicate", "hf_trainer_fsdp"]
+    "case", ["trainer_fsdp", "trainer_replicate", "fabric_fsdp", "fabric_replicate", "hf_trainer_fsdp",
+             "hybrid_trainer_fsdp"]
 )
 def test_dp1_sp2_matches_one_process(two_ranks, case):
     _assert_matches(f"devices=2 {case}", two_ranks[case])

@@ -64,12 +64,11 @@ def linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads, boundaries
     d_state, d_tail = cache_grads
     head = channel = 0
     for st in gdn.stages(h.device):
-        c, width = st.value_heads, st.conv_rows.numel()
+        c, width = st.value_heads, st.conv_rows.length
         q, k, v, g, beta, pre = gdn.stage_inputs(h, st)  # [1, S', ...], this stage's heads, with a graph
         seeds = None
         if grad_o is not None:
-            out_heads = torch.tensor(st.out_heads, device=grad_o.device)
-            seeds = seq_to_head(grad_o.index_select(2, out_heads).contiguous(), gdn.sp_group)  # [1, S', c, Dv]
+            seeds = seq_to_head(st.out_heads.take(grad_o, 2).contiguous(), gdn.sp_group)  # [1, S', c, Dv]
         carry = None if d_state is None else d_state[:, head:head + c]
         stage_boundaries = None if boundaries is None else boundaries[:, :, head:head + c]
         inputs = (q, k, v, g, beta)

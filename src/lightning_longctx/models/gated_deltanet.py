@@ -60,6 +60,24 @@ class LinearState(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Rows:
+    """A set of row indices: a narrow span when consecutive (a view of the weight, no copy) or an index."""
+
+    start: int
+    length: int
+    index: torch.Tensor | None
+
+    @staticmethod
+    def of(ints: list[int], device) -> Rows:
+        if ints == list(range(ints[0], ints[0] + len(ints))):
+            return Rows(ints[0], len(ints), None)
+        return Rows(0, len(ints), torch.tensor(ints, dtype=torch.long, device=device))
+
+    def take(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return t.narrow(dim, self.start, self.length) if self.index is None else t.index_select(dim, self.index)
+
+
+@dataclass(frozen=True)
 class LinearStage:
     """One stage seen from one rank: what it projects for every destination rank, and what it keeps.
 
@@ -67,16 +85,17 @@ class LinearStage:
     destination rank by destination rank (``P * ch_qkv`` / ``P * c``; key rows repeat when key heads are
     replicated). ``conv_rows``: this rank's conv channels (``ch_qkv``); ``heads``: its value heads (``c``);
     ``key_heads``: key heads per destination (``nk``); ``out_heads``: the value heads of the stage's output
-    after the return all-to-all, destination by destination (``P * c``, indices into ``Hv``).
+    after the return all-to-all, destination by destination (``P * c``, indices into ``Hv``). Without SP and
+    head chunks every set is one span: the weights are used in place.
     """
 
-    qkv_rows: torch.Tensor
-    gate_rows: torch.Tensor
-    conv_rows: torch.Tensor
-    heads: torch.Tensor
+    qkv_rows: Rows
+    gate_rows: Rows
+    conv_rows: Rows
+    heads: Rows
     key_heads: int
     value_heads: int
-    out_heads: tuple[int, ...]
+    out_heads: Rows
 
 
 def check_linear_layout(key_heads: int, value_heads: int, world: int, chunk: int | None) -> int:
@@ -118,7 +137,6 @@ def linear_schedule(key_heads: int, value_heads: int, dk: int, dv: int, world: i
 
 def _build_stages(key_heads, value_heads, dk, dv, world, rank, chunk, device) -> list[LinearStage]:
     key_dim = key_heads * dk
-    as_index = lambda ints: torch.tensor(ints, dtype=torch.long, device=device)  # noqa: E731
     stages = []
     for per_rank in linear_schedule(key_heads, value_heads, dk, dv, world, chunk):
         qkv_rows, gate_rows = [], []
@@ -130,11 +148,23 @@ def _build_stages(key_heads, value_heads, dk, dv, world, rank, chunk, device) ->
             gate_rows.append(list(heads))
         mine_heads, mine_keys = per_rank[rank]
         stages.append(LinearStage(
-            qkv_rows=as_index([i for rows in qkv_rows for i in rows]),
-            gate_rows=as_index([i for rows in gate_rows for i in rows]),
-            conv_rows=as_index(qkv_rows[rank]), heads=as_index(list(mine_heads)), key_heads=len(mine_keys),
-            value_heads=len(mine_heads), out_heads=tuple(h for heads, _ in per_rank for h in heads)))
+            qkv_rows=Rows.of([i for rows in qkv_rows for i in rows], device),
+            gate_rows=Rows.of([i for rows in gate_rows for i in rows], device),
+            conv_rows=Rows.of(qkv_rows[rank], device), heads=Rows.of(list(mine_heads), device),
+            key_heads=len(mine_keys), value_heads=len(mine_heads),
+            out_heads=Rows.of([h for heads, _ in per_rank for h in heads], device)))
     return stages
+
+
+def _inverse_order(stages: list[LinearStage], device) -> torch.Tensor | None:
+    """Index that puts the concatenated stage outputs back in head order (None: already in order)."""
+    order = [h for st in stages for h in (range(st.out_heads.start, st.out_heads.start + st.out_heads.length)
+                                          if st.out_heads.index is None else st.out_heads.index.tolist())]
+    if order == sorted(order):
+        return None
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return inverse.to(device)
 
 
 class GatedDeltaNet(nn.Module):
@@ -167,6 +197,7 @@ class GatedDeltaNet(nn.Module):
         self.head_chunk_size = head_chunk_size
         self.backend = "auto"
         self._stages: dict[tuple, list[LinearStage]] = {}
+        self._inverse: dict[tuple, torch.Tensor | None] = {}  # per stage plan: stage outputs -> head order
 
     def reset_parameters(self) -> None:
         """transformers' initialisation of the two per-head parameters (Linear/Conv weights: the model's)."""
@@ -179,8 +210,10 @@ class GatedDeltaNet(nn.Module):
         world, rank = group_size(self.sp_group), group_rank(self.sp_group)
         key = (world, rank, self.head_chunk_size, str(device))
         if key not in self._stages:
-            self._stages[key] = _build_stages(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
-                                              world, rank, self.head_chunk_size, device)
+            stages = _build_stages(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, world, rank,
+                                   self.head_chunk_size, device)
+            self._stages[key] = stages
+            self._inverse[key] = _inverse_order(stages, device)
         return self._stages[key]
 
     # ------------------------------------------------------------------------------------- one stage
@@ -196,8 +229,8 @@ class GatedDeltaNet(nn.Module):
         """
         b, s_l, _ = hidden.shape
         world = group_size(self.sp_group)
-        qkv = F.linear(hidden, self.in_proj_qkv.weight.index_select(0, st.qkv_rows))  # [b, s_l, P * ch]
-        gates = [F.linear(hidden, proj.weight.index_select(0, st.gate_rows)).view(b, s_l, world, -1)
+        qkv = F.linear(hidden, st.qkv_rows.take(self.in_proj_qkv.weight))  # [b, s_l, P * ch]
+        gates = [F.linear(hidden, st.gate_rows.take(proj.weight)).view(b, s_l, world, -1)
                  for proj in (self.in_proj_b, self.in_proj_a)]  # [b, s_l, P, c] each
         send = torch.cat((qkv.view(b, s_l, world, -1), *gates), dim=-1)  # [b, s_l, P, ch + 2c]: one all-to-all
         recv = SeqToHead.apply(send, self.sp_group)[:, :, 0]  # [b, s, ch + 2c]
@@ -209,13 +242,12 @@ class GatedDeltaNet(nn.Module):
         q, k, v = q.reshape(b, s, nk, dk), k.reshape(b, s, nk, dk), v.reshape(b, s, c, dv)
         beta = beta_in.sigmoid()
         acc = torch.promote_types(a.dtype, torch.float32)  # as HF: the decay in (at least) float32
-        g = -self.A_log.index_select(0, st.heads).to(acc).exp() * F.softplus(
-            a.to(acc) + self.dt_bias.index_select(0, st.heads).to(acc))
+        g = -st.heads.take(self.A_log).to(acc).exp() * F.softplus(a.to(acc) + st.heads.take(self.dt_bias).to(acc))
         return q, k, v, g, beta, pre
 
     def _conv(self, pre: torch.Tensor, st: LinearStage, conv_tail: torch.Tensor | None) -> torch.Tensor:
         """Causal depthwise conv + silu over ``pre [b, s, ch]`` after ``conv_tail [b, K-1, ch]`` (or zeros)."""
-        weight = self.conv1d.weight.index_select(0, st.conv_rows)  # [ch, 1, K]
+        weight = st.conv_rows.take(self.conv1d.weight)  # [ch, 1, K]
         x = pre.transpose(1, 2)  # [b, ch, s]
         if conv_tail is None:
             x = F.pad(x, (self.kernel_size - 1, 0))
@@ -253,7 +285,7 @@ class GatedDeltaNet(nn.Module):
             initial = tail = None
             if prefix_state is not None:
                 initial = prefix_state.recurrent[:, head_start:head_start + st.value_heads]
-                width = st.conv_rows.numel()
+                width = st.conv_rows.length
                 tail = prefix_state.conv_tail[..., tail_start:tail_start + width]
                 head_start, tail_start = head_start + st.value_heads, tail_start + width
             if staged:  # only this stage's full-sequence tensors alive, in forward and in backward
@@ -262,12 +294,11 @@ class GatedDeltaNet(nn.Module):
                 out, state = self._stage(hidden, st, initial, tail, return_state, state_every)
             outs.append(out)
             states.append(state)
-        order = [h for st in stages for h in st.out_heads]
-        out = torch.cat(outs, dim=2)
-        if order != sorted(order):
-            inverse = torch.empty(len(order), dtype=torch.long)
-            inverse[torch.tensor(order)] = torch.arange(len(order))
-            out = out.index_select(2, inverse.to(out.device))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        inverse = self._inverse[(group_size(self.sp_group), group_rank(self.sp_group), self.head_chunk_size,
+                                 str(hidden.device))]
+        if inverse is not None:
+            out = out.index_select(2, inverse)
         if not return_state:
             return out, None
         boundaries = None if states[0].boundaries is None else torch.cat([s.boundaries for s in states], dim=2)
