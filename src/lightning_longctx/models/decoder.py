@@ -1,7 +1,8 @@
-"""``DecoderLM``: a Llama / Qwen2 / Qwen3-shaped causal LM built for long context.
+"""``DecoderLM``: a Llama / Qwen2 / Qwen3 / Qwen3.5-hybrid-shaped causal LM built for long context.
 
 Token-wise work (embeddings, norms, MLP, lm_head) runs on this rank's slice of the sequence; attention is
-the fused head-chunked block of :mod:`.attention`. Parameter names mirror transformers'
+the fused head-chunked block of :mod:`.attention`, a linear layer the Gated DeltaNet of :mod:`.gated_deltanet`.
+Parameter names mirror transformers'
 (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, ..., ``model.norm``, ``lm_head``), so HF
 checkpoints map one to one (:mod:`.hf_io`).
 
@@ -294,7 +295,8 @@ class DecoderLM(nn.Module):
     # ------------------------------------------------------------------------------------- checkpoints
     @classmethod
     def from_pretrained(cls, path, memory: MemoryConfig | None = None, *, dtype: torch.dtype | None = None):
-        """Load a local HF directory (llama, qwen2, qwen3); see :func:`.hf_io.load_pretrained`."""
+        """Load a local HF directory (llama, qwen2, qwen3, qwen3_5_text, and a qwen3_5 checkpoint's text tower); see
+        :func:`.hf_io.load_pretrained`."""
         from .hf_io import load_pretrained
 
         return load_pretrained(cls, path, memory=memory, dtype=dtype)
