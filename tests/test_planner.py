@@ -360,3 +360,23 @@ def test_plan_matches_the_tracker_on_tiny_cpu_runs():
             failures.append(f"{mode} P={world} S={seq} {knobs}: planned {planned / 2**20:.2f} MiB ({p.peak_phase}) "
                             f"vs measured {peak / 2**20:.2f} MiB")
     assert not failures, "\n".join(failures)
+
+
+def test_lora_holds_a_frozen_bf16_base_and_trains_only_the_adapters():
+    """``model.lora.r=16`` on Llama3-8B, all 7 projections: per layer r (in + out) = 16 x (q 8192 + k 5120 + v 5120
+    + o 8192 + gate 18432 + up 18432 + down 18432) = 16 x 81,920; 32 layers -> 41,943,040 adapter parameters. The
+    base (8,030,261,248) is frozen in bf16 (2 B); adapters, their grads and two AdamW states in fp32."""
+    n, adapters = 8_030_261_248, 16 * 81_920 * 32
+    assert ModelShape.from_config(dict(LLAMA3_8B, lora=dict(r=16))).lora_parameters() == adapters
+    replicated = plan(dict(LLAMA3_8B, lora=dict(r=16)), dict(devices=8, sharding="replicate"),
+                      dict(precision="bf16-mixed"), seq_len=8192).breakdown
+    assert (replicated["params"], replicated["grads"], replicated["optimizer"], replicated["weight_copies"]) == (
+        2 * n + 4 * adapters, 4 * adapters, 8 * adapters, 0)
+    sharded = plan(dict(LLAMA3_8B, lora=dict(r=16)), dict(devices=8, sharding="fsdp"), dict(precision="bf16-mixed"),
+                   seq_len=8192).breakdown
+    assert sharded["params"] == 2 * (n // 8) + 4 * (adapters // 8) and sharded["grads"] == 4 * adapters // 8
+    assert sharded["fsdp_buffers"] == 2 * 2 * 218_112_000  # two gathered bf16 layers, no base gradient buffers
+    full = max_context(LLAMA3_8B, dict(devices=8), dict(budget_gib=79.0), mode="sft")
+    assert max_context(dict(LLAMA3_8B, lora=dict(r=16)), dict(devices=8), dict(budget_gib=79.0), mode="sft") > full
+    with pytest.raises(ValueError, match="model.lora.target_modules \\['in_proj_qkv'\\]"):
+        ModelShape.from_config(dict(LLAMA3_8B, lora=dict(r=4, target_modules=["q_proj", "in_proj_qkv"])))

@@ -131,13 +131,22 @@ def _static(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs) -> dic
     the compute dtype for two layers (current + prefetch, ``2 N_l b``; FSDP2 ``MixedPrecisionPolicy``
     all-gathers bf16 under ``bf16-mixed``), one layer's unsharded gradients ``N_l b`` and the reduce-scatter
     input they are copied into in the reduce dtype ``N_l p`` (``foreach_reduce``: both alive at the copy-in;
-    fp32 under ``bf16-mixed``, ``reduce_dtype=float32``)."""
+    fp32 under ``bf16-mixed``, ``reduce_dtype=float32``). With LoRA (``model.lora_r``): the base is frozen in
+    the compute dtype and only the adapters' gradients and optimizer states count (and FSDP2 reduces no base
+    gradient)."""
     n, pb, b = model.num_parameters(), knobs.param_bytes, knobs.dtype_bytes
-    if not _sharded(cluster):
-        return {"params": n * pb, "grads": n * pb, "optimizer": knobs.optimizer_states * n * pb, "fsdp_buffers": 0}
-    shard = math.ceil(n / cluster.world)
-    return {"params": shard * pb, "grads": shard * pb, "optimizer": knobs.optimizer_states * shard * pb,
-            "fsdp_buffers": model.largest_layer_parameters() * (3 * b + pb)}
+    # LoRA: the frozen base in the compute dtype (bf16 allowed), the adapters (trainable) in ``p``
+    trainable = model.lora_parameters()  # 0 without LoRA: then every parameter trains
+    base_dtype = b if model.lora_r else pb
+    grads = trainable or n
+    world = cluster.world if _sharded(cluster) else 1
+    shard = lambda count: math.ceil(count / world)  # noqa: E731 - elements per rank
+    static = {"params": shard(n) * base_dtype + shard(trainable) * pb, "grads": shard(grads) * pb,
+              "optimizer": knobs.optimizer_states * shard(grads) * pb, "fsdp_buffers": 0}
+    if world > 1:  # FSDP2 reduces no gradient of a frozen parameter: LoRA's one-layer buffers are its gathered base
+        layer_grads = 0 if model.lora_r else model.largest_layer_parameters() * (b + pb)
+        static["fsdp_buffers"] = model.largest_layer_parameters() * 2 * b + layer_grads
+    return static
 
 
 def autocast_cached_parameters(model: ModelShape, logits_chunked: bool) -> int:
@@ -165,7 +174,7 @@ def weight_copies_bytes(model: ModelShape, cluster: ClusterShape, knobs: MemoryK
     step included; they outlive the region anyway as the saved inputs of each layer's backward. Else (SFT
     replicas, FSDP2 on a 1-wide shard mesh with ``reshard_after_forward=False`` and ``MixedPrecisionPolicy``):
     the unsharded bf16 copy of every parameter, ``N b``."""
-    if not knobs.mixed or _sharded(cluster):
+    if not knobs.mixed or _sharded(cluster) or model.lora_r:  # LoRA: the frozen base already is bf16
         return 0
     chunked = knobs.logits_chunk_size is not None and knobs.logits_chunk_size < tokens
     cast = autocast_cached_parameters(model, chunked) if autocast_only else model.num_parameters()

@@ -22,6 +22,7 @@ BACKENDS = ("eager", "flash")
 MODES = ("sft", "longstraw")
 SHARDINGS = ("fsdp", "replicate")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 
@@ -60,7 +61,9 @@ class ModelShape:
 
     ``layer_types`` entries are ``"full_attention"`` or ``"linear_attention"`` (Gated DeltaNet, as in
     transformers' ``qwen3_5_text``, with its ``linear_*`` fields); ``attn_output_gate`` doubles ``q_proj``
-    (Qwen3.5's gated attention).
+    (Qwen3.5's gated attention). ``lora_r`` / ``lora_targets``: LoRA adapters of rank ``r`` on those
+    projections (``model.lora``; None = full fine-tuning): the base is frozen in the compute dtype and only
+    the adapters have gradients and optimizer states.
     """
 
     vocab_size: int
@@ -80,6 +83,8 @@ class ModelShape:
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
+    lora_r: int | None = None
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelShape:
@@ -93,6 +98,13 @@ class ModelShape:
         if unknown:
             raise ValueError(f"unknown layer_types {unknown}; use {FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}")
         defaults = {f: cls.__dataclass_fields__[f].default for f in cls.__dataclass_fields__}
+        lora = _get(cfg, "lora", None)
+        lora_r = _get(lora, "r", None) if lora is not None else None
+        targets = tuple(_get(lora, "target_modules", None) or LORA_TARGETS) if lora_r else LORA_TARGETS
+        unknown_targets = sorted(set(targets) - set(LORA_TARGETS))
+        if unknown_targets:
+            raise ValueError(f"model.lora.target_modules {unknown_targets} are not LoRA targets here; use a subset "
+                             f"of {list(LORA_TARGETS)}")
         return cls(
             vocab_size=int(_get(cfg, "vocab_size")), hidden_size=hidden,
             intermediate_size=int(_get(cfg, "intermediate_size")), num_hidden_layers=layers,
@@ -104,6 +116,7 @@ class ModelShape:
             **{f: int(_get(cfg, f, defaults[f])) for f in (
                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                 "linear_conv_kernel_dim")},
+            lora_r=None if not lora_r else int(lora_r), lora_targets=targets,
         )
 
     @property
@@ -134,6 +147,24 @@ class ModelShape:
         qkvz = e * (2 * self.linear_qk_dim + 2 * self.linear_v_dim)
         conv = (2 * self.linear_qk_dim + self.linear_v_dim) * self.linear_conv_kernel_dim
         return qkvz + e * 2 * nv + conv + 2 * nv + self.linear_value_head_dim + self.linear_v_dim * e
+
+    def lora_parameters(self) -> int:
+        """Adapter parameters ``r (in + out)`` per targeted projection (0 without LoRA). Linear layers only take
+        adapters on their MLP (their mixer projections have other names)."""
+        if not self.lora_r:
+            return 0
+        e, i, h, kv, d = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
+                          self.num_key_value_heads, self.head_dim)
+        q_out = h * d * (2 if self.attn_output_gate else 1)
+        attention = {"q_proj": e + q_out, "k_proj": e + kv * d, "v_proj": e + kv * d, "o_proj": h * d + e}
+        mlp = {"gate_proj": e + i, "up_proj": e + i, "down_proj": i + e}
+        per_full = sum(attention.get(t, 0) + mlp.get(t, 0) for t in self.lora_targets)
+        per_linear = sum(mlp.get(t, 0) for t in self.lora_targets)
+        return self.lora_r * (self.full_layers * per_full + self.linear_layers * per_linear)
+
+    def trainable_parameters(self) -> int:
+        """What has gradients and optimizer states: the adapters with LoRA, else every parameter."""
+        return self.lora_parameters() if self.lora_r else self.num_parameters()
 
     def num_parameters(self) -> int:
         """``V E (x2 untied) + E`` + per layer: mixer + ``3 E I`` (SwiGLU) + ``2 E`` (norms)."""
@@ -250,6 +281,7 @@ __all__ = [
     "BACKENDS",
     "GIB",
     "LEGACY_DTYPES",
+    "LORA_TARGETS",
     "MODES",
     "PRECISIONS",
     "SHARDINGS",
