@@ -380,3 +380,16 @@ def test_lora_holds_a_frozen_bf16_base_and_trains_only_the_adapters():
     assert max_context(dict(LLAMA3_8B, lora=dict(r=16)), dict(devices=8), dict(budget_gib=79.0), mode="sft") > full
     with pytest.raises(ValueError, match="model.lora.target_modules \\['in_proj_qkv'\\]"):
         ModelShape.from_config(dict(LLAMA3_8B, lora=dict(r=4, target_modules=["q_proj", "in_proj_qkv"])))
+
+
+def test_offloaded_prompt_cache_keeps_two_layers_of_kv_and_accumulators_on_the_device():
+    """``memory.offload_prompt_cache``: the K/V cache and its fp32 sums move to the host; the device keeps the
+    staged layer and the one in flight (2 of the 32 Llama3-8B layers)."""
+    knobs = dict(precision="bf16-mixed", budget_gib=80.0)
+    kwargs = dict(seq_len=65537, mode="longstraw", group_size=8, response_len=64)
+    plain = plan(LLAMA3_8B, dict(devices=8), knobs, **kwargs)
+    staged = plan(LLAMA3_8B, dict(devices=8), dict(knobs, offload_prompt_cache=True), **kwargs)
+    kv, acc = plain.breakdown["kv_cache"], plain.breakdown["longstraw_accumulators"]
+    assert staged.breakdown["kv_cache"] == 2 * kv // 32 and staged.breakdown["longstraw_accumulators"] == 2 * acc // 32
+    assert staged.host_bytes == plain.host_bytes + kv + acc
+    assert staged.total_bytes < plain.total_bytes

@@ -25,6 +25,7 @@ from ..ops.losses import chunked_token_logprobs
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
 from .grads import move_grad_into
 from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
+from .offload import HostStager, add_grad_to_host
 
 
 @dataclass
@@ -52,6 +53,8 @@ class PromptState:
     grad_dtype: torch.dtype = torch.float32
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, tensor index) -> buffer
     state_segment: int | None = None
+    stager: HostStager | None = None  # offload_prompt_cache: attention K/V and their gradients on the host
+    cache_requires_grad: bool = False
 
     def add_cache(self, cache, requires_grad: bool, *, offload: bool = False) -> None:
         """Append one layer's state as leaves; with ``requires_grad`` their gradients sum in ``grad_dtype``.
@@ -59,6 +62,10 @@ class PromptState:
         ``cache``: ``(keys, values)`` or a ``LinearState`` (whose ``boundaries`` stay graph-free, on the host
         with ``offload``)."""
         layer = len(self.caches)
+        if self.stager is not None and not isinstance(cache, LinearState):  # K/V to the host, graph-free
+            self.cache_requires_grad = requires_grad
+            self.caches.append(tuple(self.stager.to_host(t.detach()) for t in cache))
+            return
         leaves = []
         for which, t in enumerate(cache[:2]):
             leaf = t.detach().requires_grad_(requires_grad)
@@ -75,12 +82,49 @@ class PromptState:
 
     def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
         """The gradient summed over the group so far of layer ``layer``'s state tensor ``which`` (attention:
-        0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail)."""
-        return self.grads.get((layer, which), self.caches[layer][which].grad)
+        0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail); on the host when offloaded."""
+        if (layer, which) in self.grads:
+            return self.grads[(layer, which)]
+        return None if self.stager is not None and not isinstance(self.caches[layer], LinearState) else \
+            self.caches[layer][which].grad
 
     def layer_cache(self, layer: int):
-        """Layer ``layer``'s state, as its ``prefix_state`` (None when nothing was cached)."""
-        return self.caches[layer] if self.caches else None
+        """Layer ``layer``'s state, as its ``prefix_state`` (None when nothing was cached).
+
+        With ``stager`` (offloaded K/V): fresh device leaves of the host copy, whose gradients a hook adds
+        into the host buffers; the next offloaded layer's copy starts on the side stream."""
+        if not self.caches:
+            return None
+        cache = self.caches[layer]
+        if self.stager is None or isinstance(cache, LinearState):
+            return cache
+        for nxt in range(layer + 1, len(self.caches)):
+            if not isinstance(self.caches[nxt], LinearState):
+                self.stager.prefetch(("cache", nxt), list(self.caches[nxt]))
+                break
+        leaves = []
+        for which, t in enumerate(self.stager.fetch(("cache", layer), list(cache))):
+            leaf = t.detach().requires_grad_(self.cache_requires_grad)
+            if self.cache_requires_grad:
+                leaf.register_post_accumulate_grad_hook(add_grad_to_host(self.grads, (layer, which), self.grad_dtype))
+            leaves.append(leaf)
+        return tuple(leaves)
+
+    def device_cache_grads(self, layer: int, device) -> list[torch.Tensor | None]:
+        """Layer ``layer``'s summed state gradients on ``device`` (for the grouped backward); offloaded ones come
+        from the host, and the previous offloaded layer's start copying on the side stream."""
+        grads = [self.cache_grad(layer, which) for which in (0, 1)]
+        if self.stager is None or isinstance(self.caches[layer], LinearState):
+            return grads
+        for prev in range(layer - 1, -1, -1):
+            if not isinstance(self.caches[prev], LinearState):
+                pending = [self.grads.get((prev, w)) for w in (0, 1)]
+                if all(g is not None for g in pending):
+                    self.stager.prefetch(("grad", prev), pending)
+                break
+        present = [g for g in grads if g is not None]
+        fetched = iter(self.stager.fetch(("grad", layer), present) if present else [])
+        return [None if g is None else next(fetched).to(device) for g in grads]
 
     @property
     def tail_ids(self) -> torch.Tensor:
@@ -98,18 +142,19 @@ class PromptState:
 def prefill(
     model, prompt_ids: torch.Tensor, group, *, keep_checkpoints: bool, cache_requires_grad: bool,
     offload_checkpoints: bool = False, progress=None, grad_dtype: torch.dtype = torch.float32,
-    state_segment: int = DEFAULT_STATE_SEGMENT,
+    state_segment: int = DEFAULT_STATE_SEGMENT, offload_prompt_cache: bool = False,
 ) -> PromptState:
     """Run the cached part of the prompt once without autograd, keeping per layer its state and checkpoint.
 
     ``grad_dtype``: the dtype the cache gradients accumulate in over the group (see :class:`PromptState`).
     ``state_segment``: with ``keep_checkpoints``, linear layers also keep their state every that many tokens
-    (a multiple of 64), where the grouped backward restarts their scan segment by segment."""
+    (a multiple of 64), where the grouped backward restarts their scan segment by segment.
+    ``offload_prompt_cache``: attention layers' K/V and their gradient buffers live on the host (:mod:`.offload`)."""
     world = group_size(group)
     cached = world * ((prompt_ids.numel() - 1) // world)
     every = state_segment if keep_checkpoints else None
     state = PromptState(prompt_ids=prompt_ids, cached_length=cached, group=group, grad_dtype=grad_dtype,
-                        state_segment=every)
+                        state_segment=every, stager=HostStager(prompt_ids.device) if offload_prompt_cache else None)
     if cached == 0:
         return state
     ids, pos = state.local_prefix()
@@ -190,7 +235,7 @@ def grouped_backward(model, state: PromptState, *, progress=None) -> None:
     for index in reversed(range(len(layers))):
         layer = layers[index]
         hidden_in = state.checkpoints[index].to(ids.device, non_blocking=True).detach().requires_grad_()
-        cache_grads = [state.cache_grad(index, which) for which in (0, 1)]
+        cache_grads = state.device_cache_grads(index, hidden_in.device)
         if isinstance(state.caches[index], LinearState):
             grad_in = linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads,
                                             state.caches[index].boundaries, state.state_segment)

@@ -157,6 +157,7 @@ def longstraw_step(
     accumulate_dtype: torch.dtype | None = None,
     measure_memory: bool = True,
     state_segment: int = DEFAULT_STATE_SEGMENT,
+    offload_prompt_cache: bool = False,
 ) -> StepOutput:
     """Accumulate into ``param.grad`` the exact gradient of the group loss for one prompt and G responses.
 
@@ -183,6 +184,10 @@ def longstraw_step(
             multiple of 64; optionally on the host with ``offload_checkpoints``), and the grouped backward
             recomputes their scan one such segment at a time, in reverse (memory per layer: one state per
             segment in the prefill, one segment's scan graph in the backward).
+        offload_prompt_cache: keep the attention layers' prompt K/V and its fp32 gradient buffer in (pinned)
+            host memory; each branch brings one layer at a time to the device, the next one in flight on a
+            side stream, and the grouped backward stages the summed gradients the same way (device memory: two
+            layers' K/V instead of all; cost: the cache crosses PCIe once per branch).
         measure_memory: track the step's peak live tensor bytes (``StepOutput.peak_bytes``; on CPU a dispatch
             mode that sees every op, which costs time on small ops): False for training loops, which read the
             device's own peak (``ops.memory.device_peak_bytes``).
@@ -207,7 +212,8 @@ def longstraw_step(
     with tracker as memory, step_grads:
         state = prefill(model, prompt_ids, group, keep_checkpoints=prompt_grad == "full",
                         cache_requires_grad=prompt_grad == "full", offload_checkpoints=offload_checkpoints,
-                        progress=progress, grad_dtype=grad_dtype, state_segment=state_segment)
+                        progress=progress, grad_dtype=grad_dtype, state_segment=state_segment,
+                        offload_prompt_cache=offload_prompt_cache)
         for i, response in enumerate(responses):
             branch = make_branch(state, response)
             logp_l, entropy_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size,

@@ -296,7 +296,9 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     (:func:`kv_cache_bytes`), the recurrent states of linear layers, and with ``prompt_grad="full"`` the
     accumulated cache gradients (the LongStraw accumulators: as many elements as the cache, in the
     parameter dtype ``p``: fp32 under ``bf16-mixed``) and one ``E b`` checkpoint per layer and local token,
-    plus the linear layers' states every ``STATE_SEGMENT`` tokens (host memory when offloaded). Under
+    plus the linear layers' states every ``STATE_SEGMENT`` tokens (host memory when offloaded). With
+    ``offload_prompt_cache`` the K/V cache and its accumulators live on the host and the device holds two
+    layers of each (the staged layer and the one in flight). Under
     ``bf16-mixed`` (fp32 replicas under autocast) every phase also holds
     autocast's cached bf16 weight copies (:func:`weight_copies_bytes`; the step, and the optimizer step,
     run inside ``training_step``), and the chunked lm_head casts its weight per chunk. Phases:
@@ -329,6 +331,12 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     host = ckpt if knobs.offload_checkpoints else 0
     ckpt_dev = 0 if host else ckpt
     acc = (kv // b * knobs.param_bytes + state) if full else 0
+    if knobs.offload_prompt_cache and model.full_layers:
+        # K/V and their fp32 gradient sums on the host; on the device two layers of each (double buffering)
+        layers = model.full_layers
+        kv_acc = acc - state if full else 0
+        host += kv + kv_acc
+        kv, acc = min(kv, 2 * kv // layers), (min(kv_acc, 2 * kv_acc // layers) + state if full else 0)
     comp = dict(static, weight_copies=copies)
     comp.update(kv_cache=kv, recurrent_state=state, checkpoints=ckpt_dev, longstraw_accumulators=acc)
     persistent = base + kv + state + ckpt_dev

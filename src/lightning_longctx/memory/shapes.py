@@ -224,6 +224,7 @@ class MemoryKnobs:
     expanded per stage, transposed copies); ``"flash"`` those of flash-attn on GPU (native GQA).
     ``reserve_gib``: what the runtime holds outside tensors (CUDA context, allocator fragmentation, NCCL).
     ``precision``: one of :data:`PRECISIONS` (Lightning's precision string; ``bf16-mixed`` by default).
+    ``offload_prompt_cache``: LongStraw's prompt K/V and their gradient sums in host memory, staged per layer.
     """
 
     budget_gib: float = 80.0
@@ -231,6 +232,7 @@ class MemoryKnobs:
     head_chunk_size: int | None = None
     activation_checkpointing: bool = False
     offload_checkpoints: bool = False
+    offload_prompt_cache: bool = False
     mlp_chunk_size: int | None = None
     logits_chunk_size: int | None = None
     attention_backend: str = "flash"
@@ -249,6 +251,7 @@ class MemoryKnobs:
             head_chunk_size=opt_int("head_chunk_size"),
             activation_checkpointing=bool(_get(cfg, "activation_checkpointing", False)),
             offload_checkpoints=bool(_get(cfg, "offload_checkpoints", False)),
+            offload_prompt_cache=bool(_get(cfg, "offload_prompt_cache", False)),
             mlp_chunk_size=opt_int("mlp_chunk_size"), logits_chunk_size=opt_int("logits_chunk_size"),
             attention_backend=str(_get(cfg, "attention_backend", "flash")),
             reserve_gib=float(_get(cfg, "reserve_gib", 0.0)), optimizer_states=int(_get(cfg, "optimizer_states", 2)),
