@@ -331,6 +331,7 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     host = ckpt if knobs.offload_checkpoints else 0
     ckpt_dev = 0 if host else ckpt
     acc = (kv // b * knobs.param_bytes + state) if full else 0
+    layer_kv = kv // model.full_layers if model.full_layers else 0  # one layer's K/V, staged or not
     if knobs.offload_prompt_cache and model.full_layers:
         # K/V and their fp32 gradient sums on the host; on the device two layers of each (double buffering)
         layers = model.full_layers
@@ -350,7 +351,6 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
         attn = attention_stage_bytes(model, knobs, sp, s_l)
         unit = cached * d * b
         expand = (3 * c + m) if knobs.attention_backend == "eager" else 2 * m
-        layer_kv = kv // model.full_layers
         replay_cache = 2 * layer_kv + expand * unit
         # the cache path is plain autograd: every stage's q (local and exchanged), output and RoPE
         # intermediates stay in the graph until the layer's backward (5 copies per local head), and each
