@@ -250,7 +250,9 @@ def grouped_backward(model, state: PromptState, *, progress=None) -> None:
         if progress is not None:
             progress(f"grouped backward layer {index + 1}/{len(layers)}")
     if grad_hidden is not None:
-        torch.autograd.backward(model.embed(ids), grad_hidden)
+        embedded = model.embed(ids)
+        if embedded.requires_grad:  # a frozen embedding (LoRA) needs nothing
+            torch.autograd.backward(embedded, grad_hidden)
 
 
 def _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads):

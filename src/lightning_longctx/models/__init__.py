@@ -8,7 +8,8 @@ chunked logits: memory knobs that leave every number unchanged). The attention b
 head-chunked as UPipe runs it (:mod:`.attention`). The prefix-state API LongStraw builds on:
 ``DecoderLM.embed``, ``DecoderLM.layers``, ``DecoderLayer.forward(..., prefix_state=, return_state=)``,
 ``DecoderLayer.prompt_state``,
-``DecoderLM.final_hidden``, ``DecoderLM.output_weight``.
+``DecoderLM.final_hidden``, ``DecoderLM.output_weight``. LoRA (:mod:`.lora`): ``DecoderLM.add_lora``,
+``merge_lora``, ``adapters_disabled``, ``save_adapter`` / ``load_adapter`` (PEFT's adapter format).
 """
 
 from .attention import DecoderAttention, FusedAttention
@@ -16,6 +17,7 @@ from .config import DecoderConfig, MemoryConfig
 from .decoder import DecoderLayer, DecoderLM, DecoderMLP, DecoderOutput, default_position_ids, sp_token_mean
 from .gated_deltanet import GatedDeltaNet, LinearState
 from .hf_io import config_from_hf, config_to_hf
+from .lora import LoRALinear
 from .norm import RMSNorm
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "FusedAttention",
     "GatedDeltaNet",
     "LinearState",
+    "LoRALinear",
     "MemoryConfig",
     "RMSNorm",
     "config_from_hf",

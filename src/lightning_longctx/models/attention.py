@@ -37,6 +37,7 @@ from ..ops.merge import prefix_attention
 from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size, head_schedule, head_to_seq, seq_to_head
 from ..parallel.ulysses import check_head_layout
 from .config import DecoderConfig
+from .lora import attention_lora, fold_stage_lora, gate_delta
 from .norm import RMSNorm, rms_norm
 from .rope import RotaryEmbedding, apply_rope
 
@@ -102,14 +103,20 @@ def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send,
     return q, k, v
 
 
-def _stage_weights(weights, stage: Stage, head_dim: int):
-    """Copies ``(wq, bq, wk, bk, wv, bv)`` of the stage's head rows, flattened to ``[rows, E]`` / ``[rows]``.
+# Which heads index each of the 12 weight inputs: 0 = the stage's query heads, 1 = its K/V heads, None = whole
+# (the LoRA ``A`` matrices). Order: wq, bq, wk, bk, wv, bv, then A_q, B_q, A_k, B_k, A_v, B_v (see lora.py).
+_ROW_HEADS = (0, 0, 1, 1, 1, 1, None, 0, None, 1, None, 1)
 
-    The inputs are head-split (``[heads, d, E]`` weights, ``[heads, d]`` biases; None biases stay None):
-    views of the projections, so a gated ``q_proj`` (``[query | gate]`` per head) gives its query rows without
-    a copy of the whole weight."""
-    heads = (stage.q_index,) * 2 + (stage.kv_heads,) * 4
-    return tuple(None if t is None else t.index_select(0, h).flatten(0, 1) for t, h in zip(weights, heads))
+
+def _stage_weights(weights, stage: Stage, head_dim: int):
+    """Copies of the stage's head rows of the 12 weight inputs, flattened to ``[rows, E]`` / ``[rows]``.
+
+    The inputs are head-split (``[heads, d, E]`` weights, ``[heads, d]`` biases, ``[heads, d, r]`` LoRA B;
+    None stays None; LoRA A ``[r, E]`` passes whole): views of the projections, so a gated ``q_proj``
+    (``[query | gate]`` per head) gives its query rows without a copy of the whole weight."""
+    heads = (stage.q_index, stage.kv_heads)
+    return tuple(t if t is None or h is None else t.index_select(0, heads[h]).flatten(0, 1)
+                 for t, h in zip(weights, _ROW_HEADS))
 
 
 def _add_head_rows(grad: torch.Tensor, heads: torch.Tensor, rows_grad: torch.Tensor, head_dim: int) -> None:
@@ -121,21 +128,21 @@ class FusedAttention(torch.autograd.Function):
     """``x [b, s_l, E]`` -> attention output ``[b, s_l, H, d]`` (before o_proj), stage by stage.
 
     Inputs after ``x, cos, sin``: ``wq, bq, wk, bk, wv, bv`` head-split (``[heads, d, E]`` / ``[heads, d]``,
-    see :func:`_stage_weights`), ``q_norm, k_norm`` (biases and norms may be None),
-    then the static ``stages, group, head_dim, norm_spec, softmax_scale, backend`` (``norm_spec``: the q/k
-    norms' ``(eps, zero_centered)``).
+    see :func:`_stage_weights`), the LoRA ``A_q, B_q, A_k, B_k, A_v, B_v`` (None without adapters),
+    ``q_norm, k_norm`` (biases and norms may be None), then the static ``stages, group, head_dim, norm_spec,
+    softmax_scale, backend, lora_scales`` (``norm_spec``: the q/k norms' ``(eps, zero_centered)``).
     """
 
     @staticmethod
-    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, stages, group, head_dim, norm_spec, scale,
-                backend):
+    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, aq, b_q, ak, b_k, av, b_v, q_norm, k_norm, stages, group,
+                head_dim, norm_spec, scale, backend, lora_scales):
         heads = wq.shape[0]
-        weights = (wq, bq, wk, bk, wv, bv)
+        weights = (wq, bq, wk, bk, wv, bv, aq, b_q, ak, b_k, av, b_v)
         out = None  # [b, s_l, H, d], allocated at the first stage in the attention's dtype (autocast)
         lses = []
         for st in stages:
-            q, k, v = _stage_qkv(x, cos, sin, *_stage_weights(weights, st, head_dim), q_norm, k_norm, st.kv_send,
-                                 head_dim, norm_spec)
+            q, k, v = _stage_qkv(x, cos, sin, *fold_stage_lora(_stage_weights(weights, st, head_dim), lora_scales),
+                                 q_norm, k_norm, st.kv_send, head_dim, norm_spec)
             q_st, k_st, v_st = seq_to_head(q, group), seq_to_head(k, group), seq_to_head(v, group)  # [b, s, C|m, d]
             del q, k, v
             out_st, lse_st = attention_forward(q_st, k_st, v_st, causal=True, softmax_scale=scale, backend=backend)
@@ -144,8 +151,8 @@ class FusedAttention(torch.autograd.Function):
                 out = out_st.new_empty(x.shape[0], x.shape[1], heads, head_dim)
             out.index_copy_(2, st.q_index, head_to_seq(out_st, group))
             lses.append(lse_st)  # [b, C, s]
-        ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, out, *lses)
-        ctx.static = (stages, group, head_dim, norm_spec, scale, backend)
+        ctx.save_for_backward(x, cos, sin, *weights, q_norm, k_norm, out, *lses)
+        ctx.static = (stages, group, head_dim, norm_spec, scale, backend, lora_scales)
         device = x.device.type  # the recomputation in backward must see forward's autocast state
         amp = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if amp else None
@@ -153,22 +160,25 @@ class FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, out, *lses = ctx.saved_tensors
-        stages, group, head_dim, norm_spec, scale, backend = ctx.static
+        saved = ctx.saved_tensors  # once: checkpoint's unpack hooks refuse a second read
+        x, cos, sin, *weights, q_norm, k_norm, out = saved[:18]
+        lses = saved[18:]
+        stages, group, head_dim, norm_spec, scale, backend, lora_scales = ctx.static
         need = ctx.needs_input_grad
-        full = (x, None, None, wq, bq, wk, bk, wv, bv, q_norm, k_norm)
-        # Weight grads accumulate row slices into zeros; x's and the norms' take the first stage's tensor.
-        grads = [torch.zeros_like(t) if t is not None and need[i] and 3 <= i <= 8 else None
-                 for i, t in enumerate(full)]
+        full = (x, None, None, *weights, q_norm, k_norm)
+        rows = lambda i: 3 <= i <= 14 and _ROW_HEADS[i - 3] is not None  # noqa: E731  (head-row-indexed inputs)
+        # Row-indexed grads accumulate row slices into zeros; x's, A's and the norms' take the first stage's.
+        grads = [torch.zeros_like(t) if t is not None and need[i] and rows(i) else None for i, t in enumerate(full)]
         grad_out = grad_out.to(out.dtype).contiguous()
         x_leaf = x.detach().requires_grad_(need[0])
-        norms = [None if t is None else t.detach().requires_grad_(need[i]) for i, t in ((9, q_norm), (10, k_norm))]
+        norms = [None if t is None else t.detach().requires_grad_(need[i]) for i, t in ((15, q_norm), (16, k_norm))]
         for st, lse_st in zip(stages, lses):
             amp = torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()
             with torch.enable_grad(), amp:
                 sliced = [None if t is None else t.detach().requires_grad_(need[3 + i])
-                          for i, t in enumerate(_stage_weights(full[3:9], st, head_dim))]
-                q, k, v = _stage_qkv(x_leaf, cos, sin, *sliced, *norms, st.kv_send, head_dim, norm_spec)
+                          for i, t in enumerate(_stage_weights(full[3:15], st, head_dim))]
+                q, k, v = _stage_qkv(x_leaf, cos, sin, *fold_stage_lora(sliced, lora_scales), *norms, st.kv_send,
+                                     head_dim, norm_spec)
             q_st, k_st, v_st = (seq_to_head(t.detach(), group) for t in (q, k, v))
             out_st = seq_to_head(out.index_select(2, st.q_index), group)
             do_st = seq_to_head(grad_out.index_select(2, st.q_index), group)
@@ -177,7 +187,7 @@ class FusedAttention(torch.autograd.Function):
             del q_st, k_st, v_st, out_st, do_st
             pairs = [(t, head_to_seq(g, group)) for t, g in ((q, dq_st), (k, dk_st), (v, dv_st)) if t.requires_grad]
             del dq_st, dk_st, dv_st
-            leaves = [(i, t) for i, t in zip((0, 3, 4, 5, 6, 7, 8, 9, 10), (x_leaf, *sliced, *norms))
+            leaves = [(i, t) for i, t in zip((0, *range(3, 17)), (x_leaf, *sliced, *norms))
                       if t is not None and t.requires_grad]
             if not pairs or not leaves:
                 continue
@@ -187,23 +197,23 @@ class FusedAttention(torch.autograd.Function):
             for (i, _), g in zip(leaves, found):
                 if g is None:
                     continue
-                if 3 <= i <= 8:  # weight/bias rows of this stage's heads
-                    _add_head_rows(grads[i], st.q_index if i in (3, 4) else st.kv_heads, g, head_dim)
+                if rows(i):  # weight/bias/B rows of this stage's heads
+                    _add_head_rows(grads[i], (st.q_index, st.kv_heads)[_ROW_HEADS[i - 3]], g, head_dim)
                 elif grads[i] is None:
                     grads[i] = g
-                else:  # x and the norm weights in full
+                else:  # x, the A matrices and the norm weights in full
                     grads[i] += g
             del found
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, norm_spec, scale, backend,
-                          prefix_kv, return_kv):
+                          lora_scales, prefix_kv, return_kv):
     """Plain-autograd twin of :class:`FusedAttention` that also returns / consumes the K/V cache."""
     outs, keys, values = [], [], []
     for st in stages:
-        q, k, v = _stage_qkv(x, cos, sin, *_stage_weights(weights, st, head_dim), q_norm, k_norm, st.kv_send,
-                             head_dim, norm_spec)
+        q, k, v = _stage_qkv(x, cos, sin, *fold_stage_lora(_stage_weights(weights, st, head_dim), lora_scales),
+                             q_norm, k_norm, st.kv_send, head_dim, norm_spec)
         q_st, k_st, v_st = SeqToHead.apply(q, group), SeqToHead.apply(k, group), SeqToHead.apply(v, group)
         if return_kv and st.cache_new:
             keys.append(k_st)
@@ -222,14 +232,14 @@ def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, h
     return out, kv
 
 
-def _key_values(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, norm_spec):
+def _key_values(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, norm_spec, lora_scales):
     """The cache-layout ``(k, v)`` of :func:`_attention_with_cache`'s ``return_kv``, without attending."""
     keys, values = [], []
     for st in stages:
         if not st.cache_new:
             continue
-        _, k, v = _stage_qkv(x, cos, sin, *_stage_weights(weights, st, head_dim), q_norm, k_norm, st.kv_send,
-                             head_dim, norm_spec)
+        _, k, v = _stage_qkv(x, cos, sin, *fold_stage_lora(_stage_weights(weights, st, head_dim), lora_scales),
+                             q_norm, k_norm, st.kv_send, head_dim, norm_spec)
         keys.append(SeqToHead.apply(k, group))
         values.append(SeqToHead.apply(v, group))
     return torch.cat(keys, dim=2), torch.cat(values, dim=2)
@@ -276,7 +286,8 @@ class DecoderAttention(nn.Module):
         return stages[-1].cache_start + stages[-1].kv_per_rank
 
     def _weights(self):
-        """Head-split views ``(wq [H, d, E], bq [H, d], wk, bk, wv, bv)`` and the q/k norm scales."""
+        """Head-split views ``(wq [H, d, E], bq [H, d], wk, bk, wv, bv)``, then the LoRA tensors (``A_q, B_q,
+        ...``, None without adapters, see :func:`.lora.attention_lora`), the q/k norm scales, the LoRA scalings."""
         h, d = self.num_heads, self.head_dim
         wq, bq = self.q_proj.weight, self.q_proj.bias
         if self.attn_output_gate:  # rows are [query_h | gate_h] per head: the query half, as a strided view
@@ -287,21 +298,23 @@ class DecoderAttention(nn.Module):
                    split(self.v_proj.bias))
         q_norm = None if self.q_norm is None else self.q_norm.weight
         k_norm = None if self.k_norm is None else self.k_norm.weight
-        return weights, q_norm, k_norm
+        lora, lora_scales = attention_lora(self)
+        return weights + lora, q_norm, k_norm, lora_scales
 
     def _output_gate(self, hidden: torch.Tensor) -> torch.Tensor:
         """``sigmoid(gate) [b, s_l, H * d]``: the gate rows of ``q_proj`` applied to this rank's tokens."""
         h, d = self.num_heads, self.head_dim
         w = self.q_proj.weight.view(h, 2, d, -1)[:, 1].reshape(h * d, -1)
         b = None if self.q_proj.bias is None else self.q_proj.bias.view(h, 2, d)[:, 1].reshape(h * d)
-        return torch.sigmoid(F.linear(hidden, w, b))
+        gate, delta = F.linear(hidden, w, b), gate_delta(self, hidden)
+        return torch.sigmoid(gate if delta is None else gate + delta)
 
     def key_values(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Only ``(k, v)`` in cache layout ``[b, s, n_r, d]`` for the normed ``hidden [b, s_l, E]``."""
         cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
-        weights, q_norm, k_norm = self._weights()
+        weights, q_norm, k_norm, lora_scales = self._weights()
         return _key_values(hidden, cos, sin, weights, q_norm, k_norm, self.stages(hidden.device), self.sp_group,
-                           self.head_dim, self.norm_spec)
+                           self.head_dim, self.norm_spec, lora_scales)
 
     def forward(
         self,
@@ -325,8 +338,8 @@ class DecoderAttention(nn.Module):
         """
         cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
         stages = self.stages(hidden.device)
-        weights, q_norm, k_norm = self._weights()
-        static = (stages, self.sp_group, self.head_dim, self.norm_spec, None, self.backend)
+        weights, q_norm, k_norm, lora_scales = self._weights()
+        static = (stages, self.sp_group, self.head_dim, self.norm_spec, None, self.backend, lora_scales)
         if prefix_kv is None and not return_kv:
             out = FusedAttention.apply(hidden, cos, sin, *weights, q_norm, k_norm, *static)
             kv = None

@@ -302,7 +302,45 @@ class DecoderLM(nn.Module):
         return load_pretrained(cls, path, memory=memory, dtype=dtype)
 
     def save_pretrained(self, path, *, max_shard_size: int | None = None) -> None:
-        """Write a directory transformers loads back; see :func:`.hf_io.save_pretrained`."""
+        """Write a directory transformers loads back; see :func:`.hf_io.save_pretrained`. Refused with unmerged
+        LoRA adapters (transformers would drop them): ``merge_lora()`` first, or ``save_adapter``."""
         from .hf_io import save_pretrained
+        from .lora import lora_modules
 
+        if lora_modules(self):
+            raise ValueError("the model has unmerged LoRA adapters, which a transformers checkpoint cannot hold: "
+                             "call merge_lora() first (folds them into the base weights), or save_adapter(dir)")
         save_pretrained(self, path, max_shard_size=max_shard_size)
+
+    # ------------------------------------------------------------------------------------------- LoRA
+    def add_lora(self, r: int, alpha: float, target_modules, dropout: float = 0.0) -> None:
+        """Freeze every parameter and attach LoRA adapters (PEFT's ``lora.Linear``, scale ``alpha / r``) to the
+        ``target_modules`` among ``q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj``; see
+        :mod:`.lora`. ``dropout > 0`` is refused."""
+        from .lora import add_lora
+
+        add_lora(self, r, alpha, target_modules, dropout)
+
+    def merge_lora(self) -> None:
+        """Fold the adapters into the base weights and remove them (then ``save_pretrained`` works)."""
+        from .lora import merge_lora
+
+        merge_lora(self)
+
+    def adapters_disabled(self):
+        """Context manager: the base model without adapters (for graph-free passes, e.g. a KL reference)."""
+        from .lora import adapters_disabled
+
+        return adapters_disabled(self)
+
+    def save_adapter(self, path) -> None:
+        """Write the adapters in PEFT's format (``PeftModel.from_pretrained`` on the transformers model)."""
+        from .lora import save_adapter
+
+        save_adapter(self, path)
+
+    def load_adapter(self, path, *, ignore_dropout: bool = False) -> None:
+        """Attach the adapters of a PEFT LoRA directory (ours or PEFT's ``save_pretrained``); see :mod:`.lora`."""
+        from .lora import load_adapter
+
+        load_adapter(self, path, ignore_dropout=ignore_dropout)

@@ -1,0 +1,263 @@
+"""LoRA adapters for :class:`~lightning_longctx.models.DecoderLM`, numerically PEFT's ``lora.Linear``.
+
+An adapted projection ``y = W x + b + (alpha / r) * B (A x)`` keeps its base ``nn.Linear`` (frozen, any dtype,
+parameter names unchanged) and gains the children ``lora_A [r, in]`` (kaiming-uniform, as PEFT) and
+``lora_B [out, r]`` (zeros), in at least float32; the state dict reads ``...q_proj.lora_A.weight``. No
+rslora, DoRA, LoRA bias or dropout (the fused attention and the tiled MLP recompute their inputs in backward,
+so a dropout mask would have to be replayed: refused).
+
+Where the adapter acts:
+
+* ``q_proj`` / ``k_proj`` / ``v_proj`` inside the fused head-chunked attention: each stage folds its heads'
+  rows of ``B`` into its weight rows, ``W_rows + s * B_rows @ A`` (:func:`fold_stage_lora`), differentiated
+  w.r.t. ``A`` and ``B``'s rows in the backward recompute; a full-size ``B @ A`` never exists. The same fold
+  serves the K/V-prefix path and ``key_values``. A gated ``q_proj``'s gate rows take the low-rank path
+  (:func:`gate_delta`).
+* ``o_proj`` and the MLP projections: the low-rank path ``base(x) + s * (x A^T) B^T`` (:class:`LoRALinear`),
+  also inside ``tiled_mlp`` tiles (the adapters are module parameters, so the tiles see them).
+
+Adapter files are PEFT's (``adapter_config.json``, ``adapter_model.safetensors`` with keys
+``base_model.model.<our name>.lora_A.weight``): ``peft.PeftModel.from_pretrained`` on the transformers model
+reads :func:`save_adapter`'s output, and :func:`load_adapter` reads PEFT's ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn import functional as F
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_ATTN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "adapter_config.json", "adapter_model.safetensors", "base_model.model."
+# adapter_config.json fields we do not implement: each must hold one of its "off" values.
+_UNSUPPORTED = {
+    "use_dora": (False, None), "use_rslora": (False, None), "modules_to_save": (None, []), "bias": ("none",),
+    "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "layers_to_transform": (None, []),
+    "layers_pattern": (None, []), "exclude_modules": (None, []), "fan_in_fan_out": (False, None),
+    "lora_bias": (False, None), "target_parameters": (None, []), "trainable_token_indices": (None,),
+    "use_qalora": (False, None), "layer_replication": (None,), "alora_invocation_tokens": (None,),
+    "megatron_config": (None,), "use_bdlora": (None, False),
+}
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` with a LoRA adapter (made by :func:`add_lora`, which switches the module's class).
+
+    Attributes: ``lora_A`` / ``lora_B`` (bias-free ``nn.Linear`` children), ``scaling`` (``alpha / r``),
+    ``lora_enabled`` (False inside :func:`adapters_disabled`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if not self.lora_enabled:
+            return out
+        a = self.lora_A.weight
+        delta = F.linear(F.linear(x.to(a.dtype), a), self.lora_B.weight) * self.scaling  # as PEFT: x cast to A's
+        return out + delta.to(out.dtype)
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    """``(name, module)`` of every adapted projection, in module order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def _targets(target_modules) -> list[str]:
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    if not names:
+        raise ValueError(f"target_modules is empty; choose among {', '.join(TARGETS)}")
+    for name in names:
+        if name in LINEAR_ATTN_PROJECTIONS:
+            raise ValueError(f"target module {name!r} is a Gated DeltaNet (linear-attention) projection of the "
+                             f"hybrid model: LoRA on those is not supported yet; choose among {', '.join(TARGETS)}")
+        if name not in TARGETS:
+            raise ValueError(f"target module {name!r} is not supported; choose among {', '.join(TARGETS)}")
+    return sorted(set(names), key=TARGETS.index)
+
+
+def add_lora(model: nn.Module, r: int, alpha: float, target_modules: Iterable[str], dropout: float = 0.0) -> None:
+    """Freeze every parameter of ``model`` and attach adapters to the ``target_modules`` projections."""
+    from .attention import DecoderAttention
+    from .decoder import DecoderMLP
+
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"LoRA rank r={r!r} must be a positive int")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"lora alpha={alpha!r} must be a positive number")
+    if dropout != 0:
+        raise ValueError(f"LoRA dropout={dropout!r} is not supported: the fused attention and the tiled MLP "
+                         "recompute the adapters' inputs in backward, so a dropout mask cannot be replayed; "
+                         "use dropout=0.0")
+    names = _targets(target_modules)
+    if lora_modules(model):
+        raise ValueError("the model already has LoRA adapters: merge_lora() (or load into a fresh model) first")
+    found = [(parent, name) for parent in model.modules() if isinstance(parent, (DecoderAttention, DecoderMLP))
+             for name in names if isinstance(getattr(parent, name, None), nn.Linear)]
+    missing = set(names) - {name for _, name in found}
+    if missing:
+        raise ValueError(f"target_modules {sorted(missing)} match no projection of this model")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for parent, name in found:
+        linear = getattr(parent, name)
+        kw = dict(bias=False, device=linear.weight.device, dtype=torch.promote_types(linear.weight.dtype,
+                                                                                    torch.float32))
+        lora_a, lora_b = nn.Linear(linear.in_features, r, **kw), nn.Linear(r, linear.out_features, **kw)
+        nn.init.kaiming_uniform_(lora_a.weight, a=math.sqrt(5))
+        nn.init.zeros_(lora_b.weight)
+        linear.__class__ = LoRALinear
+        linear.lora_A, linear.lora_B = lora_a, lora_b
+        linear.scaling, linear.lora_enabled, linear.lora_rank, linear.lora_alpha = alpha / r, True, r, alpha
+
+
+def _remove(model: nn.Module, merge: bool) -> None:
+    for _, m in lora_modules(model):
+        if merge:
+            with torch.no_grad():
+                a, b = m.lora_A.weight, m.lora_B.weight
+                acc = torch.promote_types(m.weight.dtype, a.dtype)
+                m.weight.copy_(m.weight.to(acc) + m.scaling * (b.to(acc) @ a.to(acc)))
+        del m.lora_A, m.lora_B
+        for attr in ("scaling", "lora_enabled", "lora_rank", "lora_alpha"):
+            delattr(m, attr)
+        m.__class__ = nn.Linear
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Fold ``scaling * B @ A`` into each adapted base weight and remove the adapters (base stays frozen)."""
+    if not lora_modules(model):
+        raise ValueError("the model has no LoRA adapters to merge")
+    _remove(model, merge=True)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Run the base model (e.g. a KL reference) without the adapters, no copy. Use it for graph-free passes
+    (``torch.no_grad()``): backward recomputation (tiled MLP, activation checkpointing) after the block
+    would see the adapters again."""
+    modules = [m for _, m in lora_modules(model)]
+    before = [m.lora_enabled for m in modules]
+    for m in modules:
+        m.lora_enabled = False
+    try:
+        yield model
+    finally:
+        for m, state in zip(modules, before):
+            m.lora_enabled = state
+
+
+# ------------------------------------------------------------------------------------------ attention
+def attention_lora(attn) -> tuple[tuple, tuple[float, float, float]]:
+    """``(A_q [r, E], B_q [H, d, r], A_k, B_k [H_kv, d, r], A_v, B_v)`` (None where no enabled adapter; a gated
+    ``q_proj`` gives its query rows of ``B``) and the scalings ``(s_q, s_k, s_v)`` for the fused attention."""
+    h, d = attn.num_heads, attn.head_dim
+    tensors, scales = [], []
+    for name in ("q_proj", "k_proj", "v_proj"):
+        m = getattr(attn, name)
+        if not (isinstance(m, LoRALinear) and m.lora_enabled):
+            tensors += [None, None]
+            scales.append(0.0)
+            continue
+        b = m.lora_B.weight
+        b = b.view(h, 2, d, -1)[:, 0] if name == "q_proj" and attn.attn_output_gate else b.view(-1, d, b.shape[1])
+        tensors += [m.lora_A.weight, b]
+        scales.append(m.scaling)
+    return tuple(tensors), tuple(scales)
+
+
+def fold_stage_lora(sliced, scales):
+    """A stage's ``(wq, bq, wk, bk, wv, bv)`` from its 12 sliced inputs (six base rows, then ``A, B_rows`` per
+    projection): ``W_rows + s * B_rows @ A`` in the adapter's precision, cast back to the base's dtype."""
+    weights = list(sliced[:6])
+    for i, (a, b, s) in enumerate(zip(sliced[6::2], sliced[7::2], scales)):
+        if a is not None:
+            w = weights[2 * i]
+            weights[2 * i] = (w.to(a.dtype) + s * (b @ a)).to(w.dtype)
+    return weights
+
+
+def gate_delta(attn, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The adapter's part of a gated ``q_proj``'s gate pre-activations ``[b, s_l, H * d]`` (None: no adapter)."""
+    m = attn.q_proj
+    if not (isinstance(m, LoRALinear) and m.lora_enabled):
+        return None
+    h, d = attn.num_heads, attn.head_dim
+    a, b = m.lora_A.weight, m.lora_B.weight.view(h, 2, d, -1)[:, 1].reshape(h * d, -1)
+    return (F.linear(F.linear(hidden.to(a.dtype), a), b) * m.scaling).to(hidden.dtype)
+
+
+# ------------------------------------------------------------------------------------------- PEFT files
+def save_adapter(model: nn.Module, path) -> None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT's ``save_pretrained`` does."""
+    modules = lora_modules(model)
+    if not modules:
+        raise ValueError("the model has no LoRA adapters to save")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    first = modules[0][1]
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "revision": None,
+        "inference_mode": True, "r": first.lora_rank, "lora_alpha": first.lora_alpha,
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n, _ in modules}, key=TARGETS.index),
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": {}, "alpha_pattern": {}, "exclude_modules": None, "lora_bias": False,
+    }
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    state = {f"{KEY_PREFIX}{name}.{part}.weight": getattr(m, part).weight.detach().to("cpu").contiguous()
+             for name, m in modules for part in ("lora_A", "lora_B")}
+    save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def read_adapter_config(path) -> dict:
+    """``adapter_config.json`` of ``path``, validated: only what we implement (the offending field is named)."""
+    config = json.loads((Path(path) / CONFIG_FILE).read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"adapter_config.json: peft_type={config.get('peft_type')!r}, only 'LORA' is supported")
+    for field, allowed in _UNSUPPORTED.items():
+        if field in config and config[field] not in allowed:
+            raise ValueError(f"adapter_config.json: {field}={config[field]!r} is not supported "
+                             f"(supported: {' or '.join(map(repr, allowed))})")
+    for field in ("r", "lora_alpha", "target_modules"):
+        if field not in config:
+            raise ValueError(f"adapter_config.json has no {field!r}")
+    if isinstance(config["target_modules"], str):
+        raise ValueError(f"adapter_config.json: target_modules={config['target_modules']!r} is a regex; only a "
+                         f"list of module names among {', '.join(TARGETS)} is supported")
+    return config
+
+
+def load_adapter(model: nn.Module, path, *, ignore_dropout: bool = False) -> None:
+    """Attach the adapters of a PEFT LoRA directory (ours or PEFT's ``save_pretrained``) to ``model``.
+
+    ``ignore_dropout``: accept a config with ``lora_dropout > 0`` and run without dropout (inference, or
+    training knowingly without it); otherwise such a config is refused."""
+    config = read_adapter_config(path)
+    dropout = config.get("lora_dropout") or 0.0
+    if dropout and not ignore_dropout:
+        raise ValueError(f"adapter_config.json: lora_dropout={dropout!r} is not supported (see add_lora); pass "
+                         "ignore_dropout=True to load it without dropout")
+    state = load_file(str(Path(path) / WEIGHTS_FILE))
+    add_lora(model, config["r"], config["lora_alpha"], config["target_modules"])
+    try:
+        params = {f"{KEY_PREFIX}{name}.{part}.weight": getattr(m, part).weight
+                  for name, m in lora_modules(model) for part in ("lora_A", "lora_B")}
+        if params.keys() != state.keys():
+            raise ValueError(f"{WEIGHTS_FILE} does not match the model's adapters: missing "
+                             f"{sorted(params.keys() - state.keys())[:4]}, unexpected "
+                             f"{sorted(state.keys() - params.keys())[:4]}")
+        with torch.no_grad():
+            for key, p in params.items():
+                if state[key].shape != p.shape:
+                    raise ValueError(f"{key}: shape {tuple(state[key].shape)} in {WEIGHTS_FILE}, "
+                                     f"{tuple(p.shape)} in the model")
+                p.copy_(state[key])
+    except Exception:
+        _remove(model, merge=False)
+        raise
