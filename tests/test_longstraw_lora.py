@@ -102,3 +102,29 @@ def _sp_worker(rank, world):
 
 def test_lora_grouped_step_under_sequence_parallelism():
     assert max(run_distributed(_sp_worker, 2, timeout=240)) < 1e-8
+
+
+def test_hydra_model_lora_builds_adapters_and_the_module_uses_the_base_as_kl_reference():
+    """``model.lora.r=4``: ``build_model`` attaches adapters over a frozen base; with ``task.beta > 0`` and no
+    ``ref_model`` the module's reference log-probs are the base's (adapters disabled, no second model copy)."""
+    from hydra import compose, initialize_config_module
+
+    from lightning_longctx import cli
+
+    with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model.lora.r=4", "model.lora.alpha=8", "task.beta=0.04"])
+    model = cli.build_model(cfg)
+    assert model.has_lora() and all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
+    module, _ = cli.build_task(cfg, model)
+    assert module.ref_model is None and module.step_kwargs["beta"] == 0.04
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    prompt, responses, _ = make_group(2, prompt_len=12)
+    with model.adapters_disabled():
+        base = score(model, prompt, responses)
+    adapted = score(model, prompt, responses)
+    for got, want, policy in zip(module.reference_logprobs(prompt, responses), base, adapted):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert (got - policy).abs().max() > 1e-6

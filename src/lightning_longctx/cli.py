@@ -42,7 +42,7 @@ def trainer_precision(memory_cfg: DictConfig) -> str:
     ValueError naming the allowed values for anything else, and for the removed ``memory.dtype``."""
     return check_precision(memory_cfg.get("precision"), memory_cfg.get("dtype"))
 
-_HF_KEYS = ("name", "hf_id", "pretrained")  # ModelConf keys that are not architecture fields
+_HF_KEYS = ("name", "hf_id", "pretrained", "lora")  # ModelConf keys that are not architecture fields
 
 
 def _is_rank_zero() -> bool:
@@ -124,20 +124,49 @@ def decoder_config(model_cfg: DictConfig):
     return DecoderConfig(**{k: v for k, v in values.items() if k in known})
 
 
-def build_model(cfg: DictConfig):
-    """``DecoderLM`` from ``cfg.model`` (random init, or ``model.pretrained``) with ``cfg.memory``'s knobs."""
-    from .models import DecoderLM, MemoryConfig
+def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
+    """The ``MemoryConfig`` knobs of the model for ``cfg``.
 
+    ``memory.offload_checkpoints`` means what the task checkpoints: for an SFT task (``long_sft``) the model's
+    activation checkpoints (``MemoryConfig``, which needs ``memory.activation_checkpointing=true``: unchanged,
+    the model's own error otherwise); for a LongStraw task (``needle_grpo``) the prompt's layer checkpoints of
+    ``longstraw_step``, which :func:`build_task` hands to the module. The model of a LongStraw task then gets
+    ``offload_checkpoints`` only together with ``activation_checkpointing`` (its own checkpoints, used by any
+    plain forward with autograd), so ``memory.offload_checkpoints=true`` alone is valid there, not an error.
+    """
     knobs = {k: cfg.memory[k] for k in ("head_chunk_size", "activation_checkpointing", "offload_checkpoints",
                                         "mlp_chunk_size", "logits_chunk_size")}
-    memory = MemoryConfig(**knobs)
+    if cfg.task.mode == "longstraw":
+        knobs["offload_checkpoints"] = bool(knobs["offload_checkpoints"] and knobs["activation_checkpointing"])
+    return knobs
+
+
+def build_model(cfg: DictConfig):
+    """``DecoderLM`` from ``cfg.model`` (random init, or ``model.pretrained``) with ``cfg.memory``'s knobs
+    (:func:`model_memory_knobs`: what ``memory.offload_checkpoints`` means for each task), and LoRA adapters
+    when ``model.lora.r`` is set."""
+    from .models import DecoderLM, MemoryConfig
+
+    memory = MemoryConfig(**model_memory_knobs(cfg))
     if cfg.model.pretrained:
-        return DecoderLM.from_pretrained(cfg.model.pretrained, memory=memory)
-    return DecoderLM(decoder_config(cfg.model), memory)
+        model = DecoderLM.from_pretrained(cfg.model.pretrained, memory=memory)
+    else:
+        model = DecoderLM(decoder_config(cfg.model), memory)
+    lora = cfg.model.get("lora")
+    if lora is not None and lora.r:  # a frozen base, trainable adapters (model.lora.r=16)
+        model.add_lora(int(lora.r), float(lora.alpha), list(lora.target_modules))
+    return model
 
 
 def build_task(cfg: DictConfig, model) -> tuple[Any, Any]:
-    """``(LightningModule, DataLoader)`` for ``cfg.task``."""
+    """``(LightningModule, DataLoader)`` for ``cfg.task``.
+
+    ``needle_grpo``: ``memory.offload_checkpoints`` becomes the module's ``offload_checkpoints`` (the LongStraw
+    prompt checkpoints go to pinned host memory in ``longstraw_step``; no ``activation_checkpointing`` needed),
+    ``memory.logits_chunk_size`` its ``logits_chunk_size``; ``task.max_grad_norm`` / ``task.lr_warmup_steps`` /
+    ``task.lr_schedule`` its clipping and LR schedule (cosine over ``trainer.max_steps``). ``long_sft``: the
+    memory knobs live in the model (:func:`build_model`), nothing here.
+    """
     from torch.utils.data import DataLoader
 
     task = cfg.task
@@ -150,7 +179,8 @@ def build_task(cfg: DictConfig, model) -> tuple[Any, Any]:
             beta=task.beta, clip_eps=tuple(task.clip_eps), scale_rewards=task.scale_rewards,
             max_new_tokens=task.max_new_tokens, temperature=task.temperature, top_p=task.top_p,
             logits_chunk_size=cfg.memory.logits_chunk_size, state_segment=task.state_segment, lr=task.lr,
-            weight_decay=task.weight_decay, seed=task.seed,
+            weight_decay=task.weight_decay, seed=task.seed, offload_checkpoints=bool(cfg.memory.offload_checkpoints),
+            max_grad_norm=task.max_grad_norm, lr_warmup_steps=task.lr_warmup_steps, lr_schedule=task.lr_schedule,
         )
         data = NeedleHaystack(task.num_prompts, task.seq_len - 3, vocab, seed=task.seed)
         return module, DataLoader(data, batch_size=1, collate_fn=collate_prompt_groups, num_workers=task.num_workers)
@@ -292,5 +322,5 @@ if __name__ == "__main__":
 
 
 __all__ = ["PlanError", "build_model", "build_task", "check_launch", "check_plan", "decoder_config", "format_plan",
-           "plan", "plan_request", "run_train", "train",
+           "model_memory_knobs", "plan", "plan_request", "run_train", "train",
            "trainer_precision"]

@@ -19,6 +19,17 @@ from omegaconf import MISSING
 
 
 @dataclass
+class LoRAConf:
+    """``model.lora``: LoRA adapters over a frozen base (``DecoderLM.add_lora``); ``r: null`` (or
+    ``model.lora=null``) = full fine-tuning. ``target_modules`` among q/k/v/o_proj and gate/up/down_proj."""
+
+    r: int | None = None
+    alpha: float = 16.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
 class ModelConf:
     """A decoder preset: HF field names (as ``DecoderConfig`` / transformers' config.json).
 
@@ -53,6 +64,7 @@ class ModelConf:
     linear_value_head_dim: int | None = None
     linear_conv_kernel_dim: int | None = None
     max_position_embeddings: int | None = None
+    lora: LoRAConf | None = field(default_factory=LoRAConf)
 
 
 @dataclass
@@ -97,6 +109,7 @@ class MemoryConf:
     head_chunk_size: int | None = None
     activation_checkpointing: bool = False
     offload_checkpoints: bool = False
+    offload_prompt_cache: bool = False  # LongStraw: prompt K/V and their gradient sums on the host, staged per layer
     mlp_chunk_size: int | None = None
     logits_chunk_size: int | None = None
 
@@ -117,7 +130,13 @@ class TaskConf:
 @dataclass
 class NeedleGRPOConf(TaskConf):
     """Needle-in-a-haystack GRPO with exact LongStraw steps (``tasks/needle.py``); ``seq_len`` = prompt tokens
-    (haystack + key marker + key + query marker)."""
+    (haystack + key marker + key + query marker).
+
+    ``max_grad_norm``: the module clips each group step's gradients to this global norm (null = off; use it,
+    not ``trainer.gradient_clip_val``: the module optimises manually). ``lr_warmup_steps``: linear warmup
+    optimizer steps; ``lr_schedule``: ``constant`` or ``cosine`` (to 0 at ``trainer.max_steps``) after it.
+    ``memory.offload_checkpoints=true`` offloads the LongStraw prompt checkpoints (see ``cli.build_task``).
+    """
 
     name: str = "needle_grpo"
     mode: str = "longstraw"
@@ -134,6 +153,9 @@ class NeedleGRPOConf(TaskConf):
     clip_eps: list[float] = field(default_factory=lambda: [0.2, 0.2])
     scale_rewards: bool = True
     lr: float = 3e-3
+    max_grad_norm: float | None = 1.0
+    lr_warmup_steps: int = 0
+    lr_schedule: str = "constant"
     seed: int = 0
 
 

@@ -17,10 +17,28 @@ gradients are summed over the group and reduced in fp32 (see ``longstraw_step``'
 Batch format: a dict with ``prompt_ids`` (a list of ``[S]`` tensors, or one ``[S]`` tensor) and optionally
 ``responses`` (per prompt, a list of G token tensors produced elsewhere, e.g. by vLLM) and any other
 fields your :meth:`reward` needs (e.g. ``answers``), each a list with one entry per prompt.
+
+Rewards under SP: :meth:`reward` runs once per SP group, on the group's first rank, and its ``[G]`` rewards are
+broadcast over the SP group (on the device the collectives use), so every rank of the group trains on the same
+rewards and advantages, also when the reward is not deterministic (sampling, a remote judge). Every SP rank
+takes part in that broadcast whatever happens: a reward that raises (or returns the wrong shape) on the first
+rank is reported to the others through the same broadcast, and every rank raises instead of hanging.
+
+Optimisation (manual, one ``optimizer.step()`` per group): after ``longstraw_step`` the gradients are final
+(summed over SP, averaged over DP) and identical on every rank; ``max_grad_norm`` clips them by their global
+norm over all trainable parameters (``torch.nn.utils.clip_grad_norm_``; on plain tensors here, and it also
+handles FSDP2 DTensors in recent torch, should the parameters ever be sharded) and the pre-clip norm is logged
+as ``train/grad_norm``. Use ``max_grad_norm`` rather than ``Trainer(gradient_clip_val=...)``: Lightning does
+not clip under manual optimisation. The LR schedule (:func:`lr_factor`: linear warmup over ``lr_warmup_steps``,
+then ``constant`` or ``cosine`` decay to 0 at ``max_steps``) is a ``LambdaLR`` returned from
+:meth:`~LongStrawModule.configure_optimizers`, so Lightning checkpoints and restores it with the optimizer;
+the module steps it once per optimizer step (Lightning does not under manual optimisation) and logs the LR
+that step used as ``train/lr``.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -30,8 +48,27 @@ import torch.distributed as dist
 
 from ..longstraw import group_advantages, longstraw_step, sample, score
 from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
+from ..longstraw.step import check_group_agrees
 from ..ops.memory import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(step: int, *, warmup_steps: int = 0, schedule: str = "constant", max_steps: int | None = None) -> float:
+    """The LR multiplier of optimizer step ``step`` (0-based): linear warmup ``(step + 1) / (warmup_steps + 1)``
+    for the first ``warmup_steps`` steps (none is taken at LR 0), then 1 (``constant``) or a cosine from 1 at
+    step ``warmup_steps`` towards 0 at ``max_steps`` (``cosine``; 0 from ``max_steps`` on)."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"unknown lr_schedule {schedule!r}; choose one of {LR_SCHEDULES}")
+    if max_steps is None or max_steps <= warmup_steps:
+        raise ValueError(f"lr_schedule='cosine' needs max_steps > lr_warmup_steps={warmup_steps}, got {max_steps}")
+    progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class LongStrawModule(pl.LightningModule):
@@ -43,9 +80,14 @@ class LongStrawModule(pl.LightningModule):
         loss_type, prompt_grad, beta, clip_eps, max_response_length, logits_chunk_size, offload_checkpoints,
             state_segment: see ``longstraw_step`` (``state_segment``: hybrids' linear layers).
         scale_rewards: GRPO advantages ``(r - mean) / (std + 1e-4)``; False = Dr.GRPO ``r - mean``.
-        ref_model: frozen reference policy for the KL term (needed when ``beta > 0``).
+        ref_model: frozen reference policy for the KL term (needed when ``beta > 0``, unless ``model`` has LoRA
+            adapters: the reference is then the base model with the adapters disabled).
         max_new_tokens, temperature, top_p, eos_token_id: sampling.
         lr, weight_decay: AdamW.
+        max_grad_norm: clip the step's gradients to this global L2 norm before ``optimizer.step()``
+            (None = no clipping; the norm is logged either way).
+        lr_warmup_steps, lr_schedule: see :func:`lr_factor` (``"constant"`` or ``"cosine"``).
+        max_steps: the cosine's length in optimizer steps; None = the Trainer's ``max_steps``.
         seed: sampling seed, identical on all ranks of an SP group.
     """
 
@@ -74,11 +116,23 @@ class LongStrawModule(pl.LightningModule):
         state_segment: int = DEFAULT_STATE_SEGMENT,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
+        max_grad_norm: float | None = None,
+        lr_warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        max_steps: int | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if beta > 0 and ref_model is None:
-            raise ValueError(f"beta={beta} needs a ref_model for the KL term")
+        adapters = hasattr(model, "adapters_disabled") and getattr(model, "has_lora", lambda: False)()
+        if beta > 0 and ref_model is None and not adapters:
+            raise ValueError(f"beta={beta} needs a ref_model for the KL term (or a model with LoRA adapters: the "
+                             "reference is then the base with the adapters disabled)")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0 (or None: no clipping)")
+        if lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps={lr_warmup_steps} must be >= 0")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {lr_schedule!r}; choose one of {LR_SCHEDULES}")
         self.model = model
         self.ref_model = ref_model
         if ref_model is not None:
@@ -94,6 +148,8 @@ class LongStrawModule(pl.LightningModule):
                                   eos_token_id=eos_token_id)
         self.scale_rewards = scale_rewards
         self.lr, self.weight_decay, self.seed = lr, weight_decay, seed
+        self.max_grad_norm = max_grad_norm
+        self.lr_warmup_steps, self.lr_schedule, self.max_steps = lr_warmup_steps, lr_schedule, max_steps
         self._generator: torch.Generator | None = None
         self.reward_history: list[float] = []  # mean reward of every group this rank trained on
         self.progress = None  # optional callable(str) for the long phases, e.g. lightning.progress.PhaseProgress
@@ -105,8 +161,82 @@ class LongStrawModule(pl.LightningModule):
 
     # ------------------------------------------------------------------------------------------ plumbing
     def configure_optimizers(self):
+        """AdamW over the policy's trainable parameters and the warmup/decay ``LambdaLR`` (returned, so that
+        Lightning checkpoints and restores both; the module steps the scheduler itself)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        return {"optimizer": optimizer, "lr_scheduler": self.make_lr_scheduler(optimizer)}
+
+    def make_lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """The ``LambdaLR`` of :func:`lr_factor` with this module's settings (``max_steps`` from the Trainer
+        when not given). A plain closure: the checkpoint keeps its step count, not the settings."""
+        max_steps = self.max_steps
+        if max_steps is None and self._trainer is not None and self.trainer.max_steps > 0:
+            max_steps = self.trainer.max_steps
+        if self.lr_schedule == "cosine" and (max_steps is None or max_steps <= self.lr_warmup_steps):
+            raise ValueError(f"lr_schedule='cosine' needs max_steps > lr_warmup_steps={self.lr_warmup_steps} "
+                             f"(LongStrawModule(max_steps=...) or Trainer(max_steps=...)), got {max_steps}")
+        warmup, schedule = self.lr_warmup_steps, self.lr_schedule
+
+        def factor(step: int) -> float:
+            return lr_factor(step, warmup_steps=warmup, schedule=schedule, max_steps=max_steps)
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    def _lr_scheduler(self):
+        schedulers = self.lr_schedulers()
+        if isinstance(schedulers, list):
+            if len(schedulers) > 1:
+                raise ValueError("LongStrawModule steps one LR scheduler; configure_optimizers returned "
+                                 f"{len(schedulers)}")
+            schedulers = schedulers[0] if schedulers else None
+        return schedulers
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def clip_and_measure(self) -> float:
+        """The global L2 norm of the step's (final) gradients before clipping; clips them to ``max_grad_norm``
+        when set. Every rank holds the same full gradients here, so the norm needs no collective."""
+        grads = [p.grad for p in self._trainable_parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.max_grad_norm is None:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self._trainable_parameters(), self.max_grad_norm)
+        return float(norm)
+
+    def group_rewards(self, prompt: torch.Tensor, responses: list[torch.Tensor], fields: dict,
+                      sp_group: dist.ProcessGroup | None) -> torch.Tensor:
+        """``[G]`` float32 rewards on ``prompt.device``: :meth:`reward` on the SP group's first rank, broadcast
+        to the others. Every SP rank calls the broadcast (a failure on the first rank travels with it)."""
+        expected = len(responses)
+        if sp_group is None:
+            return self._checked_rewards(self.reward(prompt, responses, **fields), expected).to(prompt.device)
+        check_group_agrees(prompt, responses, sp_group)  # same G everywhere before a [G+1] broadcast
+        payload = torch.zeros(expected + 1, dtype=torch.float32, device=prompt.device)  # [rewards..., failed]
+        failure: BaseException | None = None
+        if dist.get_rank(sp_group) == 0:
+            try:
+                payload[:expected] = self._checked_rewards(self.reward(prompt, responses, **fields), expected)
+            except Exception as exc:  # noqa: BLE001 - re-raised after the broadcast, which must still happen
+                failure = exc
+                payload[expected] = 1.0
+        dist.broadcast(payload, src=dist.get_global_rank(sp_group, 0), group=sp_group)
+        if failure is not None:
+            raise failure
+        if payload[expected].item() != 0.0:
+            raise RuntimeError("reward() failed on the first rank of this sequence-parallel group (its traceback "
+                               "is in that rank's log); no rank trains on this group")
+        return payload[:expected]
+
+    @staticmethod
+    def _checked_rewards(rewards: Any, expected: int) -> torch.Tensor:
+        rewards = torch.as_tensor(rewards, dtype=torch.float32).detach().cpu()
+        if rewards.shape != (expected,):
+            raise ValueError(f"reward() returned shape {tuple(rewards.shape)}; expected [G] = [{expected}]")
+        return rewards
 
     def _mesh_group(self, name: str) -> dist.ProcessGroup | None:
         mesh = getattr(self, "_device_mesh", None)
@@ -124,6 +254,14 @@ class LongStrawModule(pl.LightningModule):
         group = self._mesh_group("dp")
         return dist.get_rank(group) if group is not None else 0
 
+    def reference_logprobs(self, prompt, responses, sp_group=None) -> list[torch.Tensor]:
+        """The KL reference's log-probs ``[T_i]``: ``ref_model``'s, or with LoRA and no ``ref_model`` the frozen
+        base's (the policy with its adapters disabled: no second copy of the model)."""
+        if self.ref_model is not None:
+            return score(self.ref_model, prompt, responses, group=sp_group)
+        with self.model.adapters_disabled():
+            return score(self.model, prompt, responses, group=sp_group)
+
     def training_step(self, batch: dict, batch_idx: int):
         prompts = batch["prompt_ids"]
         prompts = [prompts] if torch.is_tensor(prompts) and prompts.dim() == 1 else list(prompts)
@@ -140,18 +278,22 @@ class LongStrawModule(pl.LightningModule):
                 responses = sample(self.model, prompt, self.group_size, group=sp_group,
                                    generator=self._sampling_generator(), **self.sample_kwargs)
             fields = {k: v[index] for k, v in extra.items()}
-            rewards = torch.as_tensor(self.reward(prompt, responses, **fields), dtype=torch.float32)
-            advantages = group_advantages(rewards, scale_by_std=self.scale_rewards).to(prompt.device)
-            ref = None
-            if self.ref_model is not None and self.step_kwargs["beta"] > 0:
-                ref = score(self.ref_model, prompt, responses, group=sp_group)
+            rewards = self.group_rewards(prompt, responses, fields, sp_group)  # same on every SP rank
+            advantages = group_advantages(rewards, scale_by_std=self.scale_rewards)
+            rewards = rewards.cpu()
+            ref = self.reference_logprobs(prompt, responses, sp_group) if self.step_kwargs["beta"] > 0 else None
             optimizer.zero_grad(set_to_none=True)
             reset_device_peak(prompt.device)
             # exact group gradient: summed over SP, averaged over DP replicas, in fp32
             out = longstraw_step(self.model, prompt, responses, advantages, ref_logprobs=ref, group=sp_group,
                                  dp_group=dp_group, progress=self.progress, measure_memory=False,
                                  **self.step_kwargs)
+            grad_norm = self.clip_and_measure()  # the gradients are final: summed over SP, averaged over DP
+            lr = optimizer.param_groups[0]["lr"]  # the LR this step uses
             optimizer.step()
+            scheduler = self._lr_scheduler()
+            if scheduler is not None:
+                scheduler.step()
             peak = device_peak_bytes(prompt.device)
             seconds = time.perf_counter() - start
             lengths = torch.tensor([float(r.numel()) for r in responses])
@@ -162,6 +304,7 @@ class LongStrawModule(pl.LightningModule):
                 "train/response_length": lengths.mean().item(),
                 "train/tokens_per_s": (out.prompt_tokens + out.tokens) / seconds,
                 "train/peak_memory_gib": peak / 2**30,
+                "train/grad_norm": grad_norm, "train/lr": lr,
             }
             self.reward_history.append(last["train/reward_mean"])
             self.log_dict(last, on_step=True, prog_bar=False, batch_size=1, rank_zero_only=True)

@@ -321,6 +321,12 @@ class DecoderLM(nn.Module):
 
         add_lora(self, r, alpha, target_modules, dropout)
 
+    def has_lora(self) -> bool:
+        """Whether LoRA adapters are attached (and unmerged)."""
+        from .lora import lora_modules
+
+        return bool(lora_modules(self))
+
     def merge_lora(self) -> None:
         """Fold the adapters into the base weights and remove them (then ``save_pretrained`` works)."""
         from .lora import merge_lora
