@@ -209,13 +209,13 @@ def test_memory_offload_checkpoints_reaches_longstraw_step_from_the_cli(tmp_path
         with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
             return compose(config_name="config", overrides=list(overrides))
 
-    cfg = cfg_for("task=needle_grpo", "memory.offload_checkpoints=true", "task.seq_len=32", "task.group_size=2",
-                  "task.lr_warmup_steps=3", "task.max_grad_norm=0.5")
+    cfg = cfg_for("task=needle_grpo", "memory.offload_checkpoints=true", "memory.offload_prompt_cache=true",
+                  "task.seq_len=32", "task.group_size=2", "task.lr_warmup_steps=3", "task.max_grad_norm=0.5")
     assert cfg.memory.activation_checkpointing is False
     model = cli.build_model(cfg)
     assert model.memory.offload_checkpoints is False  # the model's own checkpoints: off without checkpointing
     module, data = cli.build_task(cfg, model)
-    assert module.step_kwargs["offload_checkpoints"] is True
+    assert module.step_kwargs["offload_checkpoints"] is True and module.step_kwargs["offload_prompt_cache"] is True
     assert (module.max_grad_norm, module.lr_warmup_steps, module.lr_schedule) == (0.5, 3, "constant")
     cosine = cfg_for("task.seq_len=32", "task.lr_schedule=cosine", "task.max_grad_norm=null")
     cosine_module, _ = cli.build_task(cosine, cli.build_model(cosine))

@@ -180,6 +180,7 @@ def build_task(cfg: DictConfig, model) -> tuple[Any, Any]:
             max_new_tokens=task.max_new_tokens, temperature=task.temperature, top_p=task.top_p,
             logits_chunk_size=cfg.memory.logits_chunk_size, state_segment=task.state_segment, lr=task.lr,
             weight_decay=task.weight_decay, seed=task.seed, offload_checkpoints=bool(cfg.memory.offload_checkpoints),
+            offload_prompt_cache=bool(cfg.memory.get("offload_prompt_cache", False)),
             max_grad_norm=task.max_grad_norm, lr_warmup_steps=task.lr_warmup_steps, lr_schedule=task.lr_schedule,
         )
         data = NeedleHaystack(task.num_prompts, task.seq_len - 3, vocab, seed=task.seed)

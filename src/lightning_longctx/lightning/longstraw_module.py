@@ -78,7 +78,7 @@ class LongStrawModule(pl.LightningModule):
         model: the policy (a ``DecoderLM``).
         group_size: responses sampled per prompt (G).
         loss_type, prompt_grad, beta, clip_eps, max_response_length, logits_chunk_size, offload_checkpoints,
-            state_segment: see ``longstraw_step`` (``state_segment``: hybrids' linear layers).
+            offload_prompt_cache, state_segment: see ``longstraw_step`` (``state_segment``: hybrids' linear layers).
         scale_rewards: GRPO advantages ``(r - mean) / (std + 1e-4)``; False = Dr.GRPO ``r - mean``.
         ref_model: frozen reference policy for the KL term (needed when ``beta > 0``, unless ``model`` has LoRA
             adapters: the reference is then the base model with the adapters disabled).
@@ -113,6 +113,7 @@ class LongStrawModule(pl.LightningModule):
         max_response_length: int | None = None,
         logits_chunk_size: int | None = None,
         offload_checkpoints: bool = False,
+        offload_prompt_cache: bool = False,
         state_segment: int = DEFAULT_STATE_SEGMENT,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
@@ -142,7 +143,8 @@ class LongStrawModule(pl.LightningModule):
         self.step_kwargs = dict(
             loss_type=loss_type, prompt_grad=prompt_grad, beta=beta, clip_eps=tuple(clip_eps),
             max_response_length=max_response_length or max_new_tokens, logits_chunk_size=logits_chunk_size,
-            offload_checkpoints=offload_checkpoints, state_segment=state_segment,
+            offload_checkpoints=offload_checkpoints, offload_prompt_cache=offload_prompt_cache,
+            state_segment=state_segment,
         )
         self.sample_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   eos_token_id=eos_token_id)
