@@ -68,7 +68,12 @@ def _fit(rank: int, world: int, reward_fn, *, steps: int, **module_kwargs) -> di
 
 def _plain(value):
     """Tensors as numpy arrays: a tensor put on the result queue is shared through a file descriptor that dies
-    with the worker process."""
+    with the worker process. FSDP2 shards (DTensors) are gathered in full (a collective every rank calls in the
+    same order)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor().numpy()
     if torch.is_tensor(value):
         return value.numpy()
     if isinstance(value, dict):

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import config_schema  # noqa: F401  (registers the structured configs)
 from .memory import (
     GIB,
+    ClusterShape,
     MemoryKnobs,
     ModelShape,
     Plan,
@@ -29,6 +30,7 @@ from .memory import (
     check_budget,
     check_precision,
     kv_cache_bytes,
+    longstraw_sharding,
     max_context,
 )
 from .memory import plan as make_plan
@@ -96,13 +98,16 @@ def format_plan(cfg: DictConfig) -> str:
     request = plan_request(cfg, mode="longstraw")
     request.pop("mode"), request.pop("seq_len")
     ls = max_context(cfg.model, cfg.cluster, cfg.memory, mode="longstraw", **request)
+    held = longstraw_sharding(model, ClusterShape.from_config(cfg.cluster)) if world > 1 else "replicate"
+    how = (f"FSDP-sharded over the {world} ranks" if held == "fsdp" else "replicated" +
+           (" (LongStrawModule keeps replicas for hybrids)" if model.linear_layers and world > 1 else ""))
     lines.append(f"  LongStraw: {ls:>14,} prompt tokens (G={request['group_size']}, responses of "
                  f"{request['response_len']:,} tokens, prompt_grad={request['prompt_grad']}; parameters, "
-                 "gradients and optimizer states replicated, as LongStrawModule runs)")
-    if world > 1:
+                 f"gradients and optimizer states {how}, as LongStrawModule runs)")
+    if world > 1 and held != "fsdp":
         sharded = max_context(cfg.model, cfg.cluster, cfg.memory, mode="longstraw", param_sharding="fsdp", **request)
         lines.append(f"  LongStraw: {sharded:>14,} prompt tokens if those states were FSDP-sharded over the "
-                     f"{world} ranks (not implemented for LongStrawModule yet)")
+                     f"{world} ranks" + (" (not implemented for hybrids yet)" if model.linear_layers else ""))
     return "\n".join(lines)
 
 

@@ -91,9 +91,19 @@ class LongStrawModule(pl.LightningModule):
         seed: sampling seed, identical on all ranks of an SP group.
     """
 
-    # The strategy hands us the DP x SP mesh and the DP sampler but leaves the batch whole and the model
-    # unsharded: longstraw_step shards the prompt itself and owns the gradient reduction.
+    # The strategy hands us the DP x SP mesh and the DP sampler but leaves the batch whole: longstraw_step shards
+    # the prompt itself.
     handles_sequence_parallel = True
+
+    @property
+    def shards_with_fsdp(self) -> bool:
+        """Under ``UlyssesStrategy(sharding="fsdp")`` on several ranks the policy is FSDP2-sharded over the
+        dp x sp mesh (parameters, gradients, optimizer states; bf16 compute, fp32 reduce-scatter) and
+        ``longstraw_step`` leaves the gradient reduction to FSDP; ``sharding="replicate"`` keeps full replicas
+        reduced by the step itself. Hybrids (Gated DeltaNet layers) keep replicas for now: their segmented
+        grouped backward does not run through FSDP's hooks yet."""
+        layers = getattr(self.model, "layers", [])
+        return not any(getattr(layer, "layer_type", "") == "linear_attention" for layer in layers)
 
     def __init__(
         self,

@@ -192,6 +192,29 @@ def set_gradient_reduction(module: nn.Module) -> None:
             sub.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM (gloo has no PREMUL_SUM / AVG)
 
 
+ROOT_METHODS = ("embed", "final_hidden", "token_logprobs", "head_logits")  # the prefix-state API's root calls
+LAYER_METHODS = ("prompt_state",)
+
+
+def register_prefix_state_methods(roots: list[nn.Module]) -> int:
+    """Let FSDP2 gather parameters around the prefix-state methods LongStraw calls besides ``forward``
+    (``DecoderLM.embed`` / ``token_logprobs`` / ``head_logits``, ``DecoderLayer.prompt_state``):
+    ``register_fsdp_forward_method`` runs FSDP's pre/post-forward hooks around them (without it they would
+    see sharded DTensors). Returns how many methods were registered."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    count = 0
+    for root in roots:
+        for module, names in [(root, ROOT_METHODS)] + [(block, LAYER_METHODS) for block in blocks(root)]:
+            if not isinstance(module, FSDPModule):
+                continue
+            for name in names:
+                if callable(getattr(module, name, None)):
+                    register_fsdp_forward_method(module, name)
+                    count += 1
+    return count
+
+
 @torch.no_grad()
 def broadcast_replicas(module: nn.Module, src: int = 0) -> None:
     """Make every replica equal to rank ``src``'s (``"replicate"`` mode: ranks may have initialised apart)."""

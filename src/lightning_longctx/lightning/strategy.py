@@ -43,7 +43,7 @@ from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .common import UlyssesMixin
-from .parallelize import broadcast_replicas, check_attention_heads
+from .parallelize import broadcast_replicas, check_attention_heads, register_prefix_state_methods
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -99,17 +99,19 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
                 "strategy shards the submodules training_step calls (e.g. self.model): move them into one"
             )
         handles_sp = self._module_handles_sp()
-        if handles_sp:
-            # e.g. LongStrawModule: it shards sequences and reduces gradients itself; keep plain replicas.
+        roots = [child for child in module.children() if any(True for _ in child.parameters())]
+        if self._replicas_of_a_self_sharding_module():
+            # e.g. LongStrawModule under sharding="replicate": it shards sequences and reduces gradients itself
             check_attention_heads(module, self.sp_size, self.head_chunk_size)
         else:
-            roots = [child for child in module.children() if any(True for _ in child.parameters())]
             self._parallelize(module, roots)
+            if handles_sp:  # LongStraw under FSDP2: the methods it calls outside forward gather parameters too
+                register_prefix_state_methods(roots)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         # Move first, then broadcast: NCCL refuses CPU tensors (gloo would hide the bug).
         self.model_to_device()
-        if handles_sp:
+        if self._replicas_of_a_self_sharding_module():
             broadcast_replicas(self.model)
         else:
             self._sync_replicas(self.model)
@@ -128,11 +130,11 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
     # A parallelized module: distributed checkpoints (ModelParallelStrategy's; any dp x sp layout on resume).
     # A module that handles SP itself keeps plain replicas: saved like DDP (rank 0 writes one file).
     def _checkpointing(self):
-        return super(ModelParallelStrategy, self) if self._module_handles_sp() else super()
+        return super(ModelParallelStrategy, self) if self._replicas_of_a_self_sharding_module() else super()
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        return self._module_handles_sp()
+        return self._replicas_of_a_self_sharding_module()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self._checkpointing().lightning_module_state_dict()
@@ -151,6 +153,17 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         return self._checkpointing().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def _replicas_of_a_self_sharding_module(self) -> bool:
+        """A module that handles SP itself keeps plain replicas, unless it declares ``shards_with_fsdp = True``
+        (``LongStrawModule``: its step leaves the gradient reduction to FSDP's reduce-scatter when the parameters
+        are sharded) and ``sharding="fsdp"`` runs on more than one rank: then it is FSDP2-sharded like any
+        module."""
+        if not self._module_handles_sp():
+            return False
+        world = self.world_size if self.cluster_environment is not None else 1
+        sharded = getattr(self.lightning_module, "shards_with_fsdp", False) and self.sharding == "fsdp" and world > 1
+        return not sharded
 
     def _module_handles_sp(self) -> bool:
         """A LightningModule with ``handles_sequence_parallel = True`` gets the mesh (``self.device_mesh``,

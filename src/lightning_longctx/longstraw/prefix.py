@@ -4,7 +4,8 @@ Model contract (``lightning_longctx.models.DecoderLM`` implements it): ``embed(i
 ``layers`` whose ``layer(hidden, position_ids, prefix_state=None, return_state=False, state_every=None)``
 returns the new hidden (and, with ``return_state``, this layer's state in its head-sharded layout: K/V for
 attention, a ``LinearState`` for Gated DeltaNet) and ``layer.prompt_state(hidden, position_ids)`` only the
-state, ``final_hidden`` and ``output_weight`` for the log-probs, and ``sp_group``.
+state, ``token_logprobs(hidden [T, E], targets [T], chunk_size=, return_entropy=)`` (final norm + lm_head) and
+``head_logits(hidden [n, E])`` for the log-probs and sampling, ``output_weight`` (its shape), and ``sp_group``.
 
 Under sequence parallelism over ``group`` (``P`` ranks), the cached part of the prompt is its first
 ``S' = P * floor((S - 1) / P)`` tokens, so every rank holds an equal slice without padding *inside* the
@@ -21,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from ..models.gated_deltanet import LinearState
-from ..ops.losses import chunked_token_logprobs
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
 from .grads import move_grad_into
 from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
@@ -213,10 +213,7 @@ def branch_logprobs(model, state: PromptState, branch: Branch, *, logits_chunk_s
     hidden = model.embed(branch.input_ids)
     for index, layer in enumerate(model.layers):
         hidden = layer(hidden, branch.position_ids, prefix_state=state.layer_cache(index))
-    hidden = model.final_hidden(hidden)
-    return chunked_token_logprobs(
-        hidden[0], model.output_weight, branch.targets[0], chunk_size=logits_chunk_size, return_entropy=entropy
-    )
+    return model.token_logprobs(hidden[0], branch.targets[0], chunk_size=logits_chunk_size, return_entropy=entropy)
 
 
 def grouped_backward(model, state: PromptState, *, progress=None) -> None:

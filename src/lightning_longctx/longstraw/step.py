@@ -122,6 +122,24 @@ def _local_slice(per_token: torch.Tensor, branch) -> torch.Tensor:
     return torch.where(keep, per_token[branch.response_index.clamp(min=0)], 0)
 
 
+def fsdp_sharded(model) -> bool:
+    """Whether ``model``'s parameters are FSDP2-sharded (``fully_shard`` by the Ulysses strategy)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def check_sharded_model(model) -> None:
+    """The FSDP2 path runs attention layers' prompt state through module calls (FSDP's hooks gather each
+    layer); Gated DeltaNet layers' segmented grouped backward calls into the layer outside its forward, so
+    they are refused here until it runs through FSDP's hooks too."""
+    linear = [i for i, layer in enumerate(getattr(model, "layers", [])) if getattr(layer, "layer_type", "") ==
+              "linear_attention"]
+    if linear:
+        raise ValueError(f"layers {linear} are Gated DeltaNet layers: longstraw_step does not run them on "
+                         "FSDP2-sharded parameters yet; use UlyssesStrategy(sharding='replicate') for hybrids")
+
+
 def check_group_agrees(prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], group) -> None:
     """Every rank of ``group`` must pass the same prompt length and response lengths: one tiny all-gather per
     step (a mismatch would otherwise hang or corrupt the all-to-alls)."""
@@ -173,7 +191,9 @@ def longstraw_step(
         beta: KL (k3) coefficient. clip_eps: ``(eps_low, eps_high)``.
         group: sequence-parallel group (None = one process).
         dp_group: data-parallel group whose ranks each ran their own group step: after the SP sum, the step's
-            gradients are averaged over it, still in ``accumulate_dtype`` (None = no data parallelism).
+            gradients are averaged over it, still in ``accumulate_dtype`` (None = no data parallelism). With
+            FSDP2-sharded parameters (the Ulysses strategy's ``sharding="fsdp"``) FSDP's reduce-scatter after
+            each backward does the reduction (fp32 under bf16-mixed): each rank's loss is scaled by ``1 / dp``.
         logits_chunk_size: tokens per lm_head chunk (never materialises ``[tokens, vocab]``).
         offload_checkpoints: keep the prompt's layer checkpoints in pinned host memory.
         accumulate_dtype: the dtype the step's parameter gradients and the prompt-cache gradients are summed in
@@ -203,7 +223,17 @@ def longstraw_step(
     weights = response_weights(lengths, loss_type, max_response_length)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_dtype = accumulation_dtype(params, accumulate_dtype)
-    step_grads = GroupGradients(params, grad_dtype)  # this step's grads are summed over SP alone, then added
+    sharded = fsdp_sharded(model)
+    if sharded:
+        # FSDP2 reduce-scatters every backward as a plain sum over all dp x sp ranks into the sharded fp32 .grad
+        # (MixedPrecisionPolicy reduce_dtype): scaling each rank's loss by 1/dp makes that the SP sum of the
+        # DP mean. The gradients are then final when the step returns; no reduction of our own.
+        check_sharded_model(model)
+        grad_scale = 1.0 / group_size(dp_group)
+        step_grads = contextlib.nullcontext()
+    else:
+        grad_scale = 1.0
+        step_grads = GroupGradients(params, grad_dtype)  # this step's grads are summed over SP alone, then added
 
     start = time.perf_counter()
     totals = torch.zeros(4, dtype=torch.float64, device=prompt_ids.device)  # loss, KL, clipped, entropy sums
@@ -227,7 +257,7 @@ def longstraw_step(
             )
             # masked sums, not boolean indexing: no host sync per branch
             loss_l = weights[i] * torch.where(valid, terms.loss, 0).sum()
-            loss_l.backward()
+            (loss_l * grad_scale if sharded else loss_l).backward()
             stats = torch.stack([loss_l.detach(), torch.where(valid, terms.kl, 0).sum(),
                                  torch.where(valid, terms.clipped.to(logp_l.dtype), 0).sum(),
                                  torch.where(valid, entropy_l, 0).sum()])
@@ -241,7 +271,8 @@ def longstraw_step(
         if prompt_grad == "full":
             grouped_backward(model, state, progress=progress)
         del state
-    step_grads.finish(group, dp_group)  # accumulate_dtype: sum over SP, mean over DP, one collective per bucket
+    if not sharded:
+        step_grads.finish(group, dp_group)  # accumulate_dtype: sum over SP, mean over DP, one collective per bucket
     tokens = sum(lengths)
     loss_total, kl_sum, clipped, entropy_sum = totals.tolist()  # the step's one host sync for the statistics
     return StepOutput(
@@ -305,15 +336,17 @@ def sample(
 
 
 def _last_logits(model, state, branch, last: int, vocab: int, group) -> torch.Tensor:
-    """Logits ``[vocab]`` at response position ``last`` (held by one rank), on every rank."""
+    """Logits ``[vocab]`` at response position ``last`` (held by one rank), on every rank.
+
+    Every rank runs the head on one row (its copy of ``last``, or row 0 masked out) so the ranks issue the
+    same collectives, as FSDP2's parameter gathers need."""
     hidden = model.embed(branch.input_ids)
     for index, layer in enumerate(model.layers):
         hidden = layer(hidden, branch.position_ids, prefix_state=state.layer_cache(index))
-    hidden = model.final_hidden(hidden)[0]
-    logits = hidden.new_zeros(vocab, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     mine = (branch.response_index == last).nonzero()
-    if mine.numel():
-        logits += (hidden[mine[-1, 0]] @ model.output_weight.T).to(logits.dtype)
+    row = int(mine[-1, 0]) if mine.numel() else 0
+    logits = model.head_logits(hidden[0, row:row + 1])[0]
+    logits = logits if mine.numel() else torch.zeros_like(logits)
     if group_size(group) > 1:
         dist.all_reduce(logits, group=group)  # exactly one rank holds the last position
     return logits

@@ -7,7 +7,7 @@ formulas and their validation: ``docs/memory_planner.md``.
 """
 
 from .phases import attention_stage_bytes, cache_heads_per_rank, kv_cache_bytes, layer_saved_bytes
-from .planner import Plan, PlanError, check_budget, max_context, plan, suggestions
+from .planner import Plan, PlanError, check_budget, longstraw_sharding, max_context, plan, suggestions
 from .shapes import GIB, ClusterShape, MemoryKnobs, ModelShape, check_precision
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "check_precision",
     "kv_cache_bytes",
     "layer_saved_bytes",
+    "longstraw_sharding",
     "max_context",
     "plan",
     "suggestions",

@@ -86,6 +86,12 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------------ API
+def longstraw_sharding(model: ModelShape, cluster: ClusterShape) -> str:
+    """How ``LongStrawModule`` holds its states under ``cluster.sharding``: FSDP2-sharded, except for hybrids
+    (Gated DeltaNet layers), which keep full replicas for now."""
+    return "replicate" if model.linear_layers else cluster.sharding
+
+
 def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mode: str = "sft", group_size: int = 8,
          response_len: int = 1024, prompt_grad: str = "full", param_sharding: str | None = None) -> Plan:
     """Per-rank bytes of one training step at ``seq_len`` tokens (SFT sequence or LongStraw prompt).
@@ -97,9 +103,9 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         seq_len: tokens per sequence (SFT) or per prompt (LongStraw).
         mode: ``"sft"`` or ``"longstraw"``.
         group_size, response_len, prompt_grad: the LongStraw group (G responses of ``response_len`` tokens).
-        param_sharding: how parameters, gradients and optimizer states are held; None = as implemented
-            (SFT: ``cluster.sharding``; LongStraw: ``"replicate"``, since ``LongStrawModule`` handles SP itself
-            and the strategy keeps full replicas for it). ``"fsdp"`` plans LongStraw with sharded states.
+        param_sharding: how parameters, gradients and optimizer states are held; None = as implemented:
+            ``cluster.sharding``, except LongStraw on a hybrid (Gated DeltaNet layers), whose ``LongStrawModule``
+            keeps full replicas (:func:`longstraw_sharding`).
     Returns:
         :class:`Plan`. Raises ValueError for an impossible layout (heads vs sp, chunk sizes).
     """
@@ -121,16 +127,18 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         comp, phases, host = sft_phases(model, held, knobs, seq_len)
         local = math.ceil(seq_len / cluster.sp)
     else:
-        held = replace(cluster, sharding=param_sharding or "replicate")
+        held = replace(cluster, sharding=param_sharding or longstraw_sharding(model, cluster))
         comp, phases, host = longstraw_phases(model, held, knobs, seq_len, group_size, response_len, prompt_grad)
         local = (seq_len - 1) // cluster.sp
     reserve = int(knobs.reserve_gib * GIB)
     comp["reserve"] = reserve
     peak_phase = max(phases, key=phases.get)
     notes = []
-    if mode == "longstraw" and cluster.world > 1 and param_sharding is None:
+    if mode == "longstraw" and cluster.world > 1 and param_sharding is None and held.sharding == "replicate":
         notes.append("LongStraw: parameters, gradients and optimizer states are full replicas on every rank "
-                     "(LongStrawModule handles SP itself; the strategy does not shard it)")
+                     + ("(cluster.sharding=replicate)" if cluster.sharding == "replicate" else
+                        "(LongStrawModule keeps replicas for hybrids: their grouped backward is not FSDP-sharded "
+                        "yet)"))
     if model.linear_layers:
         notes.append(f"{model.linear_layers} linear-attention (Gated DeltaNet) layers: their activation terms are "
                      "estimates from the layer shapes, not fitted to the tracker yet")

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..ops.losses import IGNORE_INDEX, chunked_cross_entropy
+from ..ops.losses import IGNORE_INDEX, chunked_cross_entropy, chunked_token_logprobs
 from ..ops.mlp import tiled_mlp
 from ..parallel import group_rank, group_size
 from ..parallel import shift_labels as shift_hf_labels
@@ -213,6 +213,22 @@ class DecoderLM(nn.Module):
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm: what ``output_weight`` multiplies."""
         return self.model.norm(hidden)
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, chunk_size: int | None = None,
+                       return_entropy: bool = False):
+        """Log-probs ``[T]`` of ``targets [T]`` (0 where ignored) from the last layer's ``hidden [T, E]``: the
+        final norm and lm_head, chunked so ``[T, vocab]`` logits never exist (``ops.chunked_token_logprobs``;
+        with ``return_entropy`` also the entropies ``[T]``). One method, so FSDP2 can gather the root's
+        parameters around it (``register_fsdp_forward_method``)."""
+        return chunked_token_logprobs(self.model.norm(hidden), self.output_weight, targets, chunk_size=chunk_size,
+                                      return_entropy=return_entropy)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab]`` of a few last-layer rows ``hidden [n, E]`` (final norm + lm_head; in at least
+        float32), e.g. the one position a sampling step draws from."""
+        normed = self.model.norm(hidden)
+        acc = torch.promote_types(normed.dtype, torch.float32)
+        return (normed @ self.output_weight.T).to(acc)
 
     # ------------------------------------------------------------------------------------------- forward
     def _run_layer(self, layer: DecoderLayer, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
