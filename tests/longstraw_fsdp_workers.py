@@ -82,7 +82,7 @@ def reference(dp: int, lora: bool = False) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in policy.named_parameters()}
 
 
-def fsdp_fit(rank: int, world: int, sharding: str, lora: bool = False) -> dict:
+def fsdp_fit(rank: int, world: int, sharding: str, lora: bool = False, defer_grad_sync=None) -> dict:
     """The Trainer run; returns the final full parameters, how many elements this rank held, and the reference."""
     import lightning.pytorch as pl
     from torch.distributed.tensor import DTensor
@@ -98,7 +98,7 @@ def fsdp_fit(rank: int, world: int, sharding: str, lora: bool = False) -> dict:
         def configure_optimizers(self):
             return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
 
-    module = Fixed(model(lora), group_size=3, max_new_tokens=4, max_grad_norm=None)
+    module = Fixed(model(lora), group_size=3, max_new_tokens=4, max_grad_norm=None, defer_grad_sync=defer_grad_sync)
     trainer = pl.Trainer(strategy=UlyssesStrategy(sp_size=2, sharding=sharding), accelerator="cpu", devices=world,
                          max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)

@@ -16,8 +16,8 @@ TOL = 1e-5
 def _check(results, world, sharded):
     for rank in results:
         assert rank["sharded"] is sharded
-        if sharded:  # FSDP2 pads each parameter's dim 0 to a multiple of the world size
-            assert rank["local"] <= rank["total"] / world * 1.3, (rank["local"], rank["total"])
+        if sharded:  # FSDP2 pads each parameter's dim 0 to a multiple of the world size (rank-2 adapters: 2 -> 4)
+            assert rank["local"] <= rank["total"] / world * 1.5, (rank["local"], rank["total"])
         for name, want in rank["want"].items():
             err = np.abs(rank["params"][name] - want).max() / max(np.abs(want).max(), 1e-30)
             assert err < TOL, f"world={world} {name}: relative error {err:.3e}"
@@ -29,9 +29,11 @@ def test_fsdp_sharded_longstraw_module_equals_one_process(world):
     _check(run_ranks(fsdp_fit, world, "fsdp"), world, sharded=True)
 
 
-def test_fsdp_sharded_lora_longstraw_module_equals_one_process():
-    """A frozen base (sharded, no gradient) with trainable adapters: FSDP2 reduces only the adapters'."""
-    _check(run_ranks(fsdp_fit, 2, "fsdp", True), 2, sharded=True)
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_sharded_lora_longstraw_module_equals_one_process(world):
+    """A frozen base (sharded, no gradient) with trainable adapters, their reduce-scatter deferred to each
+    module's last backward of the step (``defer_grad_sync``): FSDP2 reduces only the adapters', once."""
+    _check(run_ranks(fsdp_fit, world, "fsdp", True, True), world, sharded=True)
 
 
 def test_replicated_longstraw_module_equals_one_process():

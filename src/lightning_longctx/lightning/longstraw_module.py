@@ -78,7 +78,9 @@ class LongStrawModule(pl.LightningModule):
         model: the policy (a ``DecoderLM``).
         group_size: responses sampled per prompt (G).
         loss_type, prompt_grad, beta, clip_eps, max_response_length, logits_chunk_size, offload_checkpoints,
-            offload_prompt_cache, state_segment: see ``longstraw_step`` (``state_segment``: hybrids' linear layers).
+            offload_prompt_cache, defer_grad_sync, state_segment: see ``longstraw_step`` (``state_segment``:
+            hybrids' linear layers; ``defer_grad_sync``: FSDP2, reduce-scatter once per step for small trainable
+            state such as LoRA).
         scale_rewards: GRPO advantages ``(r - mean) / (std + 1e-4)``; False = Dr.GRPO ``r - mean``.
         ref_model: frozen reference policy for the KL term (needed when ``beta > 0``, unless ``model`` has LoRA
             adapters: the reference is then the base model with the adapters disabled).
@@ -124,6 +126,7 @@ class LongStrawModule(pl.LightningModule):
         logits_chunk_size: int | None = None,
         offload_checkpoints: bool = False,
         offload_prompt_cache: bool = False,
+        defer_grad_sync: bool | None = None,
         state_segment: int = DEFAULT_STATE_SEGMENT,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
@@ -154,6 +157,7 @@ class LongStrawModule(pl.LightningModule):
             loss_type=loss_type, prompt_grad=prompt_grad, beta=beta, clip_eps=tuple(clip_eps),
             max_response_length=max_response_length or max_new_tokens, logits_chunk_size=logits_chunk_size,
             offload_checkpoints=offload_checkpoints, offload_prompt_cache=offload_prompt_cache,
+            defer_grad_sync=defer_grad_sync,
             state_segment=state_segment,
         )
         self.sample_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

@@ -129,6 +129,21 @@ def fsdp_sharded(model) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def _small_trainable_state(model, params) -> bool:
+    """Whether under 10% of the parameters train (LoRA adapters over a frozen base)."""
+    trainable = sum(p.numel() for p in params)
+    return trainable < 0.1 * sum(p.numel() for p in model.parameters())
+
+
+def _set_grad_sync(model, enabled: bool) -> None:
+    """``set_requires_gradient_sync`` on every FSDP2 module of ``model`` (no collective by itself)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled, recurse=False)
+
+
 def check_sharded_model(model) -> None:
     """The FSDP2 path runs attention layers' prompt state through module calls (FSDP's hooks gather each
     layer); Gated DeltaNet layers' segmented grouped backward calls into the layer outside its forward, so
@@ -176,6 +191,7 @@ def longstraw_step(
     measure_memory: bool = True,
     state_segment: int = DEFAULT_STATE_SEGMENT,
     offload_prompt_cache: bool = False,
+    defer_grad_sync: bool | None = None,
 ) -> StepOutput:
     """Accumulate into ``param.grad`` the exact gradient of the group loss for one prompt and G responses.
 
@@ -208,6 +224,11 @@ def longstraw_step(
             host memory; each branch brings one layer at a time to the device, the next one in flight on a
             side stream, and the grouped backward stages the summed gradients the same way (device memory: two
             layers' K/V instead of all; cost: the cache crosses PCIe once per branch).
+        defer_grad_sync: with FSDP2-sharded parameters, skip the reduce-scatter after each replay's backward
+            and let the gradients accumulate unsharded (fp32) until each module's last backward of the step
+            (``set_requires_gradient_sync``): worth it when the trainable state is small. None = when under 10%
+            of the parameters train (LoRA); full fine-tuning reduce-scatters after every backward, since its
+            unsharded gradients would not fit.
         measure_memory: track the step's peak live tensor bytes (``StepOutput.peak_bytes``; on CPU a dispatch
             mode that sees every op, which costs time on small ops): False for training loops, which read the
             device's own peak (``ops.memory.device_peak_bytes``).
@@ -231,6 +252,8 @@ def longstraw_step(
         check_sharded_model(model)
         grad_scale = 1.0 / group_size(dp_group)
         step_grads = contextlib.nullcontext()
+        defer = _small_trainable_state(model, params) if defer_grad_sync is None else defer_grad_sync
+        _set_grad_sync(model, not defer)
     else:
         grad_scale = 1.0
         step_grads = GroupGradients(params, grad_dtype)  # this step's grads are summed over SP alone, then added
@@ -257,6 +280,8 @@ def longstraw_step(
             )
             # masked sums, not boolean indexing: no host sync per branch
             loss_l = weights[i] * torch.where(valid, terms.loss, 0).sum()
+            if sharded and prompt_grad != "full" and i == len(responses) - 1:
+                _set_grad_sync(model, True)  # the step's last backward reduce-scatters what was deferred
             (loss_l * grad_scale if sharded else loss_l).backward()
             stats = torch.stack([loss_l.detach(), torch.where(valid, terms.kl, 0).sum(),
                                  torch.where(valid, terms.clipped.to(logp_l.dtype), 0).sum(),
@@ -269,6 +294,8 @@ def longstraw_step(
             if progress is not None:
                 progress(f"replay branch {i + 1}/{len(responses)}")
         if prompt_grad == "full":
+            if sharded:
+                _set_grad_sync(model, True)  # each layer's one grouped backward reduce-scatters its summed grads
             grouped_backward(model, state, progress=progress)
         del state
     if not sharded:
