@@ -144,6 +144,14 @@ def _set_grad_sync(model, enabled: bool) -> None:
             module.set_requires_gradient_sync(enabled, recurse=False)
 
 
+def _reshard(model) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def check_sharded_model(model) -> None:
     """The FSDP2 path runs attention layers' prompt state through module calls (FSDP's hooks gather each
     layer); Gated DeltaNet layers' segmented grouped backward calls into the layer outside its forward, so
@@ -300,6 +308,8 @@ def longstraw_step(
         del state
     if not sharded:
         step_grads.finish(group, dp_group)  # accumulate_dtype: sum over SP, mean over DP, one collective per bucket
+    else:  # FSDP2's root keeps its gathered parameters after a forward no backward reaches (frozen embedding)
+        _reshard(model)
     tokens = sum(lengths)
     loss_total, kl_sum, clipped, entropy_sum = totals.tolist()  # the step's one host sync for the statistics
     return StepOutput(
