@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ..longstraw import group_advantages, longstraw_step, sample, score
 from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
-from ..longstraw.step import check_group_agrees
+from ..longstraw.step import check_group_agrees, linear_layer_indices
 from ..ops.memory import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
 
@@ -104,8 +104,7 @@ class LongStrawModule(pl.LightningModule):
         ``longstraw_step`` leaves the gradient reduction to FSDP; ``sharding="replicate"`` keeps full replicas
         reduced by the step itself. Hybrids (Gated DeltaNet layers) keep replicas for now: their segmented
         grouped backward does not run through FSDP's hooks yet."""
-        layers = getattr(self.model, "layers", [])
-        return not any(getattr(layer, "layer_type", "") == "linear_attention" for layer in layers)
+        return not linear_layer_indices(self.model)
 
     def __init__(
         self,

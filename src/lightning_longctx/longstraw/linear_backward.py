@@ -75,7 +75,7 @@ def linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads, boundaries
         grads = _segmented_scan_backward(inputs, seeds, carry, stage_boundaries, state_segment, gdn.backend)
         outputs, seeds_all = [t for t, d in zip(inputs, grads) if d is not None], [d for d in grads if d is not None]
         if d_tail is not None:
-            outputs.append(gdn._tail(pre, None))
+            outputs.append(gdn.conv_tail(pre, None))
             seeds_all.append(d_tail[..., channel:channel + width].to(pre.dtype))
         if outputs:
             torch.autograd.backward(outputs, seeds_all)

@@ -98,10 +98,9 @@ class PromptState:
         cache = self.caches[layer]
         if self.stager is None or isinstance(cache, LinearState):
             return cache
-        for nxt in range(layer + 1, len(self.caches)):
-            if not isinstance(self.caches[nxt], LinearState):
-                self.stager.prefetch(("cache", nxt), list(self.caches[nxt]))
-                break
+        nxt = self._staged_neighbour(layer, +1)
+        if nxt is not None:
+            self.stager.prefetch(("cache", nxt), list(self.caches[nxt]))
         leaves = []
         for which, t in enumerate(self.stager.fetch(("cache", layer), list(cache))):
             leaf = t.detach().requires_grad_(self.cache_requires_grad)
@@ -116,15 +115,22 @@ class PromptState:
         grads = [self.cache_grad(layer, which) for which in (0, 1)]
         if self.stager is None or isinstance(self.caches[layer], LinearState):
             return grads
-        for prev in range(layer - 1, -1, -1):
-            if not isinstance(self.caches[prev], LinearState):
-                pending = [self.grads.get((prev, w)) for w in (0, 1)]
-                if all(g is not None for g in pending):
-                    self.stager.prefetch(("grad", prev), pending)
-                break
+        prev = self._staged_neighbour(layer, -1)
+        pending = [] if prev is None else [self.grads.get((prev, w)) for w in (0, 1)]
+        if pending and all(g is not None for g in pending):
+            self.stager.prefetch(("grad", prev), pending)
         present = [g for g in grads if g is not None]
         fetched = iter(self.stager.fetch(("grad", layer), present) if present else [])
         return [None if g is None else next(fetched).to(device) for g in grads]
+
+    def _staged_neighbour(self, layer: int, step: int) -> int | None:
+        """The next (``step=1``) or previous (``-1``) layer whose K/V are staged from the host, or None."""
+        index = layer + step
+        while 0 <= index < len(self.caches):
+            if not isinstance(self.caches[index], LinearState):
+                return index
+            index += step
+        return None
 
     @property
     def tail_ids(self) -> torch.Tensor:

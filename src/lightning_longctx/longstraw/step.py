@@ -122,11 +122,16 @@ def _local_slice(per_token: torch.Tensor, branch) -> torch.Tensor:
     return torch.where(keep, per_token[branch.response_index.clamp(min=0)], 0)
 
 
-def fsdp_sharded(model) -> bool:
-    """Whether ``model``'s parameters are FSDP2-sharded (``fully_shard`` by the Ulysses strategy)."""
+def _fsdp_modules(model) -> list:
+    """The FSDP2 modules of ``model`` (``fully_shard`` by the Ulysses strategy); empty when not sharded."""
     from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_sharded(model) -> bool:
+    """Whether ``model``'s parameters are FSDP2-sharded."""
+    return bool(_fsdp_modules(model))
 
 
 def _small_trainable_state(model, params) -> bool:
@@ -137,27 +142,26 @@ def _small_trainable_state(model, params) -> bool:
 
 def _set_grad_sync(model, enabled: bool) -> None:
     """``set_requires_gradient_sync`` on every FSDP2 module of ``model`` (no collective by itself)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(enabled, recurse=False)
+    for module in _fsdp_modules(model):
+        module.set_requires_gradient_sync(enabled, recurse=False)
 
 
 def _reshard(model) -> None:
-    from torch.distributed.fsdp import FSDPModule
+    for module in _fsdp_modules(model):
+        module.reshard()
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+
+def linear_layer_indices(model) -> list[int]:
+    """Indices of ``model``'s Gated DeltaNet (``"linear_attention"``) layers."""
+    return [i for i, layer in enumerate(getattr(model, "layers", []))
+            if getattr(layer, "layer_type", "") == "linear_attention"]
 
 
 def check_sharded_model(model) -> None:
     """The FSDP2 path runs attention layers' prompt state through module calls (FSDP's hooks gather each
     layer); Gated DeltaNet layers' segmented grouped backward calls into the layer outside its forward, so
     they are refused here until it runs through FSDP's hooks too."""
-    linear = [i for i, layer in enumerate(getattr(model, "layers", [])) if getattr(layer, "layer_type", "") ==
-              "linear_attention"]
+    linear = linear_layer_indices(model)
     if linear:
         raise ValueError(f"layers {linear} are Gated DeltaNet layers: longstraw_step does not run them on "
                          "FSDP2-sharded parameters yet; use UlyssesStrategy(sharding='replicate') for hybrids")

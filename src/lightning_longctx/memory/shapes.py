@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..models.lora import TARGETS as LORA_TARGETS  # the projections DecoderLM.add_lora adapts
+
 GIB = 2**30
 FLOAT32 = 4
 INT64 = 8
@@ -22,7 +24,6 @@ BACKENDS = ("eager", "flash")
 MODES = ("sft", "longstraw")
 SHARDINGS = ("fsdp", "replicate")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 

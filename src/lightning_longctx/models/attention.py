@@ -289,12 +289,11 @@ class DecoderAttention(nn.Module):
         """Head-split views ``(wq [H, d, E], bq [H, d], wk, bk, wv, bv)``, then the LoRA tensors (``A_q, B_q,
         ...``, None without adapters, see :func:`.lora.attention_lora`), the q/k norm scales, the LoRA scalings."""
         h, d = self.num_heads, self.head_dim
-        wq, bq = self.q_proj.weight, self.q_proj.bias
-        if self.attn_output_gate:  # rows are [query_h | gate_h] per head: the query half, as a strided view
-            wq, bq = wq.view(h, 2, d, -1)[:, 0], None if bq is None else bq.view(h, 2, d)[:, 0]
+        halves = 2 if self.attn_output_gate else 1  # gated: rows are [query_h | gate_h] per head
+        wq, bq = self.q_proj.weight.view(h, halves, d, -1)[:, 0], self.q_proj.bias  # the query rows, a view
+        bq = None if bq is None else bq.view(h, halves, d)[:, 0]
         split = lambda t: None if t is None else t.view(-1, d, *t.shape[1:])  # noqa: E731
-        weights = (split(wq) if wq.dim() == 2 else wq, split(bq) if bq is not None and bq.dim() == 1 else bq,
-                   split(self.k_proj.weight), split(self.k_proj.bias), split(self.v_proj.weight),
+        weights = (wq, bq, split(self.k_proj.weight), split(self.k_proj.bias), split(self.v_proj.weight),
                    split(self.v_proj.bias))
         q_norm = None if self.q_norm is None else self.q_norm.weight
         k_norm = None if self.k_norm is None else self.k_norm.weight

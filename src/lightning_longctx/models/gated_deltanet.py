@@ -205,11 +205,14 @@ class GatedDeltaNet(nn.Module):
             self.dt_bias.fill_(1.0)
             self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(0.01, 16)))
 
+    def _plan_key(self, device) -> tuple:
+        return group_size(self.sp_group), group_rank(self.sp_group), self.head_chunk_size, str(device)
+
     def stages(self, device) -> list[LinearStage]:
         """The stage plan for the current SP group, rank and head_chunk_size (validated, cached)."""
-        world, rank = group_size(self.sp_group), group_rank(self.sp_group)
-        key = (world, rank, self.head_chunk_size, str(device))
+        key = self._plan_key(device)
         if key not in self._stages:
+            world, rank = key[:2]
             stages = _build_stages(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, world, rank,
                                    self.head_chunk_size, device)
             self._stages[key] = stages
@@ -255,7 +258,7 @@ class GatedDeltaNet(nn.Module):
             x = torch.cat((conv_tail.transpose(1, 2).to(x.dtype), x), dim=-1)
         return F.silu(F.conv1d(x, weight, groups=x.shape[1])).transpose(1, 2)
 
-    def _tail(self, pre: torch.Tensor, conv_tail: torch.Tensor | None) -> torch.Tensor:
+    def conv_tail(self, pre: torch.Tensor, conv_tail: torch.Tensor | None) -> torch.Tensor:
         """The last ``K-1`` pre-conv rows of ``[conv_tail; pre]`` (zero rows before the sequence start)."""
         k = self.kernel_size - 1
         before = pre.new_zeros(pre.shape[0], k, pre.shape[2]) if conv_tail is None else conv_tail.to(pre.dtype)
@@ -269,7 +272,7 @@ class GatedDeltaNet(nn.Module):
         out = HeadToSeq.apply(result.output, self.sp_group)  # [b, s_l, P * c, Dv]
         if not return_state:
             return out, None
-        return out, LinearState(result.final_state, self._tail(pre, conv_tail), result.boundary_states)
+        return out, LinearState(result.final_state, self.conv_tail(pre, conv_tail), result.boundary_states)
 
     # ----------------------------------------------------------------------------------------- layer
     def core(self, hidden, prefix_state: LinearState | None = None, return_state=False, state_every=None):
@@ -295,8 +298,7 @@ class GatedDeltaNet(nn.Module):
             outs.append(out)
             states.append(state)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        inverse = self._inverse[(group_size(self.sp_group), group_rank(self.sp_group), self.head_chunk_size,
-                                 str(hidden.device))]
+        inverse = self._inverse[self._plan_key(hidden.device)]
         if inverse is not None:
             out = out.index_select(2, inverse)
         if not return_state:

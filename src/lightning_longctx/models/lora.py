@@ -58,9 +58,12 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if not self.lora_enabled:
             return out
-        a = self.lora_A.weight
-        delta = F.linear(F.linear(x.to(a.dtype), a), self.lora_B.weight) * self.scaling  # as PEFT: x cast to A's
-        return out + delta.to(out.dtype)
+        return out + _low_rank(x, self.lora_A.weight, self.lora_B.weight, self.scaling).to(out.dtype)
+
+
+def _low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling * (x A^T) B^T``, in A's dtype (as PEFT: ``x`` is cast to the adapter's dtype)."""
+    return F.linear(F.linear(x.to(a.dtype), a), b) * scaling
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
@@ -188,8 +191,8 @@ def gate_delta(attn, hidden: torch.Tensor) -> torch.Tensor | None:
     if not (isinstance(m, LoRALinear) and m.lora_enabled):
         return None
     h, d = attn.num_heads, attn.head_dim
-    a, b = m.lora_A.weight, m.lora_B.weight.view(h, 2, d, -1)[:, 1].reshape(h * d, -1)
-    return (F.linear(F.linear(hidden.to(a.dtype), a), b) * m.scaling).to(hidden.dtype)
+    b = m.lora_B.weight.view(h, 2, d, -1)[:, 1].reshape(h * d, -1)
+    return _low_rank(hidden, m.lora_A.weight, b, m.scaling).to(hidden.dtype)
 
 
 # ------------------------------------------------------------------------------------------- PEFT files
