@@ -25,9 +25,9 @@ takes part in that broadcast whatever happens: a reward that raises (or returns 
 rank is reported to the others through the same broadcast, and every rank raises instead of hanging.
 
 Optimisation (manual, one ``optimizer.step()`` per group): after ``longstraw_step`` the gradients are final
-(summed over SP, averaged over DP) and identical on every rank; ``max_grad_norm`` clips them by their global
-norm over all trainable parameters (``torch.nn.utils.clip_grad_norm_``; on plain tensors here, and it also
-handles FSDP2 DTensors in recent torch, should the parameters ever be sharded) and the pre-clip norm is logged
+(summed over SP, averaged over DP: identical replicas, or FSDP2 shards under ``sharding="fsdp"``);
+``max_grad_norm`` clips them by their global norm over all trainable parameters
+(``torch.nn.utils.clip_grad_norm_``, which takes FSDP2's DTensor shards too) and the pre-clip norm is logged
 as ``train/grad_norm``. Use ``max_grad_norm`` rather than ``Trainer(gradient_clip_val=...)``: Lightning does
 not clip under manual optimisation. The LR schedule (:func:`lr_factor`: linear warmup over ``lr_warmup_steps``,
 then ``constant`` or ``cosine`` decay to 0 at ``max_steps``) is a ``LambdaLR`` returned from
@@ -136,8 +136,7 @@ class LongStrawModule(pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        adapters = hasattr(model, "adapters_disabled") and getattr(model, "has_lora", lambda: False)()
-        if beta > 0 and ref_model is None and not adapters:
+        if beta > 0 and ref_model is None and not getattr(model, "has_lora", lambda: False)():
             raise ValueError(f"beta={beta} needs a ref_model for the KL term (or a model with LoRA adapters: the "
                              "reference is then the base with the adapters disabled)")
         if max_grad_norm is not None and not max_grad_norm > 0:
