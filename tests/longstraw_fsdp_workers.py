@@ -12,22 +12,32 @@ import torch
 
 from distributed import run_distributed
 
-VOCAB, LR, STEPS, SAMPLES = 32, 0.5, 2, 4
+VOCAB, STEPS, SAMPLES = 32, 2, 4
+LR = {"gqa": 0.5, "hybrid": 0.02}  # the hybrid's random norms and slow decay make far larger gradients
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list:
     return run_distributed(fn, world, *args, timeout=timeout, init_group=False)
 
 
-def model(lora: bool = False):
-    """A tiny GQA policy; with ``lora`` a frozen base with rank-2 adapters on every projection (B non-zero)."""
-    from lightning_longctx.models import DecoderConfig, DecoderLM
+def model(lora: bool = False, shape: str = "gqa"):
+    """A tiny GQA policy, or (``shape="hybrid"``) a Gated DeltaNet / gated-attention hybrid (linear, full, linear;
+    one value head per stage, so each linear layer's grouped backward is several backward passes); with ``lora``
+    a frozen base with rank-2 adapters on every projection (B non-zero)."""
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
 
     torch.manual_seed(0)
-    config = DecoderConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True,
-                           initializer_range=0.2)
-    policy = DecoderLM(config)
+    if shape == "hybrid":
+        from models_common import tiny_config, tiny_model
+
+        layers = ["linear_attention", "full_attention", "linear_attention"]
+        config = tiny_config("hybrid", vocab_size=VOCAB, num_hidden_layers=len(layers), layer_types=layers)
+        policy = tiny_model(config, MemoryConfig(head_chunk_size=1), dtype=torch.float64)  # fp64: exact to 1e-12
+    else:
+        config = DecoderConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True,
+                               initializer_range=0.2)
+        policy = DecoderLM(config)
     if lora:
         policy.add_lora(r=2, alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                        "up_proj", "down_proj"])
@@ -53,14 +63,14 @@ def reward(responses) -> torch.Tensor:
     return torch.tensor([float(int(r.sum()) % 5) for r in responses])
 
 
-def reference(dp: int, lora: bool = False) -> dict[str, torch.Tensor]:
+def reference(dp: int, lora: bool = False, shape: str = "gqa") -> dict[str, torch.Tensor]:
     """One process: per step, the mean over the DP ranks' groups of the exact group gradient; SGD."""
     from torch.utils.data import DistributedSampler
 
     from lightning_longctx.longstraw import group_advantages
     from test_longstraw_lora import lora_reference as plain_group_gradient
 
-    policy = model(lora)
+    policy = model(lora, shape)
     data = groups()
     per_epoch = SAMPLES // dp
     for step in range(STEPS):
@@ -78,11 +88,12 @@ def reference(dp: int, lora: bool = False) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             for n, p in policy.named_parameters():
                 if n in total:
-                    p -= LR * total[n]
+                    p -= LR[shape] * total[n]
     return {n: p.detach().clone() for n, p in policy.named_parameters()}
 
 
-def fsdp_fit(rank: int, world: int, sharding: str, lora: bool = False, defer_grad_sync=None) -> dict:
+def fsdp_fit(rank: int, world: int, sharding: str, lora: bool = False, defer_grad_sync=None,
+             shape: str = "gqa") -> dict:
     """The Trainer run; returns the final full parameters, how many elements this rank held, and the reference."""
     import lightning.pytorch as pl
     from torch.distributed.tensor import DTensor
@@ -96,9 +107,10 @@ def fsdp_fit(rank: int, world: int, sharding: str, lora: bool = False, defer_gra
             return reward(responses)
 
         def configure_optimizers(self):
-            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR[shape])
 
-    module = Fixed(model(lora), group_size=3, max_new_tokens=4, max_grad_norm=None, defer_grad_sync=defer_grad_sync)
+    module = Fixed(model(lora, shape), group_size=3, max_new_tokens=4, max_grad_norm=None,
+                   defer_grad_sync=defer_grad_sync)
     trainer = pl.Trainer(strategy=UlyssesStrategy(sp_size=2, sharding=sharding), accelerator="cpu", devices=world,
                          max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
@@ -106,8 +118,8 @@ def fsdp_fit(rank: int, world: int, sharding: str, lora: bool = False, defer_gra
     params = {n: p for n, p in module.model.named_parameters()}
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params.values())
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy() for n, p in params.items()}
-    want = {n: t.numpy() for n, t in reference(world // 2, lora).items()}
-    initial = {n: p.detach().numpy() for n, p in model(lora).named_parameters()}
+    want = {n: t.numpy() for n, t in reference(world // 2, lora, shape).items()}
+    initial = {n: p.detach().numpy() for n, p in model(lora, shape).named_parameters()}
     return {"params": full, "want": want, "initial": initial, "local": local,
             "total": sum(p.numel() for p in params.values()),
             "sharded": any(isinstance(p, DTensor) for p in params.values())}

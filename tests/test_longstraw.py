@@ -206,15 +206,16 @@ CHI2_999 = {1: 10.83, 2: 13.82}
 
 @pytest.mark.parametrize("top_p, kept", [(0.8, 3), (0.5, 2), (0.3, 1), (1.0, VOCAB)])
 def test_top_p_draws_only_the_smallest_set_with_mass_top_p_renormalised(top_p, kept):
-    """``_draw`` on known logits: with top_p=0.8 the smallest set of tokens with cumulative mass >= 0.8 is
+    """The sampler's draws on known logits: with top_p=0.8 the smallest set of tokens with cumulative mass >= 0.8 is
     {0, 1, 2} (0.4 + 0.3 = 0.7 < 0.8 <= 0.85); nothing else is ever drawn in 20,000 draws, and those three
     come out with frequencies 0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85 (chi-square, p = 0.001)."""
-    from lightning_longctx.longstraw.step import _draw
+    from lightning_longctx.longstraw.sampling import draw_tokens, restricted_probs
 
     probs = _known_distribution()
     logits = probs.log() + 3.0  # softmax is shift-invariant
     gen = torch.Generator().manual_seed(0)
-    draws = torch.tensor([_draw(logits, 1.0, top_p, gen) for _ in range(20000)])
+    rows = logits.view(1, -1).expand(20000, -1)  # 20,000 rows drawn at once, one draw each
+    draws = draw_tokens(restricted_probs(rows, 1.0, 0, top_p), 1.0, gen)
     counts = torch.bincount(draws, minlength=VOCAB).double()
     assert int(counts[kept:].sum()) == 0, f"top_p={top_p}: drew tokens outside the top-{kept} set"
     if kept == 1:

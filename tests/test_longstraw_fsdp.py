@@ -36,5 +36,12 @@ def test_fsdp_sharded_lora_longstraw_module_equals_one_process(world):
     _check(run_ranks(fsdp_fit, world, "fsdp", True, True), world, sharded=True)
 
 
+@pytest.mark.parametrize("world,lora", [(2, False), (4, False), (2, True)])
+def test_fsdp_sharded_hybrid_longstraw_module_equals_one_process(world, lora):
+    """Gated DeltaNet layers' segmented grouped backward runs through FSDP2's registered methods (one gradient
+    reduce-scatter per layer after its several backward passes); float64."""
+    _check(run_ranks(fsdp_fit, world, "fsdp", lora, None, "hybrid"), world, sharded=True)
+
+
 def test_replicated_longstraw_module_equals_one_process():
     _check(run_ranks(fsdp_fit, 2, "replicate"), 2, sharded=False)

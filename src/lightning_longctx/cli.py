@@ -159,7 +159,8 @@ def build_model(cfg: DictConfig):
         model = DecoderLM(decoder_config(cfg.model), memory)
     lora = cfg.model.get("lora")
     if lora is not None and lora.r:  # a frozen base, trainable adapters (model.lora.r=16)
-        model.add_lora(int(lora.r), float(lora.alpha), list(lora.target_modules))
+        model.add_lora(int(lora.r), float(lora.alpha), list(lora.target_modules),
+                       on_prompt=bool(lora.get("on_prompt", True)))
     return model
 
 

@@ -21,12 +21,15 @@ from omegaconf import MISSING
 @dataclass
 class LoRAConf:
     """``model.lora``: LoRA adapters over a frozen base (``DecoderLM.add_lora``); ``r: null`` (or
-    ``model.lora=null``) = full fine-tuning. ``target_modules`` among q/k/v/o_proj and gate/up/down_proj."""
+    ``model.lora=null``) = full fine-tuning. ``target_modules`` among q/k/v/o_proj and gate/up/down_proj.
+    ``on_prompt=false``: prefix-frozen adapters, acting on the response tokens only (LongStraw then runs the
+    exact step without the grouped backward, at the detached step's cost)."""
 
     r: int | None = None
     alpha: float = 16.0
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    on_prompt: bool = True
 
 
 @dataclass

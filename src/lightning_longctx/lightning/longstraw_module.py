@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ..longstraw import group_advantages, longstraw_step, sample, score
 from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
-from ..longstraw.step import check_group_agrees, linear_layer_indices
+from ..longstraw.step import check_group_agrees
 from ..ops.memory import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
 
@@ -97,14 +97,11 @@ class LongStrawModule(pl.LightningModule):
     # the prompt itself.
     handles_sequence_parallel = True
 
-    @property
-    def shards_with_fsdp(self) -> bool:
-        """Under ``UlyssesStrategy(sharding="fsdp")`` on several ranks the policy is FSDP2-sharded over the
-        dp x sp mesh (parameters, gradients, optimizer states; bf16 compute, fp32 reduce-scatter) and
-        ``longstraw_step`` leaves the gradient reduction to FSDP; ``sharding="replicate"`` keeps full replicas
-        reduced by the step itself. Hybrids (Gated DeltaNet layers) keep replicas for now: their segmented
-        grouped backward does not run through FSDP's hooks yet."""
-        return not linear_layer_indices(self.model)
+    # Under ``UlyssesStrategy(sharding="fsdp")`` on several ranks the policy (attention models and hybrids alike)
+    # is FSDP2-sharded over the dp x sp mesh (parameters, gradients, optimizer states; bf16 compute, fp32
+    # reduce-scatter) and ``longstraw_step`` leaves the gradient reduction to FSDP; ``sharding="replicate"``
+    # keeps full replicas reduced by the step itself.
+    shards_with_fsdp = True
 
     def __init__(
         self,

@@ -193,12 +193,15 @@ def set_gradient_reduction(module: nn.Module) -> None:
 
 
 ROOT_METHODS = ("embed", "final_hidden", "token_logprobs", "head_logits")  # the prefix-state API's root calls
-LAYER_METHODS = ("prompt_state",)
+# DecoderLayer: the last prompt layer's state, the pieces of a Gated DeltaNet layer's grouped backward, decoding
+LAYER_METHODS = ("prompt_state", "input_norm", "linear_scan_output", "linear_output_side", "linear_stage_inputs",
+                 "decode_step")
 
 
 def register_prefix_state_methods(roots: list[nn.Module]) -> int:
     """Let FSDP2 gather parameters around the prefix-state methods LongStraw calls besides ``forward``
-    (``DecoderLM.embed`` / ``token_logprobs`` / ``head_logits``, ``DecoderLayer.prompt_state``):
+    (``DecoderLM.embed`` / ``token_logprobs`` / ``head_logits``, ``DecoderLayer.prompt_state`` and the
+    grouped-backward pieces of a Gated DeltaNet layer):
     ``register_fsdp_forward_method`` runs FSDP's pre/post-forward hooks around them (without it they would
     see sharded DTensors). Returns how many methods were registered."""
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method

@@ -1,12 +1,14 @@
 """LongStraw, exact: the grouped RL step for one huge shared prompt and G short responses.
 
 Main API: :func:`longstraw_step` (prefill -> replay -> grouped backward, accumulating the exact gradient
-into ``param.grad``); :func:`score` and :func:`sample` reuse one prefill of the prompt for old/ref
-log-probs and on-policy responses; :func:`group_advantages` and the GRPO-family losses in :mod:`.losses`.
+into ``param.grad``); :func:`sample` (G responses decoded together over the prompt cache) and :func:`score`
+(old/ref log-probs); :func:`prefill_for_step` prefills once for all three; :func:`group_advantages` and the GRPO-family
+losses in :mod:`.losses`.
 """
 
 from .losses import LOSS_TYPES, group_advantages, policy_token_terms, response_weights
-from .step import PROMPT_GRADS, StepOutput, longstraw_step, sample, score, validate_group
+from .sampling import sample
+from .step import PROMPT_GRADS, StepOutput, longstraw_step, prefill_for_step, score, validate_group
 
 __all__ = [
     "LOSS_TYPES",
@@ -14,6 +16,7 @@ __all__ = [
     "StepOutput",
     "group_advantages",
     "longstraw_step",
+    "prefill_for_step",
     "policy_token_terms",
     "response_weights",
     "sample",

@@ -38,7 +38,8 @@ def check_state_segment(state_segment: int) -> None:
                          f"({SCAN_CHUNK} tokens)")
 
 
-def linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads, boundaries, state_segment):
+def linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads, boundaries, state_segment,
+                          before_last_backward=None):
     """Back-propagate one Gated DeltaNet ``DecoderLayer`` over the prompt; returns ``hidden_in.grad``.
 
     Args:
@@ -49,23 +50,28 @@ def linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads, boundaries
         boundaries: ``[n, 1, Hv/P, Dk, Dv]`` states after ``state_segment``, ``2 * state_segment``, ...
             tokens (possibly on the host), or None when the prompt is one segment.
         state_segment: tokens per segment.
+        before_last_backward: called (no arguments) before the backward through the input norm, the layer's
+            last: FSDP2 turns its gradient reduce-scatter back on there, so the layer reduces once.
+
+    The layer's parameters are used only through its methods (``input_norm``, ``linear_scan_output``,
+    ``linear_output_side``, ``linear_stage_inputs``), which FSDP2 wraps like ``forward``.
     """
     gdn = layer.linear_attn
-    normed = layer.input_layernorm(hidden_in)
+    normed = layer.input_norm(hidden_in)
     h = normed.detach().requires_grad_()
     grad_o = None
     if grad_hidden is not None:
         with torch.no_grad():
-            o, _ = gdn.core(h)
+            o = layer.linear_scan_output(h)
         o = o.requires_grad_()
-        torch.autograd.backward(layer.residual_mlp(hidden_in, gdn.finish(o, h)), grad_hidden)
+        torch.autograd.backward(layer.linear_output_side(hidden_in, o, h), grad_hidden)
         grad_o = o.grad  # [1, s_l, Hv, Dv]
         del o
     d_state, d_tail = cache_grads
     head = channel = 0
     for st in gdn.stages(h.device):
         c, width = st.value_heads, st.conv_rows.length
-        q, k, v, g, beta, pre = gdn.stage_inputs(h, st)  # [1, S', ...], this stage's heads, with a graph
+        q, k, v, g, beta, pre = layer.linear_stage_inputs(h, st)  # [1, S', ...], this stage's heads, with a graph
         seeds = None
         if grad_o is not None:
             seeds = seq_to_head(st.out_heads.take(grad_o, 2).contiguous(), gdn.sp_group)  # [1, S', c, Dv]
@@ -81,6 +87,8 @@ def linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads, boundaries
             torch.autograd.backward(outputs, seeds_all)
         head, channel = head + c, channel + width
         del q, k, v, g, beta, pre, inputs, grads, outputs, seeds_all
+    if before_last_backward is not None:
+        before_last_backward()
     if h.grad is not None:
         torch.autograd.backward(normed, h.grad)
     return hidden_in.grad

@@ -12,16 +12,24 @@ Under sequence parallelism over ``group`` (``P`` ranks), the cached part of the 
 cache (padding there would be attended to). The remaining ``S - S'`` prompt tokens (at most ``P``) are
 prepended to every branch, recomputed per branch, and carry no loss: still exact. A branch is padded at its
 end to a multiple of ``P``; under the causal mask nothing real attends to that padding.
+
+Prefix-frozen LoRA (``add_lora(..., on_prompt=False)``): the prompt's own passes (:func:`prefill`, and the
+grouped backward under :func:`prompt_weights`) run with the adapters disabled, and each branch under
+``adapters_from_position(model, S)``: its replayed prompt tail (global positions ``< S``) uses the base weights,
+its response tokens the adapters, as one forward over ``cat(P, r_i)`` with the adapters from position ``S``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..models.gated_deltanet import LinearState
+from ..models.lora import adapters_disabled, adapters_from_position, lora_on_prompt
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
 from .grads import move_grad_into
 from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
@@ -55,6 +63,8 @@ class PromptState:
     state_segment: int | None = None
     stager: HostStager | None = None  # offload_prompt_cache: attention K/V and their gradients on the host
     cache_requires_grad: bool = False
+    param_versions: tuple[int, ...] = ()  # the parameters' version counters at prefill (see check_prompt_state)
+    consumed: bool = False  # a grouped backward ran over it (its caches and checkpoints are gone)
 
     def add_cache(self, cache, requires_grad: bool, *, offload: bool = False) -> None:
         """Append one layer's state as leaves; with ``requires_grad`` their gradients sum in ``grad_dtype``.
@@ -145,6 +155,21 @@ class PromptState:
         return shard_sequence(ids, rank, world), shard_sequence(pos, rank, world)
 
 
+def prompt_weights(model):
+    """The context of the prompt's own passes (prefill, grouped backward): ``on_prompt=False`` adapters disabled
+    (the prompt runs on the base weights), otherwise nothing."""
+    frozen = isinstance(model, nn.Module) and lora_on_prompt(model) is False
+    return adapters_disabled(model) if frozen else contextlib.nullcontext()
+
+
+def response_adapters(model, state: PromptState):
+    """The context of a branch's forward: ``on_prompt=False`` adapters act from global position ``S`` (the
+    responses) on, not on the replayed prompt tail (``adapters_from_position``; a no-op otherwise)."""
+    if not isinstance(model, nn.Module):
+        return contextlib.nullcontext()
+    return adapters_from_position(model, state.prompt_ids.numel())
+
+
 def prefill(
     model, prompt_ids: torch.Tensor, group, *, keep_checkpoints: bool, cache_requires_grad: bool,
     offload_checkpoints: bool = False, progress=None, grad_dtype: torch.dtype = torch.float32,
@@ -155,16 +180,18 @@ def prefill(
     ``grad_dtype``: the dtype the cache gradients accumulate in over the group (see :class:`PromptState`).
     ``state_segment``: with ``keep_checkpoints``, linear layers also keep their state every that many tokens
     (a multiple of 64), where the grouped backward restarts their scan segment by segment.
-    ``offload_prompt_cache``: attention layers' K/V and their gradient buffers live on the host (:mod:`.offload`)."""
+    ``offload_prompt_cache``: attention layers' K/V and their gradient buffers live on the host (:mod:`.offload`).
+    ``on_prompt=False`` adapters are disabled here (:func:`prompt_weights`)."""
     world = group_size(group)
     cached = world * ((prompt_ids.numel() - 1) // world)
     every = state_segment if keep_checkpoints else None
     state = PromptState(prompt_ids=prompt_ids, cached_length=cached, group=group, grad_dtype=grad_dtype,
                         state_segment=every, stager=HostStager(prompt_ids.device) if offload_prompt_cache else None)
+    state.param_versions = parameter_versions(model)
     if cached == 0:
         return state
     ids, pos = state.local_prefix()
-    with torch.no_grad():
+    with torch.no_grad(), prompt_weights(model):
         hidden = model.embed(ids)
         last = len(model.layers) - 1
         for index, layer in enumerate(model.layers):
@@ -178,6 +205,41 @@ def prefill(
             if progress is not None:
                 progress(f"prefill layer {index + 1}/{len(model.layers)}")
     return state
+
+
+def parameter_versions(model) -> tuple[int, ...]:
+    """Every parameter's in-place version counter (an optimizer step bumps them): a prompt state whose
+    parameters changed since its prefill is stale."""
+    if not isinstance(model, torch.nn.Module):
+        return ()
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():  # FSDP2 registers the gathered parameters while a module is unsharded
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return tuple(p._version for p in model.parameters())
+
+
+def check_prompt_state(state: PromptState, model, prompt_ids: torch.Tensor, group, *,
+                       for_backward: bool = False) -> None:
+    """Raise ``ValueError`` unless ``state`` (an earlier :func:`prefill`) can serve ``prompt_ids`` under ``model``
+    over ``group`` now: same prompt, same group size, parameters unchanged since (no optimizer step in between),
+    not consumed by a grouped backward; ``for_backward``: prefilled with the grouped backward's checkpoints and
+    cache gradients (``longstraw_step``'s own prefill arguments, see ``step.prefill_for_step``)."""
+    if group_size(state.group) != group_size(group):
+        raise ValueError(f"prompt_state was prefilled over {group_size(state.group)} ranks, this call runs over "
+                         f"{group_size(group)}")
+    if state.prompt_ids.shape != prompt_ids.shape or not torch.equal(state.prompt_ids, prompt_ids):
+        raise ValueError(f"prompt_state was prefilled from other prompt ids ({state.prompt_ids.numel()} tokens) "
+                         f"than the {prompt_ids.numel()} given")
+    if state.consumed:
+        raise ValueError("prompt_state was consumed by a longstraw_step's grouped backward; prefill again")
+    if state.param_versions != parameter_versions(model):
+        raise ValueError("the model's parameters changed since prompt_state was prefilled (an optimizer step?): "
+                         "its K/V are stale; prefill again")
+    if for_backward and state.cached_length and not (state.checkpoints and state.cache_requires_grad):
+        raise ValueError("prompt_state was prefilled without the grouped backward's checkpoints and cache "
+                         "gradients; use step.prefill_for_step with the step's prompt_grad and memory options")
 
 
 def _to_host(x: torch.Tensor) -> torch.Tensor:
@@ -214,22 +276,34 @@ def make_branch(state: PromptState, response: torch.Tensor) -> Branch:
     return Branch(ids, pos, tgt, idx[0])
 
 
-def branch_logprobs(model, state: PromptState, branch: Branch, *, logits_chunk_size=None, entropy=False):
-    """Forward one branch over the cached prompt; ``[n_l]`` log-probs of its targets (0 where ignored)."""
+def branch_logprobs(model, state: PromptState, branch: Branch, *, logits_chunk_size=None, entropy=False,
+                    temperature: float = 1.0):
+    """Forward one branch over the cached prompt; ``[n_l]`` log-probs of its targets (0 where ignored), of
+    ``softmax(logits / temperature)`` when ``temperature != 1`` (the sampling distribution, as TRL trains on).
+    ``on_prompt=False`` adapters act on its response positions only (:func:`response_adapters`; the fused
+    attention and the tiled MLP keep that mask for the backward, which may run after this returns)."""
     hidden = model.embed(branch.input_ids)
-    for index, layer in enumerate(model.layers):
-        hidden = layer(hidden, branch.position_ids, prefix_state=state.layer_cache(index))
-    return model.token_logprobs(hidden[0], branch.targets[0], chunk_size=logits_chunk_size, return_entropy=entropy)
+    with response_adapters(model, state):
+        for index, layer in enumerate(model.layers):
+            hidden = layer(hidden, branch.position_ids, prefix_state=state.layer_cache(index))
+    scaled = {} if temperature == 1.0 else {"temperature": temperature}
+    return model.token_logprobs(hidden[0], branch.targets[0], chunk_size=logits_chunk_size, return_entropy=entropy,
+                                **scaled)
 
 
-def grouped_backward(model, state: PromptState, *, progress=None) -> None:
+def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_sync=None) -> None:
     """Push the state gradients accumulated over the whole group back through the prompt, once.
 
     For layers L..1: recompute the layer from its checkpoint with autograd and back-propagate the state
     gradient of that layer together with the gradient arriving from the layer above; then the embedding.
     Gated DeltaNet layers recompute their scan segment by segment in reverse from the stored states
     (:func:`.linear_backward.linear_layer_backward`), so only one segment's scan graph is alive.
+
+    ``layer_grad_sync(layer, enabled)`` (FSDP2-sharded models): a Gated DeltaNet layer's backward is several
+    backward passes (output side, each head stage, the input norm); its gradient reduce-scatter is switched off
+    for all but the last, so each layer still reduces once.
     """
+    state.consumed = True
     if state.cached_length == 0:
         return
     ids, pos = state.local_prefix()
@@ -240,8 +314,12 @@ def grouped_backward(model, state: PromptState, *, progress=None) -> None:
         hidden_in = state.checkpoints[index].to(ids.device, non_blocking=True).detach().requires_grad_()
         cache_grads = state.device_cache_grads(index, hidden_in.device)
         if isinstance(state.caches[index], LinearState):
+            last = None
+            if layer_grad_sync is not None:
+                layer_grad_sync(layer, False)
+                last = lambda layer=layer: layer_grad_sync(layer, True)  # noqa: E731
             grad_in = linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads,
-                                            state.caches[index].boundaries, state.state_segment)
+                                            state.caches[index].boundaries, state.state_segment, last)
         else:
             grad_in = _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads)
         grad_hidden = grad_in

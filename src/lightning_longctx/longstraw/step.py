@@ -13,6 +13,11 @@ Three phases (see ``prefix.py``):
    ``prompt_grad="none"`` is the published LongStraw variant: the cache is detached, the gradient through the
    prompt is dropped. Cheaper, and **biased**: it is not the gradient of the loss.
 
+Prefix-frozen LoRA (``add_lora(..., on_prompt=False)`` over a frozen base, the paper's variant): the adapters act
+on the response positions only (``>= S``), so the prompt state depends on frozen weights alone and its gradient
+is zero. Either ``prompt_grad`` then runs the detached step (no cache gradient, no checkpoints, no grouped
+backward), and it is exact: the gradient of the loss of that model.
+
 Under sequence parallelism over ``group`` every rank passes the same full tensors; the step shards them
 itself, and at the end sums the step's parameter gradients over ``group`` (so each rank holds the exact
 gradient, as one device would) before adding them to whatever ``.grad`` held before.
@@ -32,12 +37,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..models.lora import prompt_frozen
 from ..ops.memory import track_memory
 from ..parallel import gather_ints, group_size, set_sequence_parallel_group
 from .grads import GroupGradients, accumulation_dtype
 from .linear_backward import DEFAULT_STATE_SEGMENT, check_state_segment
 from .losses import LOSS_TYPES, policy_token_terms, response_weights
-from .prefix import branch_logprobs, grouped_backward, make_branch, prefill
+from .prefix import (
+    PromptState,
+    branch_logprobs,
+    check_prompt_state,
+    grouped_backward,
+    make_branch,
+    prefill,
+    prompt_weights,
+)
 
 PROMPT_GRADS = ("full", "none")
 
@@ -151,20 +165,12 @@ def _reshard(model) -> None:
         module.reshard()
 
 
-def linear_layer_indices(model) -> list[int]:
-    """Indices of ``model``'s Gated DeltaNet (``"linear_attention"``) layers."""
-    return [i for i, layer in enumerate(getattr(model, "layers", []))
-            if getattr(layer, "layer_type", "") == "linear_attention"]
+def _set_layer_grad_sync(layer, enabled: bool) -> None:
+    """One FSDP2 layer's gradient reduce-scatter on or off (the grouped backward of a Gated DeltaNet layer)."""
+    from torch.distributed.fsdp import FSDPModule
 
-
-def check_sharded_model(model) -> None:
-    """The FSDP2 path runs attention layers' prompt state through module calls (FSDP's hooks gather each
-    layer); Gated DeltaNet layers' segmented grouped backward calls into the layer outside its forward, so
-    they are refused here until it runs through FSDP's hooks too."""
-    linear = linear_layer_indices(model)
-    if linear:
-        raise ValueError(f"layers {linear} are Gated DeltaNet layers: longstraw_step does not run them on "
-                         "FSDP2-sharded parameters yet; use UlyssesStrategy(sharding='replicate') for hybrids")
+    if isinstance(layer, FSDPModule):
+        layer.set_requires_gradient_sync(enabled, recurse=False)
 
 
 def check_group_agrees(prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], group) -> None:
@@ -179,6 +185,42 @@ def check_group_agrees(prompt_ids: torch.Tensor, responses: Sequence[torch.Tenso
                               for r, (a, b, c, d) in enumerate(rows))
         raise ValueError(f"ranks of the sequence-parallel group disagree on the group ({described}); every rank "
                          "must pass the same full prompt and responses")
+
+
+def check_temperature(temperature) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature={temperature!r} must be a finite number > 0 (1 = the plain log-probs)")
+
+
+def _needs_grouped_backward(model, prompt_grad: str) -> bool:
+    """The grouped backward runs where the prompt state depends on trainable weights (``prompt_grad="full"``,
+    and not prefix-frozen LoRA adapters over a frozen base)."""
+    return prompt_grad == "full" and not (isinstance(model, torch.nn.Module) and prompt_frozen(model))
+
+
+def prefill_for_step(
+    model, prompt_ids: torch.Tensor, *, group: dist.ProcessGroup | None = None, prompt_grad: str = "full",
+    offload_checkpoints: bool = False, state_segment: int = DEFAULT_STATE_SEGMENT,
+    offload_prompt_cache: bool = False, accumulate_dtype: torch.dtype | None = None, progress=None,
+) -> PromptState:
+    """The prompt's state as :func:`longstraw_step` with the same arguments prefills it (checkpoints and cache
+    gradients when the grouped backward runs), to prefill once for ``sample``, ``score`` and the step::
+
+        state = prefill_for_step(policy, prompt, group=sp)
+        responses = sample(policy, prompt, G, max_new_tokens=..., group=sp, prompt_state=state)
+        old = score(policy, prompt, responses, group=sp, prompt_state=state)  # when the step clips
+        longstraw_step(policy, prompt, responses, advantages, old_logprobs=old, group=sp, prompt_state=state)
+
+    Valid until the parameters change (an optimizer step); the step consumes it.
+    """
+    if prompt_grad not in PROMPT_GRADS:
+        raise ValueError(f"unknown prompt_grad {prompt_grad!r}; choose one of {PROMPT_GRADS}")
+    check_state_segment(state_segment)
+    full = _needs_grouped_backward(model, prompt_grad)
+    grad_dtype = accumulation_dtype([p for p in model.parameters() if p.requires_grad], accumulate_dtype)
+    return prefill(model, prompt_ids, group, keep_checkpoints=full, cache_requires_grad=full,
+                   offload_checkpoints=offload_checkpoints, progress=progress, grad_dtype=grad_dtype,
+                   state_segment=state_segment, offload_prompt_cache=offload_prompt_cache)
 
 
 def longstraw_step(
@@ -204,6 +246,8 @@ def longstraw_step(
     state_segment: int = DEFAULT_STATE_SEGMENT,
     offload_prompt_cache: bool = False,
     defer_grad_sync: bool | None = None,
+    prompt_state: PromptState | None = None,
+    temperature: float = 1.0,
 ) -> StepOutput:
     """Accumulate into ``param.grad`` the exact gradient of the group loss for one prompt and G responses.
 
@@ -215,6 +259,8 @@ def longstraw_step(
         loss_type: ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO) or ``seq_mean_token_sum_norm``
             (Dr.GRPO; needs ``max_response_length``).
         prompt_grad: ``"full"`` (exact) or ``"none"`` (detached prompt state: LongStraw's biased variant).
+            With prefix-frozen adapters (``on_prompt=False``, nothing else trainable) both are the exact
+            detached step.
         old_logprobs, ref_logprobs: G tensors ``[T_i]`` from :func:`score` (on-policy / no KL when None).
         beta: KL (k3) coefficient. clip_eps: ``(eps_low, eps_high)``.
         group: sequence-parallel group (None = one process).
@@ -241,6 +287,13 @@ def longstraw_step(
             (``set_requires_gradient_sync``): worth it when the trainable state is small. None = when under 10%
             of the parameters train (LoRA); full fine-tuning reduce-scatters after every backward, since its
             unsharded gradients would not fit.
+        prompt_state: the prompt's state from :func:`prefill_for_step` with this step's ``prompt_grad`` and
+            memory options, e.g. the one :func:`~lightning_longctx.longstraw.sample` and :func:`score` just used
+            (one prefill for the rollouts, the old log-probs and the step); consumed by the grouped backward.
+            Refused if the parameters changed since it was prefilled (after an optimizer step: prefill again).
+            None = prefill here. Its prefill is then outside ``peak_bytes`` and ``seconds``.
+        temperature: the log-probs (and entropies) are those of ``softmax(logits / temperature)``, the
+            distribution :func:`~lightning_longctx.longstraw.sample` drew from (TRL's convention); 1 = plain.
         measure_memory: track the step's peak live tensor bytes (``StepOutput.peak_bytes``; on CPU a dispatch
             mode that sees every op, which costs time on small ops): False for training loops, which read the
             device's own peak (``ops.memory.device_peak_bytes``).
@@ -250,18 +303,21 @@ def longstraw_step(
     validate_group(model, prompt_ids, responses, advantages, loss_type=loss_type, prompt_grad=prompt_grad,
                    old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, max_response_length=max_response_length)
     check_state_segment(state_segment)
+    check_temperature(temperature)
     check_group_agrees(prompt_ids, responses, group)
     set_sequence_parallel_group(model, group)
     lengths = [r.numel() for r in responses]
     weights = response_weights(lengths, loss_type, max_response_length)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_dtype = accumulation_dtype(params, accumulate_dtype)
+    full = _needs_grouped_backward(model, prompt_grad)
+    if prompt_state is not None:
+        check_prompt_state(prompt_state, model, prompt_ids, group, for_backward=full)
     sharded = fsdp_sharded(model)
     if sharded:
         # FSDP2 reduce-scatters every backward as a plain sum over all dp x sp ranks into the sharded fp32 .grad
         # (MixedPrecisionPolicy reduce_dtype): scaling each rank's loss by 1/dp makes that the SP sum of the
         # DP mean. The gradients are then final when the step returns; no reduction of our own.
-        check_sharded_model(model)
         grad_scale = 1.0 / group_size(dp_group)
         step_grads = contextlib.nullcontext()
         defer = _small_trainable_state(model, params) if defer_grad_sync is None else defer_grad_sync
@@ -275,14 +331,16 @@ def longstraw_step(
     logprobs_out = []
     tracker = track_memory(prompt_ids.device) if measure_memory else contextlib.nullcontext()
     with tracker as memory, step_grads:
-        state = prefill(model, prompt_ids, group, keep_checkpoints=prompt_grad == "full",
-                        cache_requires_grad=prompt_grad == "full", offload_checkpoints=offload_checkpoints,
-                        progress=progress, grad_dtype=grad_dtype, state_segment=state_segment,
-                        offload_prompt_cache=offload_prompt_cache)
+        state = prompt_state
+        if state is None:
+            state = prefill_for_step(model, prompt_ids, group=group, prompt_grad=prompt_grad,
+                                     offload_checkpoints=offload_checkpoints, state_segment=state_segment,
+                                     offload_prompt_cache=offload_prompt_cache, accumulate_dtype=accumulate_dtype,
+                                     progress=progress)
         for i, response in enumerate(responses):
             branch = make_branch(state, response)
             logp_l, entropy_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size,
-                                                entropy=True)
+                                                entropy=True, temperature=temperature)
             valid = branch.response_index >= 0
             terms = policy_token_terms(
                 logp_l, advantages[i].to(logp_l.dtype),
@@ -292,7 +350,7 @@ def longstraw_step(
             )
             # masked sums, not boolean indexing: no host sync per branch
             loss_l = weights[i] * torch.where(valid, terms.loss, 0).sum()
-            if sharded and prompt_grad != "full" and i == len(responses) - 1:
+            if sharded and not full and i == len(responses) - 1:
                 _set_grad_sync(model, True)  # the step's last backward reduce-scatters what was deferred
             (loss_l * grad_scale if sharded else loss_l).backward()
             stats = torch.stack([loss_l.detach(), torch.where(valid, terms.kl, 0).sum(),
@@ -305,11 +363,13 @@ def longstraw_step(
             del branch, logp_l, entropy_l, terms, loss_l
             if progress is not None:
                 progress(f"replay branch {i + 1}/{len(responses)}")
-        if prompt_grad == "full":
+        if full:
             if sharded:
                 _set_grad_sync(model, True)  # each layer's one grouped backward reduce-scatters its summed grads
-            grouped_backward(model, state, progress=progress)
-        del state
+            with prompt_weights(model):  # on_prompt=False adapters with a trainable base: the prompt on the base
+                grouped_backward(model, state, progress=progress,
+                                 layer_grad_sync=_set_layer_grad_sync if sharded else None)
+        del state, prompt_state
     if not sharded:
         step_grads.finish(group, dp_group)  # accumulate_dtype: sum over SP, mean over DP, one collective per bucket
     else:  # FSDP2's root keeps its gathered parameters after a forward no backward reaches (frozen embedding)
@@ -324,85 +384,30 @@ def longstraw_step(
 
 
 @torch.no_grad()
-def score(model, prompt_ids, responses, *, group=None, logits_chunk_size=None) -> list[torch.Tensor]:
+def score(model, prompt_ids, responses, *, group=None, logits_chunk_size=None, prompt_state=None,
+          temperature: float = 1.0) -> list[torch.Tensor]:
     """Graph-free log-probs ``[T_i]`` of each response under ``model``, from one prefill of the prompt.
 
     Use it for ``old_logprobs`` (the sampling policy) and ``ref_logprobs`` (a reference model) before
-    any replay.
+    any replay. ``prompt_state``: an earlier prefill of this prompt under this model's current parameters
+    (e.g. :func:`prefill_for_step`'s, also serving ``sample`` and ``longstraw_step``); read, not modified.
+    ``temperature``: log-probs of ``softmax(logits / temperature)``, as ``longstraw_step``'s.
     """
     validate_group(model, prompt_ids, responses)
+    check_temperature(temperature)
     set_sequence_parallel_group(model, group)
-    state = prefill(model, prompt_ids, group, keep_checkpoints=False, cache_requires_grad=False)
+    if prompt_state is not None:
+        check_prompt_state(prompt_state, model, prompt_ids, group)
+        state = prompt_state
+    else:
+        state = prefill(model, prompt_ids, group, keep_checkpoints=False, cache_requires_grad=False)
     out = []
     for response in responses:
         branch = make_branch(state, response)
-        logp_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size)
+        logp_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size,
+                                 temperature=temperature)
         out.append(_gather_response_values(logp_l, branch, response.numel(), group))
     return out
 
 
-@torch.no_grad()
-def sample(
-    model, prompt_ids, num_responses: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-    eos_token_id: int | None = None, group=None, generator: torch.Generator | None = None,
-) -> list[torch.Tensor]:
-    """Sample ``num_responses`` responses from one prefill of the prompt.
-
-    Each step re-runs the (short) branch over the prompt cache, so its cost is quadratic in the response
-    length but the prompt is never recomputed; under SP every rank runs the branch head-parallel against
-    its head-sharded cache and all ranks draw the same token (the draw uses ``generator``, seeded
-    identically on every rank, on logits gathered to every rank). ``temperature=0`` is greedy.
-    """
-    validate_group(model, prompt_ids, [prompt_ids[-1:]])
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p} must be in (0, 1]")
-    set_sequence_parallel_group(model, group)
-    state = prefill(model, prompt_ids, group, keep_checkpoints=False, cache_requires_grad=False)
-    vocab = model.output_weight.shape[0]
-    results = []
-    for _ in range(num_responses):
-        tokens: list[int] = []
-        for _ in range(max_new_tokens):
-            draft = torch.tensor(tokens + [0], dtype=prompt_ids.dtype, device=prompt_ids.device)
-            branch = make_branch(state, draft)  # the last position predicts the next token
-            logits = _last_logits(model, state, branch, draft.numel() - 1, vocab, group)
-            token = _draw(logits, temperature, top_p, generator)
-            tokens.append(token)
-            if token == eos_token_id:
-                break
-        results.append(torch.tensor(tokens, dtype=prompt_ids.dtype, device=prompt_ids.device))
-    return results
-
-
-def _last_logits(model, state, branch, last: int, vocab: int, group) -> torch.Tensor:
-    """Logits ``[vocab]`` at response position ``last`` (held by one rank), on every rank.
-
-    Every rank runs the head on one row (its copy of ``last``, or row 0 masked out) so the ranks issue the
-    same collectives, as FSDP2's parameter gathers need."""
-    hidden = model.embed(branch.input_ids)
-    for index, layer in enumerate(model.layers):
-        hidden = layer(hidden, branch.position_ids, prefix_state=state.layer_cache(index))
-    mine = (branch.response_index == last).nonzero()
-    row = int(mine[-1, 0]) if mine.numel() else 0
-    logits = model.head_logits(hidden[0, row:row + 1])[0]
-    logits = logits if mine.numel() else torch.zeros_like(logits)
-    if group_size(group) > 1:
-        dist.all_reduce(logits, group=group)  # exactly one rank holds the last position
-    return logits
-
-
-def _draw(logits, temperature, top_p, generator) -> int:
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < top_p  # smallest set with mass >= top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    draw = torch.multinomial(probs.cpu().float(), 1, generator=generator)
-    return int(draw)
-
-
-__all__ = ["PROMPT_GRADS", "StepOutput", "longstraw_step", "sample", "score", "validate_group"]
+__all__ = ["PROMPT_GRADS", "StepOutput", "longstraw_step", "prefill_for_step", "score", "validate_group"]

@@ -37,7 +37,7 @@ from ..ops.merge import prefix_attention
 from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size, head_schedule, head_to_seq, seq_to_head
 from ..parallel.ulysses import check_head_layout
 from .config import DecoderConfig
-from .lora import attention_lora, fold_stage_lora, gate_delta
+from .lora import attention_lora, fold_stage_lora, gate_delta, masked_linear, stage_lora_delta
 from .norm import RMSNorm, rms_norm
 from .rope import RotaryEmbedding, apply_rope
 
@@ -83,14 +83,18 @@ def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, d
     return stages
 
 
-def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send, head_dim, norm_spec):
-    """Local q ``[b, s_l, C*P, d]`` and k, v ``[b, s_l, P*m, d]`` of one stage from its weight slices."""
+def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send, head_dim, norm_spec, delta=None):
+    """Local q ``[b, s_l, C*P, d]`` and k, v ``[b, s_l, P*m, d]`` of one stage from its weight slices;
+    ``delta [b, s_l, rows]`` (optional) is added to the fused projection (masked LoRA, :func:`_lora_stage_qkv`)."""
     b, s_l, _ = x_BSE.shape
     # One matmul for the stage's q/k/v rows (a small copy of the weight slices): a single pass over x, and a
     # single ``d x`` product in backward, instead of three narrow ones.
     w = torch.cat((wq, wk, wv))
     bias = None if bq is None else torch.cat((bq, bk, bv))
-    q, k, v = F.linear(x_BSE, w, bias).split((wq.shape[0], wk.shape[0], wv.shape[0]), dim=-1)
+    qkv = F.linear(x_BSE, w, bias)
+    if delta is not None:
+        qkv = qkv + delta
+    q, k, v = qkv.split((wq.shape[0], wk.shape[0], wv.shape[0]), dim=-1)
     # v is the only one of the three that stays a view of the fused output: copy it out so the [s_l, (C*P +
     # 2*P*m) * d] buffer dies once RoPE has produced q and k (RoPE's products save only cos/sin).
     q, k, v = q.view(b, s_l, -1, head_dim), k.view(b, s_l, -1, head_dim), v.reshape(b, s_l, -1, head_dim).clone()
@@ -101,6 +105,16 @@ def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send,
     if kv_send is not None:
         k, v = k.index_select(2, kv_send), v.index_select(2, kv_send)
     return q, k, v
+
+
+def _lora_stage_qkv(x_BSE, cos, sin, sliced, lora_scales, lora_mask, *rest):
+    """:func:`_stage_qkv` from the stage's 12 sliced inputs (:func:`_stage_weights`); ``rest``: ``q_norm, k_norm,
+    kv_send, head_dim, norm_spec``. Without ``lora_mask`` the adapters fold into the weight rows; with
+    ``lora_mask [b, s_l]`` (bool) they act on those tokens only: the base rows plus :func:`.lora.stage_lora_delta`."""
+    if lora_mask is None:
+        return _stage_qkv(x_BSE, cos, sin, *fold_stage_lora(sliced, lora_scales), *rest)
+    return _stage_qkv(x_BSE, cos, sin, *sliced[:6], *rest,
+                      delta=stage_lora_delta(x_BSE, sliced, lora_scales, lora_mask))
 
 
 # Which heads index each of the 12 weight inputs: 0 = the stage's query heads, 1 = its K/V heads, None = whole
@@ -130,19 +144,20 @@ class FusedAttention(torch.autograd.Function):
     Inputs after ``x, cos, sin``: ``wq, bq, wk, bk, wv, bv`` head-split (``[heads, d, E]`` / ``[heads, d]``,
     see :func:`_stage_weights`), the LoRA ``A_q, B_q, A_k, B_k, A_v, B_v`` (None without adapters),
     ``q_norm, k_norm`` (biases and norms may be None), then the static ``stages, group, head_dim, norm_spec,
-    softmax_scale, backend, lora_scales`` (``norm_spec``: the q/k norms' ``(eps, zero_centered)``).
+    softmax_scale, backend, lora_scales`` (``norm_spec``: the q/k norms' ``(eps, zero_centered)``) and
+    ``lora_mask`` (``[b, s_l]`` bool: the tokens the adapters act on; None: all, folded).
     """
 
     @staticmethod
     def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, aq, b_q, ak, b_k, av, b_v, q_norm, k_norm, stages, group,
-                head_dim, norm_spec, scale, backend, lora_scales):
+                head_dim, norm_spec, scale, backend, lora_scales, lora_mask=None):
         heads = wq.shape[0]
         weights = (wq, bq, wk, bk, wv, bv, aq, b_q, ak, b_k, av, b_v)
         out = None  # [b, s_l, H, d], allocated at the first stage in the attention's dtype (autocast)
         lses = []
         for st in stages:
-            q, k, v = _stage_qkv(x, cos, sin, *fold_stage_lora(_stage_weights(weights, st, head_dim), lora_scales),
-                                 q_norm, k_norm, st.kv_send, head_dim, norm_spec)
+            q, k, v = _lora_stage_qkv(x, cos, sin, _stage_weights(weights, st, head_dim), lora_scales, lora_mask,
+                                      q_norm, k_norm, st.kv_send, head_dim, norm_spec)
             q_st, k_st, v_st = seq_to_head(q, group), seq_to_head(k, group), seq_to_head(v, group)  # [b, s, C|m, d]
             del q, k, v
             out_st, lse_st = attention_forward(q_st, k_st, v_st, causal=True, softmax_scale=scale, backend=backend)
@@ -152,7 +167,7 @@ class FusedAttention(torch.autograd.Function):
             out.index_copy_(2, st.q_index, head_to_seq(out_st, group))
             lses.append(lse_st)  # [b, C, s]
         ctx.save_for_backward(x, cos, sin, *weights, q_norm, k_norm, out, *lses)
-        ctx.static = (stages, group, head_dim, norm_spec, scale, backend, lora_scales)
+        ctx.static = (stages, group, head_dim, norm_spec, scale, backend, lora_scales, lora_mask)
         device = x.device.type  # the recomputation in backward must see forward's autocast state
         amp = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if amp else None
@@ -163,7 +178,7 @@ class FusedAttention(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: checkpoint's unpack hooks refuse a second read
         x, cos, sin, *weights, q_norm, k_norm, out = saved[:18]
         lses = saved[18:]
-        stages, group, head_dim, norm_spec, scale, backend, lora_scales = ctx.static
+        stages, group, head_dim, norm_spec, scale, backend, lora_scales, lora_mask = ctx.static
         need = ctx.needs_input_grad
         full = (x, None, None, *weights, q_norm, k_norm)
         rows = lambda i: 3 <= i <= 14 and _ROW_HEADS[i - 3] is not None  # noqa: E731  (head-row-indexed inputs)
@@ -177,8 +192,8 @@ class FusedAttention(torch.autograd.Function):
             with torch.enable_grad(), amp:
                 sliced = [None if t is None else t.detach().requires_grad_(need[3 + i])
                           for i, t in enumerate(_stage_weights(full[3:15], st, head_dim))]
-                q, k, v = _stage_qkv(x_leaf, cos, sin, *fold_stage_lora(sliced, lora_scales), *norms, st.kv_send,
-                                     head_dim, norm_spec)
+                q, k, v = _lora_stage_qkv(x_leaf, cos, sin, sliced, lora_scales, lora_mask, *norms, st.kv_send,
+                                          head_dim, norm_spec)
             q_st, k_st, v_st = (seq_to_head(t.detach(), group) for t in (q, k, v))
             out_st = seq_to_head(out.index_select(2, st.q_index), group)
             do_st = seq_to_head(grad_out.index_select(2, st.q_index), group)
@@ -204,16 +219,16 @@ class FusedAttention(torch.autograd.Function):
                 else:  # x, the A matrices and the norm weights in full
                     grads[i] += g
             del found
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, norm_spec, scale, backend,
-                          lora_scales, prefix_kv, return_kv):
+                          lora_scales, prefix_kv, return_kv, lora_mask=None):
     """Plain-autograd twin of :class:`FusedAttention` that also returns / consumes the K/V cache."""
     outs, keys, values = [], [], []
     for st in stages:
-        q, k, v = _stage_qkv(x, cos, sin, *fold_stage_lora(_stage_weights(weights, st, head_dim), lora_scales),
-                             q_norm, k_norm, st.kv_send, head_dim, norm_spec)
+        q, k, v = _lora_stage_qkv(x, cos, sin, _stage_weights(weights, st, head_dim), lora_scales, lora_mask,
+                                  q_norm, k_norm, st.kv_send, head_dim, norm_spec)
         q_st, k_st, v_st = SeqToHead.apply(q, group), SeqToHead.apply(k, group), SeqToHead.apply(v, group)
         if return_kv and st.cache_new:
             keys.append(k_st)
@@ -232,14 +247,15 @@ def _attention_with_cache(x, cos, sin, weights, q_norm, k_norm, stages, group, h
     return out, kv
 
 
-def _key_values(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, norm_spec, lora_scales):
+def _key_values(x, cos, sin, weights, q_norm, k_norm, stages, group, head_dim, norm_spec, lora_scales,
+                lora_mask=None):
     """The cache-layout ``(k, v)`` of :func:`_attention_with_cache`'s ``return_kv``, without attending."""
     keys, values = [], []
     for st in stages:
         if not st.cache_new:
             continue
-        _, k, v = _stage_qkv(x, cos, sin, *fold_stage_lora(_stage_weights(weights, st, head_dim), lora_scales),
-                             q_norm, k_norm, st.kv_send, head_dim, norm_spec)
+        _, k, v = _lora_stage_qkv(x, cos, sin, _stage_weights(weights, st, head_dim), lora_scales, lora_mask,
+                                  q_norm, k_norm, st.kv_send, head_dim, norm_spec)
         keys.append(SeqToHead.apply(k, group))
         values.append(SeqToHead.apply(v, group))
     return torch.cat(keys, dim=2), torch.cat(values, dim=2)
@@ -300,20 +316,22 @@ class DecoderAttention(nn.Module):
         lora, lora_scales = attention_lora(self)
         return weights + lora, q_norm, k_norm, lora_scales
 
-    def _output_gate(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _output_gate(self, hidden: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``sigmoid(gate) [b, s_l, H * d]``: the gate rows of ``q_proj`` applied to this rank's tokens."""
         h, d = self.num_heads, self.head_dim
         w = self.q_proj.weight.view(h, 2, d, -1)[:, 1].reshape(h * d, -1)
         b = None if self.q_proj.bias is None else self.q_proj.bias.view(h, 2, d)[:, 1].reshape(h * d)
-        gate, delta = F.linear(hidden, w, b), gate_delta(self, hidden)
+        gate, delta = F.linear(hidden, w, b), gate_delta(self, hidden, lora_mask)
         return torch.sigmoid(gate if delta is None else gate + delta)
 
-    def key_values(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Only ``(k, v)`` in cache layout ``[b, s, n_r, d]`` for the normed ``hidden [b, s_l, E]``."""
+    def key_values(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                   lora_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only ``(k, v)`` in cache layout ``[b, s, n_r, d]`` for the normed ``hidden [b, s_l, E]`` (``lora_mask``:
+        as in :meth:`forward`)."""
         cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
         weights, q_norm, k_norm, lora_scales = self._weights()
         return _key_values(hidden, cos, sin, weights, q_norm, k_norm, self.stages(hidden.device), self.sp_group,
-                           self.head_dim, self.norm_spec, lora_scales)
+                           self.head_dim, self.norm_spec, lora_scales, lora_mask)
 
     def forward(
         self,
@@ -322,6 +340,7 @@ class DecoderAttention(nn.Module):
         *,
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         return_kv: bool = False,
+        lora_mask: torch.Tensor | None = None,
     ):
         """Attention over the (possibly sequence-sharded) normed hidden states.
 
@@ -332,6 +351,8 @@ class DecoderAttention(nn.Module):
                 every token attends to the whole cache and causally to the new tokens.
             return_kv: also return this call's ``(k, v)`` in cache layout ``[b, s, n_r, d]`` (after k-norm
                 and RoPE), differentiable.
+            lora_mask: ``[b, s_l]`` bool, the local tokens the LoRA adapters act on (prefix-frozen adapters,
+                see :func:`.lora.adapters_from_position`); None: all tokens (folded into the weight rows).
         Returns:
             ``[b, s_l, E]``, and with ``return_kv`` the tuple ``(out, (k, v))``.
         """
@@ -340,12 +361,13 @@ class DecoderAttention(nn.Module):
         weights, q_norm, k_norm, lora_scales = self._weights()
         static = (stages, self.sp_group, self.head_dim, self.norm_spec, None, self.backend, lora_scales)
         if prefix_kv is None and not return_kv:
-            out = FusedAttention.apply(hidden, cos, sin, *weights, q_norm, k_norm, *static)
+            out = FusedAttention.apply(hidden, cos, sin, *weights, q_norm, k_norm, *static, lora_mask)
             kv = None
         else:
-            out, kv = _attention_with_cache(hidden, cos, sin, weights, q_norm, k_norm, *static, prefix_kv, return_kv)
+            out, kv = _attention_with_cache(hidden, cos, sin, weights, q_norm, k_norm, *static, prefix_kv, return_kv,
+                                            lora_mask)
         out = out.flatten(2)  # [b, s_l, H * d]
         if self.attn_output_gate:
-            out = out * self._output_gate(hidden)
-        out = self.o_proj(out)  # [b, s_l, E]
+            out = out * self._output_gate(hidden, lora_mask)
+        out = masked_linear(self.o_proj, out, lora_mask)  # [b, s_l, E]
         return (out, kv) if return_kv else out

@@ -31,6 +31,7 @@ from ..parallel import shift_labels as shift_hf_labels
 from .attention import DecoderAttention
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, DecoderConfig, MemoryConfig
 from .gated_deltanet import GatedDeltaNet
+from .lora import masked_linear
 from .norm import RMSNorm
 
 
@@ -70,8 +71,10 @@ class DecoderMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., tokens, E]``; ``lora_mask [..., tokens]``: the tokens LoRA adapters act on (None: all)."""
+        act = F.silu(masked_linear(self.gate_proj, x, lora_mask)) * masked_linear(self.up_proj, x, lora_mask)
+        return masked_linear(self.down_proj, act, lora_mask)
 
 
 class DecoderLayer(nn.Module):
@@ -79,6 +82,9 @@ class DecoderLayer(nn.Module):
 
     The mixer is the layer type's: ``self_attn`` (:class:`DecoderAttention`, ``"full_attention"``) or
     ``linear_attn`` (:class:`GatedDeltaNet`, ``"linear_attention"``), named as in transformers.
+
+    ``adapter_start``: with prefix-frozen LoRA adapters, the first global position they act on (None: all;
+    set by :func:`.lora.adapters_from_position`); :meth:`adapter_mask` turns ``position_ids`` into the mask.
     """
 
     def __init__(self, config: DecoderConfig, memory: MemoryConfig, layer_type: str = FULL_ATTENTION) -> None:
@@ -93,14 +99,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero)
         self.mlp = DecoderMLP(config)
         self.mlp_chunk_size = memory.mlp_chunk_size
+        self.adapter_start: int | None = None
 
     @property
     def mixer(self) -> nn.Module:
         """The token mixer: ``self_attn`` or ``linear_attn``."""
         return self.linear_attn if self.layer_type == LINEAR_ATTENTION else self.self_attn
 
+    def adapter_mask(self, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """``[b, s_l]`` bool, ``position_ids >= adapter_start``: the tokens the LoRA adapters act on (None: all)."""
+        return None if self.adapter_start is None else position_ids >= self.adapter_start
+
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, prefix_state=None,
-                return_state: bool = False, state_every: int | None = None):
+                return_state: bool = False, state_every: int | None = None, lora_mask: torch.Tensor | None = None):
         """``hidden [b, s_l, E]`` at global ``position_ids [b, s_l]`` -> ``[b, s_l, E]``.
 
         Prompt state (LongStraw, generation): with ``prefix_state`` the tokens continue earlier ones, with
@@ -108,21 +119,28 @@ class DecoderLayer(nn.Module):
         Attention layers: ``(k_cache, v_cache)`` in cache layout (every token attends to the whole cache and
         causally to itself, see :mod:`.attention`). Linear layers: a :class:`LinearState` (the recurrent state
         and the conv tail; ``state_every=N`` adds graph-free states every N tokens, see :mod:`.gated_deltanet`).
+        ``lora_mask``: ``[b, s_l]`` bool, the tokens LoRA adapters act on; default :meth:`adapter_mask`
+        (activation checkpointing passes it, so the recomputation does not read ``adapter_start`` again).
         """
+        lora_mask = self.adapter_mask(position_ids) if lora_mask is None else lora_mask
         normed = self.input_layernorm(hidden)
         if self.layer_type == LINEAR_ATTENTION:
             mixed = self.linear_attn(normed, prefix_state=prefix_state, return_state=return_state,
                                      state_every=state_every)
         else:
-            mixed = self.self_attn(normed, position_ids, prefix_kv=prefix_state, return_kv=return_state)
+            mixed = self.self_attn(normed, position_ids, prefix_kv=prefix_state, return_kv=return_state,
+                                   lora_mask=lora_mask)
         mixed, state = mixed if return_state else (mixed, None)
-        hidden = self.residual_mlp(hidden, mixed)
+        hidden = self.residual_mlp(hidden, mixed, lora_mask)
         return (hidden, state) if return_state else hidden
 
-    def residual_mlp(self, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
-        """``h = hidden + mixed``, then ``h + mlp(norm(h))``: the layer after its token mixer."""
+    def residual_mlp(self, hidden: torch.Tensor, mixed: torch.Tensor,
+                     lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``h = hidden + mixed``, then ``h + mlp(norm(h))``: the layer after its token mixer (``lora_mask
+        [b, s_l]``: where LoRA adapters act, None: everywhere; it follows the tiled MLP's tiles)."""
         hidden = hidden + mixed
-        return hidden + tiled_mlp(self.mlp, self.post_attention_layernorm(hidden), self.mlp_chunk_size)
+        return hidden + tiled_mlp(self.mlp, self.post_attention_layernorm(hidden), self.mlp_chunk_size,
+                                  token_mask=lora_mask)
 
     def prompt_state(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, state_every: int | None = None):
         """Only this layer's state for ``hidden``, as ``forward(..., return_state=True)`` returns it, without the
@@ -131,7 +149,45 @@ class DecoderLayer(nn.Module):
         normed = self.input_layernorm(hidden)
         if self.layer_type == LINEAR_ATTENTION:
             return self.linear_attn.core(normed, return_state=True, state_every=state_every)[1]
-        return self.self_attn.key_values(normed, position_ids)
+        return self.self_attn.key_values(normed, position_ids, lora_mask=self.adapter_mask(position_ids))
+
+    def decode_step(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache, prompt_state=None):
+        """One decoding step for ``B`` rows (:mod:`.decode`): ``hidden [B, T, E]`` of the new tokens, the same
+        on every SP rank, at global ``position_ids [B, T]`` -> ``[B, T, E]`` (the same on every rank).
+
+        ``cache``: the rows' own state (:func:`.decode.new_decode_cache`), advanced in place past these tokens.
+        ``prompt_state``: this layer's prompt K/V (attention, head-sharded; read, never written) or None; a
+        Gated DeltaNet layer's prompt state is already the start of ``cache``. One method so FSDP2 can gather
+        the layer's parameters around it (``register_fsdp_forward_method``)."""
+        from .decode import attention_decode, linear_decode
+
+        normed = self.input_layernorm(hidden)
+        if self.layer_type == LINEAR_ATTENTION:
+            mixed = linear_decode(self.linear_attn, normed, cache)
+        else:
+            mixed = attention_decode(self.self_attn, normed, position_ids, prompt_state, cache)
+        return self.residual_mlp(hidden, mixed)
+
+    # The pieces of a Gated DeltaNet layer's grouped backward over the prompt
+    # (:func:`lightning_longctx.longstraw.linear_backward.linear_layer_backward`), each a forward of its own: under
+    # FSDP2 they are registered forward methods, so FSDP gathers the layer's parameters around each piece and its
+    # backward (reduce-scattering the gradients) as it does around ``forward``.
+    def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``input_layernorm(hidden [b, s_l, E])``."""
+        return self.input_layernorm(hidden)
+
+    def linear_scan_output(self, normed: torch.Tensor) -> torch.Tensor:
+        """The scan output ``o [b, s_l, Hv, Dv]`` of the normed input (see :meth:`GatedDeltaNet.core`)."""
+        return self.linear_attn.core(normed)[0]
+
+    def linear_output_side(self, hidden: torch.Tensor, o: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The layer's output ``[b, s_l, E]`` from its input, scan output and normed input: gated norm,
+        ``out_proj``, residual, MLP."""
+        return self.residual_mlp(hidden, self.linear_attn.finish(o, normed))
+
+    def linear_stage_inputs(self, normed: torch.Tensor, stage):
+        """One head stage's scan inputs over the full sequence (:meth:`GatedDeltaNet.stage_inputs`)."""
+        return self.linear_attn.stage_inputs(normed, stage)
 
 
 class DecoderModel(nn.Module):
@@ -215,12 +271,16 @@ class DecoderLM(nn.Module):
         return self.model.norm(hidden)
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, chunk_size: int | None = None,
-                       return_entropy: bool = False):
+                       return_entropy: bool = False, temperature: float = 1.0):
         """Log-probs ``[T]`` of ``targets [T]`` (0 where ignored) from the last layer's ``hidden [T, E]``: the
         final norm and lm_head, chunked so ``[T, vocab]`` logits never exist (``ops.chunked_token_logprobs``;
-        with ``return_entropy`` also the entropies ``[T]``). One method, so FSDP2 can gather the root's
+        with ``return_entropy`` also the entropies ``[T]``), of ``softmax(logits / temperature)`` (the logits
+        are linear in the normed hidden, so it is scaled instead). One method, so FSDP2 can gather the root's
         parameters around it (``register_fsdp_forward_method``)."""
-        return chunked_token_logprobs(self.model.norm(hidden), self.output_weight, targets, chunk_size=chunk_size,
+        normed = self.model.norm(hidden)
+        if temperature != 1.0:
+            normed = normed / temperature
+        return chunked_token_logprobs(normed, self.output_weight, targets, chunk_size=chunk_size,
                                       return_entropy=return_entropy)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -240,7 +300,8 @@ class DecoderLM(nn.Module):
         hooks = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload
                  else contextlib.nullcontext())
         with hooks:
-            return checkpoint(layer, hidden, position_ids, use_reentrant=False)
+            return checkpoint(layer, hidden, position_ids, lora_mask=layer.adapter_mask(position_ids),
+                              use_reentrant=False)
 
     def forward(
         self,
@@ -329,13 +390,14 @@ class DecoderLM(nn.Module):
         save_pretrained(self, path, max_shard_size=max_shard_size)
 
     # ------------------------------------------------------------------------------------------- LoRA
-    def add_lora(self, r: int, alpha: float, target_modules, dropout: float = 0.0) -> None:
+    def add_lora(self, r: int, alpha: float, target_modules, dropout: float = 0.0, on_prompt: bool = True) -> None:
         """Freeze every parameter and attach LoRA adapters (PEFT's ``lora.Linear``, scale ``alpha / r``) to the
         ``target_modules`` among ``q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj``; see
-        :mod:`.lora`. ``dropout > 0`` is refused."""
+        :mod:`.lora`. ``dropout > 0`` is refused. ``on_prompt=False``: prefix-frozen adapters, acting only from
+        the position :meth:`adapters_from_position` sets (LongStraw: on the responses, not the prompt)."""
         from .lora import add_lora
 
-        add_lora(self, r, alpha, target_modules, dropout)
+        add_lora(self, r, alpha, target_modules, dropout, on_prompt)
 
     def has_lora(self) -> bool:
         """Whether LoRA adapters are attached (and unmerged)."""
@@ -354,6 +416,13 @@ class DecoderLM(nn.Module):
         from .lora import adapters_disabled
 
         return adapters_disabled(self)
+
+    def adapters_from_position(self, start: int):
+        """Context manager: ``on_prompt=False`` adapters act on global positions ``>= start`` only (a no-op
+        otherwise); see :func:`.lora.adapters_from_position`."""
+        from .lora import adapters_from_position
+
+        return adapters_from_position(self, start)
 
     def save_adapter(self, path) -> None:
         """Write the adapters in PEFT's format (``PeftModel.from_pretrained`` on the transformers model)."""

@@ -16,9 +16,24 @@ Where the adapter acts:
 * ``o_proj`` and the MLP projections: the low-rank path ``base(x) + s * (x A^T) B^T`` (:class:`LoRALinear`),
   also inside ``tiled_mlp`` tiles (the adapters are module parameters, so the tiles see them).
 
+Prefix-frozen adapters (``add_lora(..., on_prompt=False)``): inside :func:`adapters_from_position`
+``(model, start)`` a token at global position ``p`` uses the adapted weights iff ``p >= start``, the base weights
+otherwise. Each decoder layer turns its ``position_ids [b, s_l]`` into a token mask ``[b, s_l]`` (per local token,
+so under sequence parallelism each rank masks its own slice before the q/k/v projections and their all-to-all)
+and every adapter multiplies its rank-``r`` intermediate ``x A^T`` by it: ``W x + b + s * B (m * A x)``. The
+fused attention then cannot fold ``B_rows @ A`` into the weight rows (one weight for all tokens): a masked stage
+runs the base rows and adds :func:`stage_lora_delta` (forward, the backward recompute, the K/V-prefix path and
+``key_values`` alike); the tiled MLP slices the mask with its tiles. Without a start (or with
+``on_prompt=True`` adapters, or none) nothing changes: the folded path, no extra matmul. LongStraw's prompt passes
+run with the adapters disabled and its branches from position ``len(prompt)``: the prompt state then depends on
+frozen weights only, and the step needs no grouped backward (see :mod:`lightning_longctx.longstraw.step`).
+
 Adapter files are PEFT's (``adapter_config.json``, ``adapter_model.safetensors`` with keys
 ``base_model.model.<our name>.lora_A.weight``): ``peft.PeftModel.from_pretrained`` on the transformers model
-reads :func:`save_adapter`'s output, and :func:`load_adapter` reads PEFT's ``save_pretrained``.
+reads :func:`save_adapter`'s output, and :func:`load_adapter` reads PEFT's ``save_pretrained``. PEFT's format
+has no prefix-frozen field: ``on_prompt=False`` is written as ``"lightning_longctx_on_prompt": false``, which
+PEFT 0.21 drops with a warning ("Unexpected keyword arguments ... these are ignored"; it then applies the
+adapters on every position), and which :func:`load_adapter` reads back (absent: ``True``).
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ from torch.nn import functional as F
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LINEAR_ATTN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "adapter_config.json", "adapter_model.safetensors", "base_model.model."
+ON_PROMPT_KEY = "lightning_longctx_on_prompt"  # ours, in adapter_config.json: PEFT ignores unknown keys
 # adapter_config.json fields we do not implement: each must hold one of its "off" values.
 _UNSUPPORTED = {
     "use_dora": (False, None), "use_rslora": (False, None), "modules_to_save": (None, []), "bias": ("none",),
@@ -52,18 +68,32 @@ class LoRALinear(nn.Linear):
     """An ``nn.Linear`` with a LoRA adapter (made by :func:`add_lora`, which switches the module's class).
 
     Attributes: ``lora_A`` / ``lora_B`` (bias-free ``nn.Linear`` children), ``scaling`` (``alpha / r``),
-    ``lora_enabled`` (False inside :func:`adapters_disabled`)."""
+    ``lora_enabled`` (False inside :func:`adapters_disabled`), ``lora_on_prompt`` (see :func:`add_lora`)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., tokens, in]`` -> ``[..., tokens, out]``; ``lora_mask [..., tokens]`` (bool): the adapter
+        acts only on those tokens (None: on all)."""
         out = F.linear(x, self.weight, self.bias)
         if not self.lora_enabled:
             return out
-        return out + _low_rank(x, self.lora_A.weight, self.lora_B.weight, self.scaling).to(out.dtype)
+        return out + _low_rank(x, self.lora_A.weight, self.lora_B.weight, self.scaling, lora_mask).to(out.dtype)
 
 
-def _low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``scaling * (x A^T) B^T``, in A's dtype (as PEFT: ``x`` is cast to the adapter's dtype)."""
-    return F.linear(F.linear(x.to(a.dtype), a), b) * scaling
+def _low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``scaling * (m * x A^T) B^T``, in A's dtype (as PEFT: ``x`` is cast to the adapter's dtype); the token
+    mask ``mask [..., tokens]`` (None: all ones) multiplies the rank-``r`` intermediate, not ``x``."""
+    low = F.linear(x.to(a.dtype), a)
+    if mask is not None:
+        low = low * mask.unsqueeze(-1).to(low.dtype)
+    return F.linear(low, b) * scaling
+
+
+def masked_linear(module: nn.Linear, x: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
+    """``module(x)``, its adapter (if any) acting only on the tokens of ``lora_mask [..., tokens]`` (None: all)."""
+    if lora_mask is None or not isinstance(module, LoRALinear):
+        return module(x)
+    return module(x, lora_mask)
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
@@ -84,8 +114,12 @@ def _targets(target_modules) -> list[str]:
     return sorted(set(names), key=TARGETS.index)
 
 
-def add_lora(model: nn.Module, r: int, alpha: float, target_modules: Iterable[str], dropout: float = 0.0) -> None:
-    """Freeze every parameter of ``model`` and attach adapters to the ``target_modules`` projections."""
+def add_lora(model: nn.Module, r: int, alpha: float, target_modules: Iterable[str], dropout: float = 0.0,
+             on_prompt: bool = True) -> None:
+    """Freeze every parameter of ``model`` and attach adapters to the ``target_modules`` projections.
+
+    ``on_prompt=False``: prefix-frozen adapters, acting only from the start position that
+    :func:`adapters_from_position` sets (LongStraw: the response tokens); without a start they act everywhere."""
     from .attention import DecoderAttention
     from .decoder import DecoderMLP
 
@@ -93,6 +127,8 @@ def add_lora(model: nn.Module, r: int, alpha: float, target_modules: Iterable[st
         raise ValueError(f"LoRA rank r={r!r} must be a positive int")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
         raise ValueError(f"lora alpha={alpha!r} must be a positive number")
+    if not isinstance(on_prompt, bool):
+        raise ValueError(f"on_prompt={on_prompt!r} must be a bool")
     if dropout != 0:
         raise ValueError(f"LoRA dropout={dropout!r} is not supported: the fused attention and the tiled MLP "
                          "recompute the adapters' inputs in backward, so a dropout mask cannot be replayed; "
@@ -117,6 +153,7 @@ def add_lora(model: nn.Module, r: int, alpha: float, target_modules: Iterable[st
         linear.__class__ = LoRALinear
         linear.lora_A, linear.lora_B = lora_a, lora_b
         linear.scaling, linear.lora_enabled, linear.lora_rank, linear.lora_alpha = alpha / r, True, r, alpha
+        linear.lora_on_prompt = on_prompt
 
 
 def _remove(model: nn.Module, merge: bool) -> None:
@@ -127,7 +164,7 @@ def _remove(model: nn.Module, merge: bool) -> None:
                 acc = torch.promote_types(m.weight.dtype, a.dtype)
                 m.weight.copy_(m.weight.to(acc) + m.scaling * (b.to(acc) @ a.to(acc)))
         del m.lora_A, m.lora_B
-        for attr in ("scaling", "lora_enabled", "lora_rank", "lora_alpha"):
+        for attr in ("scaling", "lora_enabled", "lora_rank", "lora_alpha", "lora_on_prompt"):
             delattr(m, attr)
         m.__class__ = nn.Linear
 
@@ -153,6 +190,41 @@ def adapters_disabled(model: nn.Module):
     finally:
         for m, state in zip(modules, before):
             m.lora_enabled = state
+
+
+def lora_on_prompt(model: nn.Module) -> bool | None:
+    """The adapters' ``on_prompt`` (None: no adapters)."""
+    modules = lora_modules(model)
+    return modules[0][1].lora_on_prompt if modules else None
+
+
+def prompt_frozen(model: nn.Module) -> bool:
+    """Whether nothing trainable acts before the adapter start: ``on_prompt=False`` adapters, and no trainable
+    parameter besides them (LongStraw's prompt state then depends on frozen weights only)."""
+    if lora_on_prompt(model) is not False:
+        return False
+    adapters = {id(part.weight) for _, m in lora_modules(model) for part in (m.lora_A, m.lora_B)}
+    return all(id(p) in adapters for p in model.parameters() if p.requires_grad)
+
+
+@contextlib.contextmanager
+def adapters_from_position(model: nn.Module, start: int):
+    """``on_prompt=False`` adapters act on the tokens at global positions ``>= start`` only (the base weights
+    before it). Sets ``adapter_start`` on every decoder layer, which masks its adapters from its
+    ``position_ids``; a no-op for ``on_prompt=True`` adapters or none. The mask is fixed when a layer runs (the
+    fused attention and the tiled MLP keep it for their backward recompute; ``DecoderLM``'s activation
+    checkpoints take it as an input), so a backward after the block is still exact."""
+    from .decoder import DecoderLayer
+
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)] if lora_on_prompt(model) is False else []
+    before = [layer.adapter_start for layer in layers]
+    for layer in layers:
+        layer.adapter_start = int(start)
+    try:
+        yield model
+    finally:
+        for layer, state in zip(layers, before):
+            layer.adapter_start = state
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -185,14 +257,30 @@ def fold_stage_lora(sliced, scales):
     return weights
 
 
-def gate_delta(attn, hidden: torch.Tensor) -> torch.Tensor | None:
-    """The adapter's part of a gated ``q_proj``'s gate pre-activations ``[b, s_l, H * d]`` (None: no adapter)."""
+def stage_lora_delta(x, sliced, scales, mask) -> torch.Tensor | None:
+    """The masked adapters' part of a stage's fused q/k/v projection, ``[b, s_l, rows_q + rows_k + rows_v]`` in
+    ``x``'s dtype (None: no adapter): ``s * (m * x A^T) B_rows^T`` per projection, zero rows where one has none.
+
+    ``x [b, s_l, E]``, ``sliced``: the stage's 12 inputs (:func:`fold_stage_lora`), ``mask [b, s_l]`` (bool).
+    One ``[E, n * r]`` and one block-diagonal ``[n * r, rows]`` matmul for the ``n`` adapted projections."""
+    a_list = [a for a in sliced[6::2] if a is not None]
+    if not a_list:
+        return None
+    low = F.linear(x.to(a_list[0].dtype), torch.cat(a_list)) * mask.unsqueeze(-1).to(a_list[0].dtype)
+    blocks = [low.new_zeros(sliced[2 * i].shape[0], 0) if a is None else s * b
+              for i, (a, b, s) in enumerate(zip(sliced[6::2], sliced[7::2], scales))]
+    return F.linear(low, torch.block_diag(*blocks)).to(x.dtype)
+
+
+def gate_delta(attn, hidden: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The adapter's part of a gated ``q_proj``'s gate pre-activations ``[b, s_l, H * d]`` (None: no adapter);
+    ``lora_mask [b, s_l]``: only on those tokens (None: all)."""
     m = attn.q_proj
     if not (isinstance(m, LoRALinear) and m.lora_enabled):
         return None
     h, d = attn.num_heads, attn.head_dim
     b = m.lora_B.weight.view(h, 2, d, -1)[:, 1].reshape(h * d, -1)
-    return _low_rank(hidden, m.lora_A.weight, b, m.scaling).to(hidden.dtype)
+    return _low_rank(hidden, m.lora_A.weight, b, m.scaling, lora_mask).to(hidden.dtype)
 
 
 # ------------------------------------------------------------------------------------------- PEFT files
@@ -212,6 +300,8 @@ def save_adapter(model: nn.Module, path) -> None:
         "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
         "rank_pattern": {}, "alpha_pattern": {}, "exclude_modules": None, "lora_bias": False,
     }
+    if not first.lora_on_prompt:  # only then: PEFT warns about (and ignores) a key it does not know
+        config[ON_PROMPT_KEY] = False
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     state = {f"{KEY_PREFIX}{name}.{part}.weight": getattr(m, part).weight.detach().to("cpu").contiguous()
              for name, m in modules for part in ("lora_A", "lora_B")}
@@ -230,6 +320,8 @@ def read_adapter_config(path) -> dict:
     for field in ("r", "lora_alpha", "target_modules"):
         if field not in config:
             raise ValueError(f"adapter_config.json has no {field!r}")
+    if not isinstance(config.get(ON_PROMPT_KEY, True), bool):
+        raise ValueError(f"adapter_config.json: {ON_PROMPT_KEY}={config[ON_PROMPT_KEY]!r} must be true or false")
     if isinstance(config["target_modules"], str):
         raise ValueError(f"adapter_config.json: target_modules={config['target_modules']!r} is a regex; only a "
                          f"list of module names among {', '.join(TARGETS)} is supported")
@@ -240,14 +332,16 @@ def load_adapter(model: nn.Module, path, *, ignore_dropout: bool = False) -> Non
     """Attach the adapters of a PEFT LoRA directory (ours or PEFT's ``save_pretrained``) to ``model``.
 
     ``ignore_dropout``: accept a config with ``lora_dropout > 0`` and run without dropout (inference, or
-    training knowingly without it); otherwise such a config is refused."""
+    training knowingly without it); otherwise such a config is refused. ``on_prompt`` comes from our key
+    ``lightning_longctx_on_prompt`` (True without it, e.g. for PEFT's own files)."""
     config = read_adapter_config(path)
     dropout = config.get("lora_dropout") or 0.0
     if dropout and not ignore_dropout:
         raise ValueError(f"adapter_config.json: lora_dropout={dropout!r} is not supported (see add_lora); pass "
                          "ignore_dropout=True to load it without dropout")
     state = load_file(str(Path(path) / WEIGHTS_FILE))
-    add_lora(model, config["r"], config["lora_alpha"], config["target_modules"])
+    add_lora(model, config["r"], config["lora_alpha"], config["target_modules"],
+             on_prompt=config.get(ON_PROMPT_KEY, True))
     try:
         params = {f"{KEY_PREFIX}{name}.{part}.weight": getattr(m, part).weight
                   for name, m in lora_modules(model) for part in ("lora_A", "lora_B")}

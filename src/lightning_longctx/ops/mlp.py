@@ -61,17 +61,22 @@ def _accumulate(total: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
     return total + grad
 
 
+def _call(fn, x_chunk, mask, start, end):
+    """``fn`` on one tile, with its slice of the per-token ``mask [..., tokens]`` when there is one."""
+    return fn(x_chunk) if mask is None else fn(x_chunk, mask[..., start:end])
+
+
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, chunk_size, x, *params):
+    def forward(ctx, fn, chunk_size, x, mask, *params):
         # Inside Function.forward grad is disabled: no chunk keeps a graph.
         out = None
         for start, end in _chunk_bounds(x.shape[-2], chunk_size):
-            out_chunk = fn(x[..., start:end, :])
+            out_chunk = _call(fn, x[..., start:end, :], mask, start, end)
             if out is None:
                 out = out_chunk.new_empty((*out_chunk.shape[:-2], x.shape[-2], out_chunk.shape[-1]))
             out[..., start:end, :] = out_chunk
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x, mask)
         ctx.fn, ctx.chunk_size, ctx.params = fn, chunk_size, params  # params are inputs: no ref cycle
         device = x.device.type  # backward may run on a thread without forward's autocast state
         if torch.amp.is_autocast_available(device):
@@ -82,15 +87,15 @@ class _TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
+        x, mask = ctx.saved_tensors
         need_x = ctx.needs_input_grad[2]
-        params = [p for p, need in zip(ctx.params, ctx.needs_input_grad[3:]) if need]
+        params = [p for p, need in zip(ctx.params, ctx.needs_input_grad[4:]) if need]
         grad_x = torch.empty_like(x) if need_x else None
         grad_params: list[torch.Tensor | None] = [None] * len(params)
         for index, (start, end) in enumerate(_chunk_bounds(x.shape[-2], ctx.chunk_size)):
             x_chunk = x[..., start:end, :].detach().requires_grad_(need_x)
             with torch.enable_grad(), _autocast(ctx.autocast):
-                out_chunk = ctx.fn(x_chunk)
+                out_chunk = _call(ctx.fn, x_chunk, mask, start, end)
             inputs = [x_chunk, *params] if need_x else params
             if index == 0:
                 _check_no_hidden_leaves(out_chunk, inputs)
@@ -103,7 +108,7 @@ class _TiledMLP(torch.autograd.Function):
                     grad_params[i] = _accumulate(grad_params[i], grad)
             del out_chunk, x_chunk, grads
         summed = iter(g if g is None else g.to(p.dtype) for g, p in zip(grad_params, params))
-        return None, None, grad_x, *(next(summed) if need else None for need in ctx.needs_input_grad[3:])
+        return None, None, grad_x, None, *(next(summed) if need else None for need in ctx.needs_input_grad[4:])
 
 
 def _autocast(state: tuple[str, bool, torch.dtype] | None):
@@ -119,6 +124,7 @@ def tiled_mlp(
     chunk_size: int | None,
     *,
     params: Sequence[torch.Tensor] | None = None,
+    token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fn(x)`` computed over slices of the token dimension, recomputed slice by slice in backward.
 
@@ -131,6 +137,9 @@ def tiled_mlp(
         params: every tensor requiring grad that ``fn`` uses; defaults to ``fn.parameters()`` for a Module
             and to none for a function (a function closing over trainable tensors must list them: backward
             raises if it finds one that is missing).
+        token_mask: an optional per-token tensor ``[..., tokens]`` (e.g. where prefix-frozen LoRA adapters act,
+            :func:`lightning_longctx.models.lora.adapters_from_position`), sliced with ``x``'s tiles and passed
+            as ``fn(x_tile, mask_tile)``; None: ``fn(x_tile)``.
     Returns:
         ``[..., tokens, out]``, equal to ``fn(x)``, with gradients for ``x`` and ``params`` equal to the
         plain call's.
@@ -142,8 +151,8 @@ def tiled_mlp(
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be a positive number of tokens or None")
     if chunk_size is None or chunk_size >= x.shape[-2]:
-        return fn(x)
+        return fn(x) if token_mask is None else fn(x, token_mask)
     if params is None:
         params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     trainable = list({id(p): p for p in params if p.requires_grad}.values())  # each tensor once
-    return _TiledMLP.apply(fn, chunk_size, x, *trainable)
+    return _TiledMLP.apply(fn, chunk_size, x, token_mask, *trainable)

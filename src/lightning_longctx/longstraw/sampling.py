@@ -1,0 +1,212 @@
+"""Fast rollouts: G responses decoded together from one prefill of the shared prompt, linear in their length.
+
+:func:`sample` prefills the prompt once (``prefix.prefill``, no autograd) and then decodes the G responses as
+one batch of rows, each with its own growing state, over that one prompt state:
+
+1. **Prompt tail** (the 1..P prompt tokens not in the cache): one short step shared by all G, ``B = 1`` row
+   of ``T = len(tail)`` tokens; its K/V become the first entries of the row cache (Gated DeltaNet: the state
+   after it), then the row is copied to G rows and the first tokens are drawn from its last logits.
+2. **Decode steps**: the G tokens just drawn, ``[G, 1]``, run through every layer's
+   :meth:`~lightning_longctx.models.DecoderLayer.decode_step` (:mod:`lightning_longctx.models.decode`):
+   attention layers read the prompt cache ONCE per step with all ``G x (query heads per K/V head)`` queries
+   stacked, attend over each row's own cache, and merge the two by log-sum-exp; linear layers take one conv
+   step and one delta-rule step per head. Cost per step: one read of the prompt cache per layer plus
+   ``O(G * t)`` for the rows' own caches, so a response of ``T`` tokens costs ``T`` steps, not the ``O(T^2)``
+   re-runs of replaying the whole branch per token.
+3. Responses that draw ``eos_token_id`` stop; the finished rows are dropped from the batch (their caches
+   too), so they cost nothing afterwards and nothing later changes their output.
+
+Under sequence parallelism over ``group`` (``P`` ranks, the prompt cache head-sharded) every rank holds the
+new tokens' hidden states (``[G, 1, E]``: replicated, tiny), computes q/k/v of its own heads only and attends
+over its heads' cache shard; per layer and step one all-gather of the head outputs (``[G, 1, H/P, d]`` per
+rank) precedes ``o_proj`` (linear layers: of the value-head outputs, before the gated norm). MLP, final
+norm and lm_head run replicated, so every rank computes the same logits; the tokens drawn on the group's
+first rank are broadcast (one ``[G]`` int collective per step), so every rank continues with exactly the
+same tokens even if its generator was seeded differently.
+
+Sampling (:func:`restricted_probs`): ``softmax(logits / temperature)`` restricted first by **top-k** (the
+``k`` largest logits, ties at the k-th value kept) and renormalised, then by **top-p** (the smallest set of
+most probable tokens whose mass is ``>= top_p``) and renormalised: the order of transformers' warpers, TRL
+and vLLM. ``temperature=0`` is greedy (argmax). Draws use ``generator`` (a CPU generator), one per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..models.decode import new_decode_cache
+from ..parallel import gather_ints, group_size, set_sequence_parallel_group
+from .prefix import PromptState, check_prompt_state, prefill, prompt_weights
+
+StepHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def validate_sampling(model, prompt_ids, num_responses, *, max_new_tokens, temperature, top_p, top_k,
+                      eos_token_id, group=None, prompt_state=None) -> None:
+    """Every input check of :func:`sample`; raises ``ValueError`` naming the values, before any work."""
+    vocab = model.output_weight.shape[0]
+    if isinstance(num_responses, bool) or not isinstance(num_responses, int) or num_responses < 1:
+        raise ValueError(f"num_responses={num_responses!r} must be an int >= 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k={top_k!r} must be None or an int >= 0 (0 = off)")
+    if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < vocab):
+        raise ValueError(f"eos_token_id={eos_token_id!r} must be None or a token id in [0, {vocab})")
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
+        shape = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
+        raise ValueError(f"prompt_ids must be a non-empty 1-D tensor of token ids, got {shape}")
+    low, high = int(prompt_ids.min()), int(prompt_ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"prompt_ids has token ids in [{low}, {high}], outside the vocabulary [0, {vocab})")
+    dynamic = [i for i, layer in enumerate(getattr(model, "layers", [])) if getattr(
+        getattr(getattr(layer, "self_attn", None), "rotary", None), "is_dynamic", False)]
+    if dynamic:
+        raise ValueError(f"layers {dynamic} use a length-dependent RoPE (dynamic NTK / longrope): decoding over a "
+                         "prompt state needs a static RoPE type (default, linear, llama3, yarn)")
+    if prompt_state is not None:  # same prompt and group, parameters unchanged since its prefill
+        check_prompt_state(prompt_state, model, prompt_ids, group)
+
+
+def restricted_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
+    """The distribution :func:`sample` draws from, ``[n, vocab]`` (rows sum to 1) for ``logits [n, vocab]``.
+
+    ``temperature == 0``: one-hot at the argmax. Else ``softmax(logits / temperature)``, then top-k (keep
+    the logits ``>=`` the k-th largest; 0 or None = off), renormalised, then top-p (sort descending, keep
+    each token whose preceding mass is ``< top_p``: the smallest set with mass ``>= top_p``), renormalised."""
+    if temperature == 0:
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
+    scaled = logits / temperature
+    if top_k and top_k < scaled.shape[1]:
+        kth = torch.topk(scaled, top_k, dim=1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=1)
+    if top_p < 1:
+        sorted_probs, order = torch.sort(probs, dim=1, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=1) - sorted_probs < top_p
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
+        probs = probs / probs.sum(dim=1, keepdim=True)
+    return probs
+
+
+def draw_tokens(probs: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs [n, vocab]`` (``[n]`` int64, on the host): argmax when greedy, else a
+    multinomial draw per row with ``generator`` (CPU)."""
+    if temperature == 0:
+        return probs.argmax(dim=1).cpu()
+    return torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0]
+
+
+def _agree(tokens: torch.Tensor, group, device) -> torch.Tensor:
+    """The group's first rank's ``tokens`` on every rank (one small broadcast; on ``device``: NCCL refuses
+    host tensors)."""
+    if group_size(group) == 1:
+        return tokens
+    shared = tokens.to(device)
+    dist.broadcast(shared, src=dist.get_global_rank(group, 0), group=group)
+    return shared.cpu()
+
+
+def _check_group_agrees(prompt_ids, num_responses, max_new_tokens, group) -> None:
+    if group_size(group) == 1:
+        return
+    rows = gather_ints([prompt_ids.numel(), num_responses, max_new_tokens], group, prompt_ids.device)
+    if len(set(rows)) != 1:
+        described = ", ".join(f"rank {r}: prompt={a} G={b} max_new_tokens={c}" for r, (a, b, c) in enumerate(rows))
+        raise ValueError(f"ranks of the sequence-parallel group disagree on the sampling call ({described})")
+
+
+def _step(model, state: PromptState, caches, token_ids, start: int) -> torch.Tensor:
+    """Run ``token_ids [B, T]`` at positions ``start + [0, T)`` through every layer; logits ``[B, vocab]``
+    of the last token of each row."""
+    b, t = token_ids.shape
+    positions = torch.arange(start, start + t, device=token_ids.device).expand(b, t)
+    hidden = model.embed(token_ids)
+    for index, layer in enumerate(model.layers):
+        # the prompt's K/V are re-read from the state each step (with an offloaded state: staged per layer)
+        prompt_kv = None if layer.layer_type == "linear_attention" else state.layer_cache(index)
+        hidden = layer.decode_step(hidden, positions, caches[index], prompt_kv)
+    return model.head_logits(hidden[:, -1])
+
+
+@torch.no_grad()
+def sample(
+    model, prompt_ids: torch.Tensor, num_responses: int, *, max_new_tokens: int, temperature: float = 1.0,
+    top_p: float = 1.0, top_k: int | None = 0, eos_token_id: int | None = None, group=None,
+    generator: torch.Generator | None = None, prompt_state: PromptState | None = None,
+    on_step: StepHook | None = None,
+) -> list[torch.Tensor]:
+    """Sample ``num_responses`` responses to ``prompt_ids``, decoded together over one prefill.
+
+    Args:
+        model: a ``DecoderLM`` (plain attention, Gated DeltaNet hybrids, LoRA adapters).
+        prompt_ids: ``[S]``, the same on every rank of ``group``.
+        num_responses: ``G >= 1``.
+        max_new_tokens: at most this many tokens per response (>= 1).
+        temperature: ``0`` = greedy; else logits are divided by it.
+        top_p: nucleus mass in ``(0, 1]`` (1 = off), applied after top-k.
+        top_k: keep the ``k`` most likely tokens (0 or None = off).
+        eos_token_id: a response that draws it stops there (the EOS token is its last token).
+        group: the sequence-parallel group (None = one process); every rank gets the same responses.
+        generator: CPU generator for the draws (seed it identically on every rank; the first rank's draws
+            are broadcast anyway).
+        prompt_state: a :class:`~.prefix.PromptState` from an earlier ``prefill`` of the same ``prompt_ids``
+            over the same group (reused, not modified); None = prefill here.
+        on_step: ``on_step(step, rows, probs)`` after each draw: ``rows [n]`` the responses still decoding
+            (indices into the result), ``probs [n, vocab]`` the restricted distribution each drew its
+            ``step``-th token from (one-hot when greedy). For tests and diagnostics.
+    Returns:
+        G tensors ``[T_i]`` (``1 <= T_i <= max_new_tokens``), ``prompt_ids``' dtype and device.
+    Raises:
+        ValueError: bad arguments (naming them), before any work.
+    """
+    validate_sampling(model, prompt_ids, num_responses, max_new_tokens=max_new_tokens, temperature=temperature,
+                      top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, group=group, prompt_state=prompt_state)
+    set_sequence_parallel_group(model, group)
+    _check_group_agrees(prompt_ids, num_responses, max_new_tokens, group)
+    state = prompt_state
+    if state is None:
+        state = prefill(model, prompt_ids, group, keep_checkpoints=False, cache_requires_grad=False)
+    device, tail = prompt_ids.device, state.tail_ids
+    # own positions per row: the tail and every drawn token but the last (which is never fed back)
+    capacity = tail.numel() + max_new_tokens - 1
+    caches = [new_decode_cache(layer, capacity, state.layer_cache(i) if layer.layer_type == "linear_attention"
+                               else None) for i, layer in enumerate(model.layers)]
+    with prompt_weights(model):  # prompt tokens: on the base weights under prefix-frozen (on_prompt=False) LoRA
+        logits = _step(model, state, caches, tail.view(1, -1), state.cached_length)  # [1, vocab]: shared by all G
+    for cache in caches:
+        cache.expand(num_responses)
+    logits = logits.expand(num_responses, -1)
+    rows = torch.arange(num_responses)  # responses still decoding, host
+    tokens_out: list[list[int]] = [[] for _ in range(num_responses)]
+    for step in range(max_new_tokens):
+        probs = restricted_probs(logits, temperature, top_k, top_p)
+        drawn = _agree(draw_tokens(probs, temperature, generator), group, device)
+        if on_step is not None:
+            on_step(step, rows.clone(), probs)
+        live = []
+        for i, (row, token) in enumerate(zip(rows.tolist(), drawn.tolist())):
+            tokens_out[row].append(token)
+            if token != eos_token_id:
+                live.append(i)
+        if step == max_new_tokens - 1 or not live:
+            break
+        if len(live) < rows.numel():  # drop finished rows (identically on every rank: the tokens agree)
+            keep = torch.tensor(live, dtype=torch.long)
+            rows, drawn = rows[keep], drawn[keep]
+            keep = keep.to(device)
+            for cache in caches:
+                cache.select(keep)
+        token_ids = drawn.to(device=device, dtype=prompt_ids.dtype).view(-1, 1)
+        logits = _step(model, state, caches, token_ids, prompt_ids.numel() + step)
+    return [torch.tensor(t, dtype=prompt_ids.dtype, device=device) for t in tokens_out]
+
+
+__all__ = ["draw_tokens", "restricted_probs", "sample", "validate_sampling"]
