@@ -183,7 +183,8 @@ def build_task(cfg: DictConfig, model) -> tuple[Any, Any]:
         module = NeedleGRPO(
             model, group_size=task.group_size, loss_type=task.loss_type, prompt_grad=task.prompt_grad,
             beta=task.beta, clip_eps=tuple(task.clip_eps), scale_rewards=task.scale_rewards,
-            max_new_tokens=task.max_new_tokens, temperature=task.temperature, top_p=task.top_p,
+            max_new_tokens=task.max_new_tokens, temperature=task.temperature, top_p=task.top_p, top_k=task.top_k,
+            logprob_temperature=task.logprob_temperature,
             logits_chunk_size=cfg.memory.logits_chunk_size, state_segment=task.state_segment, lr=task.lr,
             weight_decay=task.weight_decay, seed=task.seed, offload_checkpoints=bool(cfg.memory.offload_checkpoints),
             offload_prompt_cache=bool(cfg.memory.get("offload_prompt_cache", False)),

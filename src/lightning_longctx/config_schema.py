@@ -149,6 +149,8 @@ class NeedleGRPOConf(TaskConf):
     max_new_tokens: int = 2
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off; applied before top_p
+    logprob_temperature: float | None = None  # null = the sampling temperature (1 when greedy)
     loss_type: str = "token_mean"
     prompt_grad: str = "full"
     state_segment: int = 16384  # hybrids: linear-layer states kept every this many prompt tokens

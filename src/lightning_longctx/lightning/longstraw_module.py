@@ -46,9 +46,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from ..longstraw import group_advantages, longstraw_step, sample, score
+from ..longstraw import group_advantages, longstraw_step, prefill_for_step, sample, score
 from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
 from ..longstraw.step import check_group_agrees
+from ..models.lora import prompt_frozen
 from ..ops.memory import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
 
@@ -84,7 +85,11 @@ class LongStrawModule(pl.LightningModule):
         scale_rewards: GRPO advantages ``(r - mean) / (std + 1e-4)``; False = Dr.GRPO ``r - mean``.
         ref_model: frozen reference policy for the KL term (needed when ``beta > 0``, unless ``model`` has LoRA
             adapters: the reference is then the base model with the adapters disabled).
-        max_new_tokens, temperature, top_p, eos_token_id: sampling.
+        max_new_tokens, temperature, top_p, top_k, eos_token_id: sampling (:func:`~lightning_longctx.longstraw.
+            sample`: the G responses decoded together over the one prefill the step then uses).
+        logprob_temperature: the step's (and the KL reference's) log-probs are those of
+            ``softmax(logits / logprob_temperature)``; None = the sampling ``temperature`` (TRL's convention: the
+            loss sees the distribution the responses were drawn from), or 1 when sampling greedily.
         lr, weight_decay: AdamW.
         max_grad_norm: clip the step's gradients to this global L2 norm before ``optimizer.step()``
             (None = no clipping; the norm is logged either way).
@@ -117,6 +122,8 @@ class LongStrawModule(pl.LightningModule):
         max_new_tokens: int = 16,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int | None = 0,
+        logprob_temperature: float | None = None,
         eos_token_id: int | None = None,
         max_response_length: int | None = None,
         logits_chunk_size: int | None = None,
@@ -155,8 +162,13 @@ class LongStrawModule(pl.LightningModule):
             defer_grad_sync=defer_grad_sync,
             state_segment=state_segment,
         )
-        self.sample_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        self.sample_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   eos_token_id=eos_token_id)
+        if logprob_temperature is None:
+            logprob_temperature = temperature if temperature > 0 else 1.0
+        if not 0 < logprob_temperature < math.inf:
+            raise ValueError(f"logprob_temperature={logprob_temperature} must be a finite number > 0")
+        self.logprob_temperature = float(logprob_temperature)
         self.scale_rewards = scale_rewards
         self.lr, self.weight_decay, self.seed = lr, weight_decay, seed
         self.max_grad_norm = max_grad_norm
@@ -265,13 +277,23 @@ class LongStrawModule(pl.LightningModule):
         group = self._mesh_group("dp")
         return dist.get_rank(group) if group is not None else 0
 
-    def reference_logprobs(self, prompt, responses, sp_group=None) -> list[torch.Tensor]:
+    def reference_logprobs(self, prompt, responses, sp_group=None, prompt_state=None) -> list[torch.Tensor]:
         """The KL reference's log-probs ``[T_i]``: ``ref_model``'s, or with LoRA and no ``ref_model`` the frozen
-        base's (the policy with its adapters disabled: no second copy of the model)."""
+        base's (the policy with its adapters disabled: no second copy of the model). Prefix-frozen adapters
+        (``on_prompt=False``) leave the prompt state the base's, so the policy's ``prompt_state`` serves."""
+        kwargs = dict(group=sp_group, temperature=self.logprob_temperature)
         if self.ref_model is not None:
-            return score(self.ref_model, prompt, responses, group=sp_group)
+            return score(self.ref_model, prompt, responses, **kwargs)
+        shared = prompt_state if prompt_frozen(self.model) else None
         with self.model.adapters_disabled():
-            return score(self.model, prompt, responses, group=sp_group)
+            return score(self.model, prompt, responses, prompt_state=shared, **kwargs)
+
+    def prefill(self, prompt: torch.Tensor, sp_group=None):
+        """The prompt's one prefill for this group (:func:`~lightning_longctx.longstraw.prefill_for_step`):
+        the rollouts decode over it and the step replays over it."""
+        options = {k: self.step_kwargs[k] for k in ("prompt_grad", "offload_checkpoints", "offload_prompt_cache",
+                                                    "state_segment")}
+        return prefill_for_step(self.model, prompt, group=sp_group, progress=self.progress, **options)
 
     def training_step(self, batch: dict, batch_idx: int):
         prompts = batch["prompt_ids"]
@@ -283,22 +305,26 @@ class LongStrawModule(pl.LightningModule):
         for index, prompt in enumerate(prompts):
             start = time.perf_counter()
             given = batch.get("responses")
+            optimizer.zero_grad(set_to_none=True)
+            reset_device_peak(prompt.device)
+            state = self.prefill(prompt, sp_group)  # one prefill: the rollouts, the KL reference (if it can), the step
             if given is not None:
                 responses = [torch.as_tensor(r, device=prompt.device) for r in given[index]]
             else:
-                responses = sample(self.model, prompt, self.group_size, group=sp_group,
+                responses = sample(self.model, prompt, self.group_size, group=sp_group, prompt_state=state,
                                    generator=self._sampling_generator(), **self.sample_kwargs)
             fields = {k: v[index] for k, v in extra.items()}
             rewards = self.group_rewards(prompt, responses, fields, sp_group)  # same on every SP rank
             advantages = group_advantages(rewards, scale_by_std=self.scale_rewards)
             rewards = rewards.cpu()
-            ref = self.reference_logprobs(prompt, responses, sp_group) if self.step_kwargs["beta"] > 0 else None
-            optimizer.zero_grad(set_to_none=True)
-            reset_device_peak(prompt.device)
+            ref = None
+            if self.step_kwargs["beta"] > 0:
+                ref = self.reference_logprobs(prompt, responses, sp_group, prompt_state=state)
             # exact group gradient: summed over SP, averaged over DP replicas, in fp32
             out = longstraw_step(self.model, prompt, responses, advantages, ref_logprobs=ref, group=sp_group,
-                                 dp_group=dp_group, progress=self.progress, measure_memory=False,
-                                 **self.step_kwargs)
+                                 dp_group=dp_group, progress=self.progress, measure_memory=False, prompt_state=state,
+                                 temperature=self.logprob_temperature, **self.step_kwargs)
+            del state
             grad_norm = self.clip_and_measure()  # the gradients are final: summed over SP, averaged over DP
             lr = optimizer.param_groups[0]["lr"]  # the LR this step uses
             optimizer.step()

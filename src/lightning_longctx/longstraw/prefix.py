@@ -187,7 +187,7 @@ def prefill(
     every = state_segment if keep_checkpoints else None
     state = PromptState(prompt_ids=prompt_ids, cached_length=cached, group=group, grad_dtype=grad_dtype,
                         state_segment=every, stager=HostStager(prompt_ids.device) if offload_prompt_cache else None)
-    state.param_versions = parameter_versions(model)
+    state.param_versions, state.cache_requires_grad = parameter_versions(model), cache_requires_grad
     if cached == 0:
         return state
     ids, pos = state.local_prefix()

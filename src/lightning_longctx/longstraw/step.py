@@ -213,9 +213,9 @@ def prefill_for_step(
 
     Valid until the parameters change (an optimizer step); the step consumes it.
     """
-    if prompt_grad not in PROMPT_GRADS:
-        raise ValueError(f"unknown prompt_grad {prompt_grad!r}; choose one of {PROMPT_GRADS}")
+    validate_group(model, prompt_ids, [prompt_ids[-1:]], prompt_grad=prompt_grad)  # the prompt's checks
     check_state_segment(state_segment)
+    set_sequence_parallel_group(model, group)
     full = _needs_grouped_backward(model, prompt_grad)
     grad_dtype = accumulation_dtype([p for p in model.parameters() if p.requires_grad], accumulate_dtype)
     return prefill(model, prompt_ids, group, keep_checkpoints=full, cache_requires_grad=full,
