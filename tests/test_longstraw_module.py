@@ -240,3 +240,28 @@ def test_memory_offload_checkpoints_reaches_longstraw_step_from_the_cli(tmp_path
         cli.build_model(sft)  # unchanged for SFT: the flag is the model's activation checkpoints
     both = cfg_for("task=long_sft", "memory.offload_checkpoints=true", "memory.activation_checkpointing=true")
     assert cli.build_model(both).memory.offload_checkpoints is True
+
+
+def test_external_engine_responses_with_behaviour_logprobs_clip_against_them(tmp_path):
+    """Responses from elsewhere (vLLM) come with their behaviour log-probs: the module passes them as
+    ``old_logprobs``, so its step equals ``longstraw_step(..., old_logprobs=...)`` (and differs from on-policy)."""
+    data = NeedleHaystack(num_prompts=2, haystack=40, vocab_size=VOCAB)
+    responses = [[torch.tensor([5, 9]), torch.tensor([4]), torch.tensor([20, 21, 22])]]
+    old = [[torch.full((r.numel(),), -1.0 - 0.5 * i) for i, r in enumerate(responses[0])]]
+    batch = collate_prompt_groups([data[0]]) | {"responses": responses, "old_logprobs": old}
+    prompt = batch["prompt_ids"][0]
+    advantages = group_advantages(needle_reward(responses[0], batch["answer"][0]))
+    expected, on_policy = _model(), _model()
+    longstraw_step(expected, prompt, responses[0], advantages, old_logprobs=old[0], max_response_length=4)
+    longstraw_step(on_policy, prompt, responses[0], advantages, max_response_length=4)
+    module = NeedleGRPO(_model(), group_size=3, max_new_tokens=4, lr=0.1)
+    module.configure_optimizers = lambda: torch.optim.SGD(module.model.parameters(), lr=0.1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="ulysses", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader([batch], batch_size=None))
+    moved = False
+    for (name, got), want, plain, start in zip(module.model.named_parameters(), expected.parameters(),
+                                               on_policy.parameters(), _model().parameters()):
+        torch.testing.assert_close(got, start - 0.1 * want.grad, atol=1e-6, rtol=0, msg=name)
+        moved |= bool((want.grad - plain.grad).abs().max() > 1e-4)
+    assert moved, "the behaviour log-probs did not change the gradient"

@@ -15,7 +15,8 @@ computes in bf16 (Lightning's autocast around ``training_step``); the step's gra
 gradients are summed over the group and reduced in fp32 (see ``longstraw_step``'s ``accumulate_dtype``).
 
 Batch format: a dict with ``prompt_ids`` (a list of ``[S]`` tensors, or one ``[S]`` tensor) and optionally
-``responses`` (per prompt, a list of G token tensors produced elsewhere, e.g. by vLLM) and any other
+``responses`` (per prompt, a list of G token tensors produced elsewhere, e.g. by vLLM, with optionally their
+behaviour log-probs ``old_logprobs``, per prompt a list of G ``[T_i]`` tensors) and any other
 fields your :meth:`reward` needs (e.g. ``answers``), each a list with one entry per prompt.
 
 Rewards under SP: :meth:`reward` runs once per SP group, on the group's first rank, and its ``[G]`` rewards are
@@ -298,7 +299,7 @@ class LongStrawModule(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: int):
         prompts = batch["prompt_ids"]
         prompts = [prompts] if torch.is_tensor(prompts) and prompts.dim() == 1 else list(prompts)
-        extra = {k: v for k, v in batch.items() if k not in ("prompt_ids", "responses")}
+        extra = {k: v for k, v in batch.items() if k not in ("prompt_ids", "responses", "old_logprobs")}
         sp_group, dp_group = self._mesh_group("sp"), self._mesh_group("dp")
         optimizer = self.optimizers()
         last = None
@@ -317,11 +318,15 @@ class LongStrawModule(pl.LightningModule):
             rewards = self.group_rewards(prompt, responses, fields, sp_group)  # same on every SP rank
             advantages = group_advantages(rewards, scale_by_std=self.scale_rewards)
             rewards = rewards.cpu()
+            old = None  # on-policy, unless an external engine's behaviour log-probs came with its responses
+            if given is not None and batch.get("old_logprobs") is not None:
+                old = [torch.as_tensor(lp, device=prompt.device) for lp in batch["old_logprobs"][index]]
             ref = None
             if self.step_kwargs["beta"] > 0:
                 ref = self.reference_logprobs(prompt, responses, sp_group, prompt_state=state)
             # exact group gradient: summed over SP, averaged over DP replicas, in fp32
-            out = longstraw_step(self.model, prompt, responses, advantages, ref_logprobs=ref, group=sp_group,
+            out = longstraw_step(self.model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
+                                 group=sp_group,
                                  dp_group=dp_group, progress=self.progress, measure_memory=False, prompt_state=state,
                                  temperature=self.logprob_temperature, **self.step_kwargs)
             del state
