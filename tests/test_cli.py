@@ -1,10 +1,13 @@
 """The console scripts: longctx-plan prints the planner's numbers, longctx-train refuses an over-budget plan
-before any process group exists, and a 2-step CPU run (2 gloo processes, the demo's defaults) writes
-TensorBoard scalars for loss and reward. Runs of longctx-train are subprocesses with a timeout: a
-multi-process fit never runs inside pytest (Lightning's launcher would re-run the pytest command)."""
+(and a bad trainer key or ``_target_``) before any process group exists, a 2-step CPU run (2 gloo processes, the
+demo's defaults) writes TensorBoard scalars for loss and reward, and a LongStrawModule subclass from a file
+outside the package plugs in through ``task.module._target_`` (with the step progress bar, and Lightning's own
+deprecation warnings kept off the console, in the run's log). Runs of longctx-train are subprocesses with a
+timeout: a multi-process fit never runs inside pytest (Lightning's launcher would re-run the pytest command)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +65,8 @@ def test_budget_check_refuses_an_impossible_plan_before_any_process_group(tmp_pa
     text = out.stdout + out.stderr
     assert out.returncode != 0, text
     assert "plan needs" in text and "GiB per rank > budget 0.0 GiB" in text, text
-    assert "memory." in text or "cluster." in text, text  # what to change
+    assert "memory." in text or "cluster." in text or "shorten the context" in text, text  # what to change
+    assert "Traceback" not in text, text  # the message alone
     assert "Initializing distributed" not in text and "GPU available" not in text, text  # no Trainer was built
 
 
@@ -147,6 +151,114 @@ def test_two_step_cpu_run_writes_tensorboard_loss_and_reward(tmp_path, model):
         assert tag in tags, sorted(tags)
     hparams = (tmp_path / "tb" / "needle_grpo" / "version_0" / "hparams.yaml").read_text()
     assert "hidden_size: 64" in hparams and "budget_gib:" in hparams, hparams  # the resolved config
+
+
+MY_GRPO = """
+from lightning_longctx.tasks.needle import NeedleGRPO, needle_reward
+
+
+class MyGRPO(NeedleGRPO):
+    def __init__(self, model, *, bonus=0.0, **kwargs):
+        super().__init__(model, **kwargs)
+        self.bonus = bonus
+
+    def reward(self, prompt_ids, responses, answer):
+        return needle_reward(responses, answer) + self.bonus
+
+    def on_train_end(self):
+        if self.trainer.is_global_zero:
+            print(f"MyGRPO: {self.trainer.global_step} steps, bonus {self.bonus}", flush=True)
+"""
+
+
+def test_a_user_subclass_from_a_file_outside_the_package_trains_two_steps(tmp_path):
+    """task.module._target_=my_grpo.MyGRPO with my_grpo.py in the current directory (not on PYTHONPATH), its own
+    argument (task.module.bonus) without a +; the progress bar counts steps out of max_steps with the live reward
+    (no "Epoch 0/-2", no v_num); Lightning's _pytree LeafSpec deprecation goes to the run's log, not the console;
+    the final checkpoint is last.ckpt."""
+    (tmp_path / "my_grpo.py").write_text(MY_GRPO)
+    out = run_script("longctx-train", "task.module._target_=my_grpo.MyGRPO", "task.module.bonus=0.5",
+                     "cluster.devices=1", "trainer.max_steps=2", "task.seq_len=64", "task.group_size=2",
+                     f"hydra.run.dir={tmp_path / 'run'}", timeout=300, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "MyGRPO: 2 steps, bonus 0.5" in out.stdout, out.stdout[-3000:]
+    rewards = re.search(r"train/reward_mean: first 1 steps ([0-9.]+) -> last 1 steps ([0-9.]+)", out.stdout)
+    assert "global step 2" in out.stdout and rewards, out.stdout[-3000:]
+    assert min(float(rewards.group(1)), float(rewards.group(2))) >= 0.5  # MyGRPO.reward: the bonus on top
+    bar = out.stdout.replace("\r", "\n")
+    assert "step: 100%" in bar and "2/2 [" in bar and "reward=" in bar, bar[-2000:]
+    assert "v_num" not in text and "Epoch 0" not in text, text[-2000:]
+    assert "LeafSpec" not in text  # off the console ...
+    assert "LeafSpec" in (tmp_path / "run" / "longctx.log").read_text()  # ... in the run's log
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").resolve().name == "step_00000002.ckpt"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_stepz=3", "trainer.max_stepz is not a lightning.pytorch.Trainer argument; did you mean "
+                            "trainer.max_steps?"),
+    ("task.module._target_=my_missing_module.MyGRPO", "task.module._target_='my_missing_module.MyGRPO' cannot be "
+                                                      "imported"),
+])
+def test_bad_input_stops_before_training_naming_it(tmp_path, override, message):
+    out = run_script("longctx-train", override, f"hydra.run.dir={tmp_path}", timeout=120, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    assert f"longctx: error: {message}" in out.stderr, text[-3000:]
+    assert "Traceback" not in text and "Initializing distributed" not in text, text[-3000:]
+
+
+MY_PARTS = """
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from lightning_longctx.models import DecoderConfig, DecoderLM
+
+SEEN = {}
+
+
+def build(vocab_size, hidden_size, memory, **fields):
+    SEEN.update(fields, vocab_size=vocab_size, memory=memory)
+    return DecoderLM(DecoderConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+                     memory)
+
+
+class Prompts(pl.LightningDataModule):
+    def train_dataloader(self):
+        return DataLoader([{"prompt_ids": [12, 13, 3]}] * 4, batch_size=None)
+
+
+def plain_loader():
+    return DataLoader(list(range(4)), batch_size=2)
+"""
+
+
+def test_model_builder_and_data_targets_from_the_current_directory(tmp_path, monkeypatch):
+    """model._target_: a builder getting the fields it names (+ memory), model.lora attached by the CLI; a
+    LightningDataModule's train_dataloader and a plain DataLoader from task.data become resumable."""
+    from lightning_longctx.lightning.dataloader import ResumableDataLoader
+
+    (tmp_path / "my_parts.py").write_text(MY_PARTS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    cfg = compose_cfg("model._target_=my_parts.build", "model.lora.r=2", "memory.logits_chunk_size=32",
+                      "task.data._target_=my_parts.Prompts", "~task.data.num_prompts", "~task.data.seq_len",
+                      "~task.data.vocab_size", "~task.data.seed", "~task.data.num_workers")
+    cli.check_config(cfg)
+    model = cli.build_model(cfg)
+    import my_parts
+
+    assert my_parts.SEEN["vocab_size"] == 64 and my_parts.SEEN["memory"].logits_chunk_size == 32
+    assert "lora" not in my_parts.SEEN and model.has_lora() and model.config.num_hidden_layers == 1
+    module, data = cli.build_task(cfg, model)
+    assert type(module).__name__ == "NeedleGRPO" and module.model is model
+    assert isinstance(data.train_dataloader(), ResumableDataLoader)
+    plain = compose_cfg("task=long_sft", "task.data._target_=my_parts.plain_loader", "~task.data.num_samples",
+                        "~task.data.seq_len", "~task.data.vocab_size", "~task.data.passage_len",
+                        "~task.data.batch_size", "~task.data.seed", "~task.data.num_workers")
+    _, loader = cli.build_task(plain, cli.build_model(plain))
+    assert isinstance(loader, ResumableDataLoader) and [b.tolist() for b in loader] == [[0, 1], [2, 3]]
 
 
 def test_long_sft_module_trains_on_one_device(tmp_path):

@@ -1,5 +1,6 @@
 """The Hydra config tree of longctx-train / longctx-plan: every preset combination composes into the typed
-schemas, unknown presets / keys / wrong types fail with Hydra's error, and the presets carry the shapes the
+schemas, unknown presets / keys / wrong types fail with Hydra's error, the open nodes (trainer, tokenizer,
+task.module / task.data) take any key and are checked where they are used, and the presets carry the shapes the
 rest of the project relies on (tiny = the examples' model, the hybrid's 64 KiB/token KV, SLURM tasks)."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from lightning_longctx import config_schema
-from lightning_longctx.cli import decoder_config, plan_request, trainer_precision
+from lightning_longctx import app, config_schema
+from lightning_longctx.cli import check_slurm_layout, decoder_config, plan_request, trainer_precision
 from lightning_longctx.memory import ModelShape, kv_cache_bytes, plan
 from lightning_longctx.memory.planner import MemoryKnobs
 
@@ -35,8 +36,9 @@ def test_groups_have_the_presets_the_issue_names():
     assert options("model") == ["llama3_8b", "qwen3_32b", "qwen3_5_27b", "qwen3_8b", "tiny", "tiny_hybrid"]
     assert options("cluster") == ["cpu_2proc", "node_8gpu", "slurm_4x8gpu"]
     assert options("memory") == ["cpu", "h100_80g", "h200_141g", "h20_96g"]
-    assert options("task") == ["long_sft", "needle_grpo"]
+    assert {"long_sft", "needle_grpo"} <= set(options("task"))
     assert options("trainer") and options("logger")
+    assert options("tokenizer") == ["default"] and options("checkpoint") == ["default"]
 
 
 def test_defaults_are_the_demo():
@@ -59,8 +61,10 @@ def test_every_preset_combination_composes_into_the_schemas(cluster):
             assert OmegaConf.get_type(cfg.model) is config_schema.ModelConf, where
             assert OmegaConf.get_type(cfg.cluster) is config_schema.ClusterConf, where
             assert OmegaConf.get_type(cfg.memory) is config_schema.MemoryConf, where
-            assert OmegaConf.get_type(cfg.task) is config_schema.TASK_SCHEMAS[task], where
+            if task in config_schema.TASK_SCHEMAS:
+                assert OmegaConf.get_type(cfg.task) is config_schema.TASK_SCHEMAS[task], where
             assert (cfg.model.name, cfg.cluster.name, cfg.memory.name, cfg.task.name) == (model, cluster, memory, task)
+            app.check_task(cfg)  # the planner's keys at the top, module / data _target_ nodes
             # the planner takes every combination (pure: no model is built); a layout the model cannot run
             # (the tiny models' 4 heads on 8 ranks) is refused with the numbers
             try:
@@ -68,7 +72,7 @@ def test_every_preset_combination_composes_into_the_schemas(cluster):
             except ValueError as err:
                 assert cfg.model.num_attention_heads % (cfg.cluster.sp_size or cfg.cluster.devices), where
                 assert "must be divisible by sp_size" in str(err), where
-        for group in ("trainer", "logger"):
+        for group in ("trainer", "logger", "tokenizer", "checkpoint"):
             for option in options(group):
                 assert compose(config_name="config", overrides=[f"{group}={option}"])[group] is not None
 
@@ -91,6 +95,67 @@ def test_unknown_key_is_hydras_error_naming_it(override, key):
         compose_cfg(override)
     message = f"{err.value} {err.value.__cause__}"
     assert key in message, message
+
+
+def test_open_nodes_take_any_key_without_a_plus():
+    """trainer.*, tokenizer.* and the built-in tasks' module / data nodes are open: a Trainer argument the preset
+    does not list, a tokenizer option, a user subclass's own argument need no ``+`` (checked where used)."""
+    cfg = compose_cfg("trainer.accumulate_grad_batches=2", "trainer.val_check_interval=10",
+                      "tokenizer.padding_side=left", "task.module.my_bonus=0.5", "task.data.batch_size=2",
+                      "task=long_sft", "task.module.my_bonus=0.5")
+    assert cfg.trainer.accumulate_grad_batches == 2 and cfg.tokenizer.padding_side == "left"
+    assert cfg.task.module.my_bonus == 0.5 and cfg.task.data.batch_size == 2
+    assert OmegaConf.is_struct(cfg) and not OmegaConf.is_struct(cfg.trainer)  # the rest stays strict
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg("model.lora.rank=4")
+
+
+def test_tokenizer_path_defaults_to_the_pretrained_model_and_checkpoint_defaults():
+    assert compose_cfg().tokenizer.path is None
+    assert compose_cfg("model.pretrained=/ckpt/llama").tokenizer.path == "/ckpt/llama"
+    assert compose_cfg("model.pretrained=/ckpt/llama", "tokenizer.path=/tok").tokenizer.path == "/tok"
+    cfg = compose_cfg()
+    assert (cfg.checkpoint.dir, cfg.checkpoint.every_n_steps, cfg.checkpoint.keep) == (None, 50, 1)
+    assert cfg.trainer.enable_checkpointing is True and cfg.ckpt_path is None
+
+
+def test_built_in_tasks_are_target_nodes_that_interpolate_their_knobs():
+    """task.module / task.data are _target_ nodes; the knobs and memory.* reach them by interpolation, the
+    planner keys stay at the task's top level."""
+    cfg = compose_cfg("task.group_size=3", "task.lr=0.5", "memory.logits_chunk_size=64",
+                      "memory.offload_checkpoints=true", "task.seq_len=128")
+    module, data = cfg.task.module, cfg.task.data
+    assert module._target_ == "lightning_longctx.tasks.needle.NeedleGRPO"
+    assert data._target_ == "lightning_longctx.tasks.needle.needle_dataloader"
+    assert (module.group_size, module.lr, module.logits_chunk_size, module.offload_checkpoints) == (3, 0.5, 64, True)
+    assert (data.seq_len, data.vocab_size) == (128, cfg.model.vocab_size)
+    assert plan_request(cfg)["group_size"] == 3
+    sft = compose_cfg("task=long_sft", "task.seq_len=512").task
+    assert sft.module._target_ == "lightning_longctx.tasks.long_sft.LongSFTModule"
+    assert sft.data._target_ == "lightning_longctx.tasks.long_sft.recall_dataloader" and sft.data.seq_len == 512
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("trainer.max_stepz=3",), "trainer.max_stepz is not a lightning.pytorch.Trainer argument; did you mean "
+                               "trainer.max_steps?"),
+    (("trainer.devices=4",), "trainer.devices is set by longctx-train from cluster.devices"),
+    (("trainer.callbacks=[{_target_: lightning.pytorch.callbacks.LearningRateMonitor, loging_interval: step}]",),
+     "trainer.callbacks[0].loging_interval: lightning.pytorch.callbacks.LearningRateMonitor takes no argument"),
+    (("task.module._target_=no_such_module.MyGRPO",), "task.module._target_='no_such_module.MyGRPO' cannot be "
+                                                      "imported"),
+    (("task.data._target_=lightning_longctx.tasks.needle.no_such_loader",), "task.data._target_="),
+    (("task.module.temprature=0.5",), "task.module.temprature: lightning_longctx.tasks.needle.NeedleGRPO takes no "
+                                      "argument 'temprature'; did you mean task.module.temperature?"),
+    (("task.module._target_=lightning_longctx.tasks.needle.needle_reward",), "must take the keyword argument "
+                                                                            "'model'"),
+    (("model._target_=no_such_module.build",), "model._target_='no_such_module.build' cannot be imported"),
+    (("task.mode=ppo",), "task.mode='ppo' must be one of ['sft', 'longstraw']"),
+])
+def test_bad_keys_and_targets_are_named_before_any_work(overrides, message):
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(app.ConfigError) as err:
+        app.check_config(cfg)
+    assert message in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("override, key", [("model.hidden_size=wide", "hidden_size"),
@@ -159,6 +224,27 @@ def test_slurm_preset_gives_lightning_one_task_per_device():
     assert launcher.tasks_per_node == cfg.cluster.devices == 8  # Lightning: --ntasks-per-node == devices
     assert launcher.nodes == cfg.cluster.num_nodes == 4  # Lightning: --nodes == num_nodes
     assert launcher.gpus_per_node == cfg.cluster.devices
+    check_slurm_layout(cfg)  # the preset passes its own check
+    assert any("SlurmLayoutCheck" in str(c._target_) for c in cfg.hydra.callbacks.values())
+
+
+@pytest.mark.parametrize("override, message", [
+    ("hydra.launcher.tasks_per_node=4", "hydra.launcher.tasks_per_node=4 but cluster.devices=8"),
+    ("hydra.launcher.nodes=2", "hydra.launcher.nodes=2 but cluster.num_nodes=4"),
+    ("hydra.launcher.gpus_per_node=4", "hydra.launcher.gpus_per_node=4 but cluster.devices=8"),
+])
+def test_slurm_layout_mismatch_is_refused_before_submitting(override, message):
+    """The preset's Hydra callback runs the check before the sweep is submitted (on_multirun_start) and in each
+    job (on_job_start); a cluster.devices change follows through the interpolation and stays valid."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason=SUBMITIT_REASON)
+    from lightning_longctx.cli import SlurmLayoutCheck
+
+    check_slurm_layout(compose_cfg("cluster=slurm_4x8gpu", "cluster.devices=4", hydra_config=True))
+    cfg = compose_cfg("cluster=slurm_4x8gpu", override, hydra_config=True)
+    for check in (check_slurm_layout, SlurmLayoutCheck().on_multirun_start, SlurmLayoutCheck().on_job_start):
+        with pytest.raises(ValueError) as err:
+            check(cfg)
+        assert message in str(err.value) and "Lightning needs" in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("memory, precision", [("cpu", "32-true"), ("h100_80g", "bf16-mixed"),
@@ -202,6 +288,7 @@ def test_help_lists_the_groups_and_their_options(monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "== Configuration groups ==" in text and "longctx-train" in text
     for line in ("model: llama3_8b, qwen3_32b, qwen3_5_27b, qwen3_8b, tiny, tiny_hybrid",
-                 "memory: cpu, h100_80g, h200_141g, h20_96g", "task: long_sft, needle_grpo", "trainer: default, smoke"):
+                 "memory: cpu, h100_80g, h200_141g, h20_96g", "task: long_sft, needle_grpo", "trainer: default, smoke",
+                 "checkpoint: default", "tokenizer: default"):
         assert line in text, text
     assert "cluster: cpu_2proc, node_8gpu" in text, text

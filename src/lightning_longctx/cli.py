@@ -1,25 +1,43 @@
-"""Console scripts: ``longctx-train`` (Hydra main: plan, then train under ``strategy="ulysses"``) and
-``longctx-plan`` (print the per-rank memory plan of the same config tree).
+"""Console scripts: ``longctx-train`` (Hydra main: plan, then train under ``strategy="ulysses"``),
+``longctx-plan`` (print the per-rank memory plan of the same config tree) and ``longctx-export`` (a checkpoint ->
+a transformers directory or a PEFT adapter, :mod:`.export`).
 
-Both compose ``lightning_longctx/conf`` (schemas in :mod:`.config_schema`): ``model``, ``cluster``,
-``memory``, ``task``, ``trainer``, ``logger`` groups; ``--help`` lists them. ``longctx-train`` runs the
-planner first (:func:`check_plan`) and stops an over-budget plan before any process group exists, naming
-what to change; multi-process CPU/GPU runs are re-launched per rank by Lightning (each child re-runs this
-script with ``hydra.run.dir`` set to the parent's, so all ranks share one run directory).
+All compose ``lightning_longctx/conf`` (schemas in :mod:`.config_schema`): ``model``, ``cluster``, ``memory``,
+``task``, ``tokenizer``, ``trainer``, ``logger``, ``checkpoint`` groups; ``--help`` lists them. What a config
+builds, and the checks that run first, are in :mod:`.app`. ``longctx-train`` checks the config (task keys,
+trainer keys, every ``_target_``), runs the planner (:func:`check_plan`) and stops an over-budget plan before
+any process group exists, naming what to change; multi-process CPU/GPU runs are re-launched per rank by
+Lightning (each child re-runs this script with ``hydra.run.dir`` set to the parent's, so all ranks share one
+run directory). ``ckpt_path=last`` resumes from the newest complete checkpoint in ``checkpoint.dir``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from hydra.experimental.callback import Callback as HydraCallback
+from omegaconf import DictConfig
 
 from . import config_schema  # noqa: F401  (registers the structured configs)
+from .app import (
+    ConfigError,
+    build_callbacks,
+    build_logger,
+    build_model,
+    build_task,
+    check_config,
+    checkpoint_dir,
+    decoder_config,
+    importable_cwd,
+    model_memory_knobs,
+    parameters_digest,
+    route_lightning_deprecations,
+    summary_callback,
+    trainer_kwargs,
+)
 from .memory import (
     GIB,
     ClusterShape,
@@ -43,8 +61,6 @@ def trainer_precision(memory_cfg: DictConfig) -> str:
     weights, gradients and AdamW states with bf16 autocast; ``bf16-true``; ``32-true``; ``64-true``). Raises
     ValueError naming the allowed values for anything else, and for the removed ``memory.dtype``."""
     return check_precision(memory_cfg.get("precision"), memory_cfg.get("dtype"))
-
-_HF_KEYS = ("name", "hf_id", "pretrained", "lora")  # ModelConf keys that are not architecture fields
 
 
 def _is_rank_zero() -> bool:
@@ -99,165 +115,22 @@ def format_plan(cfg: DictConfig) -> str:
     request.pop("mode"), request.pop("seq_len")
     ls = max_context(cfg.model, cfg.cluster, cfg.memory, mode="longstraw", **request)
     held = longstraw_sharding(model, ClusterShape.from_config(cfg.cluster)) if world > 1 else "replicate"
-    how = (f"FSDP-sharded over the {world} ranks" if held == "fsdp" else "replicated" +
-           (" (LongStrawModule keeps replicas for hybrids)" if model.linear_layers and world > 1 else ""))
+    how = f"FSDP-sharded over the {world} ranks" if held == "fsdp" else "replicated"
     lines.append(f"  LongStraw: {ls:>14,} prompt tokens (G={request['group_size']}, responses of "
                  f"{request['response_len']:,} tokens, prompt_grad={request['prompt_grad']}; parameters, "
                  f"gradients and optimizer states {how}, as LongStrawModule runs)")
     if world > 1 and held != "fsdp":
         sharded = max_context(cfg.model, cfg.cluster, cfg.memory, mode="longstraw", param_sharding="fsdp", **request)
         lines.append(f"  LongStraw: {sharded:>14,} prompt tokens if those states were FSDP-sharded over the "
-                     f"{world} ranks" + (" (not implemented for hybrids yet)" if model.linear_layers else ""))
+                     f"{world} ranks")
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------------------------------ building
-def decoder_config(model_cfg: DictConfig):
-    """``DecoderConfig`` from a model preset. Fields ``DecoderConfig`` does not have must be at their defaults
-    (else the architecture would silently change)."""
-    from .models import DecoderConfig
-
-    values = {k: v for k, v in OmegaConf.to_container(model_cfg, resolve=True).items() if k not in _HF_KEYS}
-    known = {f.name for f in dataclasses.fields(DecoderConfig)}
-    schema_defaults = {f.name: f.default for f in dataclasses.fields(config_schema.ModelConf)}
-    unsupported = sorted(k for k in values if k not in known and values[k] != schema_defaults.get(k))
-    if unsupported:
-        raise NotImplementedError(
-            f"model={model_cfg.name}: DecoderLM does not implement the fields {unsupported}; "
-            f"longctx-plan model={model_cfg.name} still plans it"
-        )
-    return DecoderConfig(**{k: v for k, v in values.items() if k in known})
-
-
-def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
-    """The ``MemoryConfig`` knobs of the model for ``cfg``.
-
-    ``memory.offload_checkpoints`` means what the task checkpoints: for an SFT task (``long_sft``) the model's
-    activation checkpoints (``MemoryConfig``, which needs ``memory.activation_checkpointing=true``: unchanged,
-    the model's own error otherwise); for a LongStraw task (``needle_grpo``) the prompt's layer checkpoints of
-    ``longstraw_step``, which :func:`build_task` hands to the module. The model of a LongStraw task then gets
-    ``offload_checkpoints`` only together with ``activation_checkpointing`` (its own checkpoints, used by any
-    plain forward with autograd), so ``memory.offload_checkpoints=true`` alone is valid there, not an error.
-    """
-    knobs = {k: cfg.memory[k] for k in ("head_chunk_size", "activation_checkpointing", "offload_checkpoints",
-                                        "mlp_chunk_size", "logits_chunk_size")}
-    if cfg.task.mode == "longstraw":
-        knobs["offload_checkpoints"] = bool(knobs["offload_checkpoints"] and knobs["activation_checkpointing"])
-    return knobs
-
-
-def build_model(cfg: DictConfig):
-    """``DecoderLM`` from ``cfg.model`` (random init, or ``model.pretrained``) with ``cfg.memory``'s knobs
-    (:func:`model_memory_knobs`: what ``memory.offload_checkpoints`` means for each task), and LoRA adapters
-    when ``model.lora.r`` is set."""
-    from .models import DecoderLM, MemoryConfig
-
-    memory = MemoryConfig(**model_memory_knobs(cfg))
-    if cfg.model.pretrained:
-        model = DecoderLM.from_pretrained(cfg.model.pretrained, memory=memory)
-    else:
-        model = DecoderLM(decoder_config(cfg.model), memory)
-    lora = cfg.model.get("lora")
-    if lora is not None and lora.r:  # a frozen base, trainable adapters (model.lora.r=16)
-        model.add_lora(int(lora.r), float(lora.alpha), list(lora.target_modules),
-                       on_prompt=bool(lora.get("on_prompt", True)))
-    return model
-
-
-def build_task(cfg: DictConfig, model) -> tuple[Any, Any]:
-    """``(LightningModule, DataLoader)`` for ``cfg.task``.
-
-    ``needle_grpo``: ``memory.offload_checkpoints`` becomes the module's ``offload_checkpoints`` (the LongStraw
-    prompt checkpoints go to pinned host memory in ``longstraw_step``; no ``activation_checkpointing`` needed),
-    ``memory.logits_chunk_size`` its ``logits_chunk_size``; ``task.max_grad_norm`` / ``task.lr_warmup_steps`` /
-    ``task.lr_schedule`` its clipping and LR schedule (cosine over ``trainer.max_steps``). ``long_sft``: the
-    memory knobs live in the model (:func:`build_model`), nothing here.
-    """
-    from torch.utils.data import DataLoader
-
-    task = cfg.task
-    vocab = cfg.model.vocab_size
-    if task.name == "needle_grpo":
-        from .tasks.needle import NeedleGRPO, NeedleHaystack, collate_prompt_groups
-
-        module = NeedleGRPO(
-            model, group_size=task.group_size, loss_type=task.loss_type, prompt_grad=task.prompt_grad,
-            beta=task.beta, clip_eps=tuple(task.clip_eps), scale_rewards=task.scale_rewards,
-            max_new_tokens=task.max_new_tokens, temperature=task.temperature, top_p=task.top_p, top_k=task.top_k,
-            logprob_temperature=task.logprob_temperature,
-            logits_chunk_size=cfg.memory.logits_chunk_size, state_segment=task.state_segment, lr=task.lr,
-            weight_decay=task.weight_decay, seed=task.seed, offload_checkpoints=bool(cfg.memory.offload_checkpoints),
-            offload_prompt_cache=bool(cfg.memory.get("offload_prompt_cache", False)),
-            max_grad_norm=task.max_grad_norm, lr_warmup_steps=task.lr_warmup_steps, lr_schedule=task.lr_schedule,
-        )
-        data = NeedleHaystack(task.num_prompts, task.seq_len - 3, vocab, seed=task.seed)
-        return module, DataLoader(data, batch_size=1, collate_fn=collate_prompt_groups, num_workers=task.num_workers)
-    if task.name == "long_sft":
-        from .tasks.long_sft import LongSFTModule, RecallDataset
-
-        module = LongSFTModule(model, lr=task.lr, weight_decay=task.weight_decay)
-        data = RecallDataset(task.num_samples, task.seq_len, vocab, passage_len=task.passage_len, seed=task.seed)
-        return module, DataLoader(data, batch_size=task.batch_size, num_workers=task.num_workers)
-    raise ValueError(f"unknown task {task.name!r}; choose one of {sorted(config_schema.TASK_SCHEMAS)}")
-
-
-def build_logger(cfg: DictConfig):
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    lg = cfg.logger
-    if lg.kind == "tensorboard":
-        return TensorBoardLogger(lg.save_dir, name=lg.name, version=lg.version, default_hp_metric=False)
-    if lg.kind == "csv":
-        return CSVLogger(lg.save_dir, name=lg.name, version=lg.version)
-    raise ValueError(f"logger.kind={lg.kind!r} must be 'tensorboard' or 'csv'")
-
-
-def _summary_callback(cfg: DictConfig):
-    """A callback that logs the resolved config as hyperparameters and prints a summary at the end."""
-    from lightning.pytorch.callbacks import Callback
-
-    metric = "train/reward_mean" if cfg.task.mode == "longstraw" else "train/loss"
-
-    class RunSummary(Callback):
-        def __init__(self) -> None:
-            self.values: list[float] = []
-            self.log_dir: str | None = None
-            self.text = ""  # printed by run_train after fit, once the progress bar is gone
-
-        def setup(self, trainer, pl_module, stage: str) -> None:
-            # before the Trainer's own hyperparameter logging, which writes hparams.yaml once
-            self.log_dir = trainer.log_dir  # a collective: every rank calls it
-            if trainer.logger is not None:
-                params = OmegaConf.to_container(cfg, resolve=True)
-                trainer.logger.log_hyperparams(params, metrics={f"hp/final_{metric.split('/')[-1]}": math.nan})
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            value = trainer.callback_metrics.get(metric)
-            if value is not None:
-                self.values.append(float(value))
-
-        def on_train_end(self, trainer, pl_module) -> None:
-            if not trainer.is_global_zero or not self.values:
-                return
-            k = max(1, len(self.values) // 4)
-            first, last = sum(self.values[:k]) / k, sum(self.values[-k:]) / k
-            if trainer.logger is not None:
-                trainer.logger.log_metrics({f"hp/final_{metric.split('/')[-1]}": last}, step=trainer.global_step)
-            lines = [f"== longctx-train summary ({cfg.task.name}, model={cfg.model.name}, cluster={cfg.cluster.name}, "
-                     f"{trainer.global_step} steps) ==",
-                     f"{metric}: first {k} steps {first:.4f} -> last {k} steps {last:.4f}"]
-            lines += [f"{name}: {float(trainer.callback_metrics[name]):.4g}"
-                      for name in ("train/tokens_per_s", "train/peak_memory_gib") if name in trainer.callback_metrics]
-            lines.append(f"TensorBoard logdir: {self.log_dir}")
-            lines.append(f"  tensorboard --logdir {os.path.dirname(self.log_dir or '')}")
-            self.text = "\n".join(lines)
-
-    return RunSummary()
-
-
 def run_train(cfg: DictConfig) -> Any:
-    """The body of ``longctx-train``: plan (refuse over budget), build, fit. Returns the Trainer."""
+    """The body of ``longctx-train``: check the config, plan (refuse over budget), build, fit. Returns the
+    Trainer."""
     precision = trainer_precision(cfg.memory)  # an unknown precision fails before any work
+    check_config(cfg)  # task keys, trainer keys, every _target_ (imported, arguments checked)
     plan_obj = check_plan(cfg) if cfg.plan.check else None  # before any process group or model exists
     if plan_obj is not None and _is_rank_zero():
         log.info("memory plan: %.3f GiB/rank peak (%s) <= budget %.1f GiB", plan_obj.total_bytes / GIB,
@@ -267,39 +140,98 @@ def run_train(cfg: DictConfig) -> Any:
     import lightning_longctx  # noqa: F401  (registers strategy="ulysses")
     from lightning_longctx import UlyssesStrategy
 
+    from .lightning.checkpoint import AtomicCheckpoint, resolve_ckpt_path
     from .lightning.progress import PhaseProgress
 
+    route_lightning_deprecations()
+    kwargs, user_callbacks = trainer_kwargs(cfg)  # trainer.* _target_ nodes (callbacks, plugins, ...) built
+    summary = summary_callback(cfg)
+    kwargs["callbacks"] = build_callbacks(cfg, user_callbacks, kwargs, summary)
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path != "last" or any(isinstance(c, AtomicCheckpoint) for c in kwargs["callbacks"]):
+        # else a ModelCheckpoint of the user's own in trainer.callbacks: Lightning finds its last checkpoint
+        ckpt_path = resolve_ckpt_path(ckpt_path, checkpoint_dir(cfg))
+    if ckpt_path is not None and _is_rank_zero():
+        log.info("resuming from %s", ckpt_path)
     pl.seed_everything(cfg.seed, workers=True)
     model = build_model(cfg)
     module, data = build_task(cfg, model)
-    if cfg.task.mode == "longstraw":
+    if cfg.task.mode == "longstraw" and getattr(module, "progress", "") is None:
         # log lines with an ETA for phases longer than 30 s (a bar would fight Lightning's own progress bar)
         module.progress = PhaseProgress(mode="log", min_interval_s=30.0)
     cluster = cfg.cluster
     strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
                                sharding=cluster.sharding, process_group_backend=cluster.process_group_backend)
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    summary = _summary_callback(cfg)
     trainer = pl.Trainer(
         strategy=strategy, accelerator=cluster.accelerator, devices=cluster.devices, num_nodes=cluster.num_nodes,
-        precision=precision, logger=build_logger(cfg), callbacks=[summary], **trainer_kwargs,
+        precision=precision, logger=build_logger(cfg), **kwargs,
     )
-    trainer.fit(module, data)
+    if isinstance(data, pl.LightningDataModule):
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    else:
+        trainer.fit(module, data, ckpt_path=ckpt_path)
     if summary.text:
+        last = getattr(trainer.checkpoint_callback, "last_model_path", "") if trainer.is_global_zero else ""
+        if last:  # written after the summary's on_train_end: the final checkpoint
+            link = os.path.join(os.path.dirname(last), "last.ckpt")
+            summary.text += (f"\ncheckpoint: {link} -> {os.path.basename(last)}  (resume: ckpt_path=last; export: "
+                             f"longctx-export ckpt={link} out=<dir>)")
         print("\n" + summary.text, flush=True)
     return trainer
+
+
+# ------------------------------------------------------------------------------------------------ launching
+def check_slurm_layout(cfg: DictConfig, launcher: DictConfig | None = None) -> None:
+    """Under hydra-submitit-launcher's SLURM launcher, Lightning needs ``--ntasks-per-node`` = ``cluster.devices``
+    and ``--nodes`` = ``cluster.num_nodes`` (and, on GPUs, that many GPUs per node). Raises ValueError naming the
+    keys on a mismatch; nothing for other launchers."""
+    if launcher is None:
+        launcher = cfg.get("hydra", {}).get("launcher") if "hydra" in cfg else None
+    if launcher is None or "submitit" not in str(launcher.get("_target_", "")).lower():
+        return
+    if "Slurm" not in str(launcher.get("_target_", "")):
+        return
+    cluster = cfg.cluster
+    checks = [("tasks_per_node", cluster.devices, "cluster.devices", "--ntasks-per-node"),
+              ("nodes", cluster.num_nodes, "cluster.num_nodes", "--nodes")]
+    if cluster.accelerator == "gpu" and launcher.get("gpus_per_node") is not None:
+        checks.append(("gpus_per_node", cluster.devices, "cluster.devices", "--gpus-per-node"))
+    for key, want, source, flag in checks:
+        got = launcher.get(key)
+        if got != want:
+            raise ValueError(
+                f"hydra.launcher.{key}={got} but {source}={want}: Lightning needs SLURM's {flag} = {source} (one task "
+                f"per device). Set hydra.launcher.{key}=${{{source}}} (the slurm_4x8gpu preset does), or change "
+                f"{source}.")
+
+
+class SlurmLayoutCheck(HydraCallback):
+    """A Hydra callback (``hydra.callbacks`` of ``cluster=slurm_4x8gpu``): :func:`check_slurm_layout` before the
+    sweep is submitted (``on_multirun_start``) and in each job before any work (``on_job_start``)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_slurm_layout(config)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        launcher = config.hydra.launcher if "hydra" in config else (
+            HydraConfig.get().launcher if HydraConfig.initialized() else None)
+        check_slurm_layout(config, launcher)
 
 
 def check_launch(cfg: DictConfig) -> None:
     """Refuse Hydra multirun (``-m``) of a local multi-process run: Lightning re-launches this script per rank,
     and every child would re-run the whole sweep. Sweeps go through a launcher that starts the ranks itself
-    (``cluster=slurm_4x8gpu``: submitit) or through torchrun."""
+    (``cluster=slurm_4x8gpu``: submitit) or through torchrun. Under submitit's SLURM launcher the layout is
+    checked (:func:`check_slurm_layout`)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
+    check_slurm_layout(cfg, hydra_cfg.launcher)
     external = any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LOCAL_RANK"))
     basic = "BasicLauncher" in str(hydra_cfg.launcher.get("_target_", ""))
     ranks = cfg.cluster.devices * cfg.cluster.num_nodes
@@ -312,11 +244,27 @@ def check_launch(cfg: DictConfig) -> None:
         )
 
 
+def _fail_cleanly(err: Exception) -> None:
+    """A config error: the message alone (no traceback), exit status 1."""
+    import sys
+
+    print(f"longctx: error: {err}", file=sys.stderr, flush=True)
+    raise SystemExit(1) from err
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def train(cfg: DictConfig) -> None:
-    """``longctx-train``: plan, then train the task under ``strategy="ulysses"``."""
+def _train(cfg: DictConfig) -> None:
     check_launch(cfg)
-    run_train(cfg)
+    try:
+        run_train(cfg)
+    except (ConfigError, PlanError) as err:
+        _fail_cleanly(err)
+
+
+def train() -> None:
+    """``longctx-train``: check the config, plan, then train the task under ``strategy="ulysses"``."""
+    importable_cwd()  # task.module._target_=my_grpo.MyGRPO with my_grpo.py here
+    _train()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="plan")
@@ -325,10 +273,28 @@ def plan(cfg: DictConfig) -> None:
     print(format_plan(cfg))
 
 
+@hydra.main(version_base="1.3", config_path="conf", config_name="export")
+def _export(cfg: DictConfig) -> None:
+    from .export import ExportError, export_checkpoint
+
+    try:
+        out = export_checkpoint(cfg.ckpt, cfg.out, adapter_only=cfg.adapter_only, dtype=cfg.dtype, config=cfg.config)
+    except (ExportError, ConfigError, FileNotFoundError) as err:
+        _fail_cleanly(err)
+    print(f"longctx-export: wrote {out}", flush=True)
+
+
+def export() -> None:
+    """``longctx-export ckpt=<checkpoint> out=<dir> [adapter_only=true] [dtype=bfloat16]``."""
+    importable_cwd()  # a model._target_ builder from the current directory
+    _export()
+
+
 if __name__ == "__main__":
     train()
 
 
-__all__ = ["PlanError", "build_model", "build_task", "check_launch", "check_plan", "decoder_config", "format_plan",
-           "model_memory_knobs", "plan", "plan_request", "run_train", "train",
+__all__ = ["PlanError", "SlurmLayoutCheck", "build_model", "build_task", "check_launch", "check_plan",
+           "check_slurm_layout", "decoder_config", "export", "format_plan", "model_memory_knobs",
+           "parameters_digest", "plan", "plan_request", "route_lightning_deprecations", "run_train", "train",
            "trainer_precision"]

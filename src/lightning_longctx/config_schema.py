@@ -1,12 +1,27 @@
-"""Structured-config schemas of ``longctx-train`` / ``longctx-plan``, registered in Hydra's ConfigStore.
+"""Structured-config schemas of ``longctx-train`` / ``longctx-plan`` / ``longctx-export``, registered in Hydra's
+ConfigStore.
 
-The YAML tree (``lightning_longctx/conf``) is validated against these dataclasses: an unknown key or a value
-of the wrong type fails at composition with Hydra's error naming the key (``Key 'hiden_size' not in
-'ModelConf'``), before any work. ``config.yaml`` starts from ``base_config`` (:class:`Config`); the groups
-``model``, ``cluster``, ``memory``, ``trainer``, ``logger`` are typed fields of it, and each ``task`` option
-starts from its own schema (``schema/task/<name>``: :class:`NeedleGRPOConf`, :class:`LongSFTConf`).
+The YAML tree (``lightning_longctx/conf``) is validated against these dataclasses where strictness helps: an
+unknown key or a value of the wrong type in ``model``, ``cluster``, ``memory``, ``logger``, ``checkpoint``,
+``plan`` or a built-in task's top level fails at composition with Hydra's error naming the key, before any
+work. ``config.yaml`` starts from ``base_config`` (:class:`Config`).
 
-Importing this module registers the schemas (``cli.py`` does before Hydra composes).
+Open nodes (any key, no ``+`` needed; checked where they are used, before any work):
+
+- ``trainer``: every ``lightning.pytorch.Trainer`` argument (checked against ``inspect.signature(Trainer)``,
+  the bad key named); ``trainer.callbacks`` a list of ``_target_`` nodes.
+- ``tokenizer``: ``path`` (default ``model.pretrained``) and whatever a task's tokenizer loader takes.
+- ``task.module`` / ``task.data`` of the built-in tasks and of tasks that start from ``schema/task/base``:
+  ``_target_`` nodes (``hydra.utils.instantiate(cfg.task.module, model=model)`` and
+  ``hydra.utils.instantiate(cfg.task.data)``), so a user subclass takes its own keyword arguments.
+
+A task's top level carries the planner's keys (``name``, ``mode`` = ``sft`` | ``longstraw``, ``seq_len``; for
+LongStraw also ``group_size``, ``max_new_tokens``, ``prompt_grad``) and any knobs its ``module`` / ``data``
+interpolate. Built-in tasks are typed (``schema/task/needle_grpo``: :class:`NeedleGRPOConf`,
+``schema/task/long_sft``: :class:`LongSFTConf`); a task from elsewhere starts from ``schema/task/base`` (open
+``module``/``data``, the planner keys required) and is checked at launch (:func:`lightning_longctx.app.check_task`).
+
+Importing this module registers the schemas (``cli.py`` and ``lightning_longctx.conf`` do before Hydra composes).
 """
 
 from __future__ import annotations
@@ -15,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 @dataclass
@@ -40,8 +55,15 @@ class ModelConf:
     init (shape-only runs, planning). ``hf_id``: the hub id the preset is shaped after (informational).
     ``linear_*`` / ``attn_output_gate`` / ``zero_centered_norms`` / ``partial_rotary_factor``: the hybrid
     (qwen3_5_text) fields.
+
+    ``_target_``: an optional model builder (``model._target_=my_pkg.build_model``), called with the fields of
+    this node (resolved) that its signature names (all but ``lora`` if it takes ``**kwargs``) plus
+    ``memory=MemoryConfig(...)`` if it takes ``memory``; ``model.lora`` is then attached by the CLI unless the
+    builder names a ``lora`` parameter. The architecture fields stay what the planner plans. None = ``DecoderLM``
+    from ``pretrained`` or the architecture fields (see ``lightning_longctx.app.build_model``).
     """
 
+    _target_: str | None = None
     name: str = MISSING
     hf_id: str | None = None
     pretrained: str | None = None
@@ -120,29 +142,40 @@ class MemoryConf:
 @dataclass
 class TaskConf:
     """What every task has: its ``name``, ``mode`` (``sft`` / ``longstraw``: which planner), the context
-    ``seq_len`` (the SFT sequence, or the LongStraw prompt) and the optimizer's learning rate."""
+    ``seq_len`` (the SFT sequence, or the LongStraw prompt), and two ``_target_`` nodes: ``module`` (the
+    LightningModule, ``instantiate(cfg.task.module, model=model)``) and ``data`` (``instantiate(cfg.task.data)``:
+    a ``LightningDataModule`` or a ``DataLoader``). ``module`` and ``data`` are open nodes."""
 
     name: str = MISSING
     mode: str = MISSING
     seq_len: int = MISSING
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    num_workers: int = 0
+    module: Any = field(default_factory=dict)
+    data: Any = field(default_factory=dict)
 
 
 @dataclass
-class NeedleGRPOConf(TaskConf):
+class LongStrawTaskConf(TaskConf):
+    """A LongStraw (GRPO-family) task: the planner also reads G, the response length and ``prompt_grad``."""
+
+    mode: str = "longstraw"
+    group_size: int = 8
+    max_new_tokens: int = 1024
+    prompt_grad: str = "full"
+
+
+@dataclass
+class NeedleGRPOConf(LongStrawTaskConf):
     """Needle-in-a-haystack GRPO with exact LongStraw steps (``tasks/needle.py``); ``seq_len`` = prompt tokens
-    (haystack + key marker + key + query marker).
+    (haystack + key marker + key + query marker). The knobs below reach ``module`` / ``data`` by interpolation
+    (``conf/task/needle_grpo.yaml``).
 
     ``max_grad_norm``: the module clips each group step's gradients to this global norm (null = off; use it,
     not ``trainer.gradient_clip_val``: the module optimises manually). ``lr_warmup_steps``: linear warmup
     optimizer steps; ``lr_schedule``: ``constant`` or ``cosine`` (to 0 at ``trainer.max_steps``) after it.
-    ``memory.offload_checkpoints=true`` offloads the LongStraw prompt checkpoints (see ``cli.build_task``).
+    ``memory.offload_checkpoints=true`` offloads the LongStraw prompt checkpoints (``module.offload_checkpoints``).
     """
 
     name: str = "needle_grpo"
-    mode: str = "longstraw"
     seq_len: int = 2048
     num_prompts: int = 64
     group_size: int = 8
@@ -152,15 +185,16 @@ class NeedleGRPOConf(TaskConf):
     top_k: int = 0  # 0 = off; applied before top_p
     logprob_temperature: float | None = None  # null = the sampling temperature (1 when greedy)
     loss_type: str = "token_mean"
-    prompt_grad: str = "full"
     state_segment: int = 16384  # hybrids: linear-layer states kept every this many prompt tokens
     beta: float = 0.0
     clip_eps: list[float] = field(default_factory=lambda: [0.2, 0.2])
     scale_rewards: bool = True
     lr: float = 3e-3
+    weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     lr_warmup_steps: int = 0
     lr_schedule: str = "constant"
+    num_workers: int = 0
     seed: int = 0
 
 
@@ -175,21 +209,9 @@ class LongSFTConf(TaskConf):
     batch_size: int = 1
     passage_len: int = 16
     lr: float = 3e-3
+    weight_decay: float = 0.0
+    num_workers: int = 0
     seed: int = 0
-
-
-@dataclass
-class TrainerConf:
-    """``lightning.pytorch.Trainer`` arguments that ``longctx-train`` exposes (strategy, devices and
-    precision come from ``cluster`` and ``memory``)."""
-
-    max_steps: int = 8
-    log_every_n_steps: int = 1
-    enable_checkpointing: bool = False
-    enable_progress_bar: bool = True
-    enable_model_summary: bool = False
-    gradient_clip_val: float | None = None
-    default_root_dir: str | None = None
 
 
 @dataclass
@@ -200,6 +222,41 @@ class LoggerConf:
     save_dir: str = MISSING
     name: str = MISSING
     version: str | None = None
+
+
+@dataclass
+class CheckpointConf:
+    """Checkpoints of ``longctx-train`` (on unless ``trainer.enable_checkpointing=false``).
+
+    ``dir``: null = ``<run dir>/checkpoints``. ``every_n_steps``: a step checkpoint ``step_<N>.ckpt`` every this
+    many optimizer steps (null = only at the end), and one when training ends. ``last.ckpt`` is always the
+    newest complete one (a symlink swapped atomically after the checkpoint was written under a temporary name;
+    sharded FSDP checkpoints are directories, and they are handled the same way). ``keep``: how many step
+    checkpoints to keep (-1 = all; the one ``last.ckpt`` points to and the one resumed from are never deleted).
+    ``weights_only``: no optimizer/loop state (not resumable; smaller).
+    """
+
+    dir: str | None = None
+    every_n_steps: int | None = 50
+    keep: int = 1
+    weights_only: bool = False
+
+
+@dataclass
+class ExportConf:
+    """``longctx-export ckpt=<checkpoint> out=<dir> [adapter_only=true] [dtype=bfloat16]``.
+
+    ``ckpt``: a checkpoint of ``longctx-train`` (a ``.ckpt`` file, a sharded checkpoint directory, ``last.ckpt``,
+    or a run directory: its ``checkpoints/last.ckpt``). ``config``: the run's config; null = the
+    ``.hydra/config.yaml`` of the run directory above ``ckpt``. ``adapter_only``: with LoRA, write the PEFT
+    adapter (``save_adapter``) instead of merged weights. ``dtype``: cast before writing (null = as trained).
+    """
+
+    ckpt: str = MISSING
+    out: str = MISSING
+    adapter_only: bool = False
+    dtype: str | None = None
+    config: str | None = None
 
 
 @dataclass
@@ -215,42 +272,71 @@ class PlanConf:
 
 @dataclass
 class Config:
-    """The whole run: ``longctx-train`` and ``longctx-plan`` compose the same tree."""
+    """The whole run: ``longctx-train`` and ``longctx-plan`` compose the same tree.
+
+    ``ckpt_path``: resume from ``last`` (the newest complete checkpoint in ``checkpoint.dir``), a checkpoint path
+    (file or sharded directory) or a run directory (its ``checkpoints/last.ckpt``); null = start fresh.
+    """
 
     model: ModelConf = MISSING
     cluster: ClusterConf = MISSING
     memory: MemoryConf = MISSING
-    task: Any = MISSING
-    trainer: TrainerConf = MISSING
+    task: Any = None
+    tokenizer: Any = field(default_factory=dict)  # open
+    trainer: Any = field(default_factory=dict)  # open: any lightning.pytorch.Trainer argument
     logger: LoggerConf = MISSING
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     plan: PlanConf = field(default_factory=PlanConf)
     seed: int = 0
+    ckpt_path: str | None = None
 
 
 TASK_SCHEMAS = {"needle_grpo": NeedleGRPOConf, "long_sft": LongSFTConf}
+OPEN_NODES = ("trainer", "tokenizer")  # keys of Config whose nodes take any key
+OPEN_TASK_NODES = ("module", "data")
+
+
+def _open(node: DictConfig, *keys: str) -> DictConfig:
+    """``node`` with its children ``keys`` open: new keys need no ``+`` (Hydra's struct mode stays on elsewhere)."""
+    for key in keys:
+        node[key]._set_flag("struct", False)
+    return node
+
+
+def task_schema(schema: type) -> DictConfig:
+    """A task schema node as stored: typed top level, open ``module`` and ``data``."""
+    return _open(OmegaConf.structured(schema), *OPEN_TASK_NODES)
 
 
 def register_configs() -> None:
-    """Store the schemas: ``base_config`` and ``schema/task/<name>`` (idempotent)."""
+    """Store the schemas: ``base_config``, ``schema/task/<name>`` (and ``schema/task/base``: the planner keys
+    required, everything else free, for tasks defined outside this package), ``schema/export`` (idempotent)."""
     cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
+    cs.store(name="base_config", node=_open(OmegaConf.structured(Config), *OPEN_NODES))
     for name, schema in TASK_SCHEMAS.items():
-        cs.store(group="schema/task", name=name, node=schema)
+        cs.store(group="schema/task", name=name, node=task_schema(schema))
+    base = OmegaConf.create({"name": MISSING, "mode": MISSING, "seq_len": MISSING, "module": {}, "data": {}})
+    cs.store(group="schema/task", name="base", node=_open(base, *OPEN_TASK_NODES))
+    cs.store(name="export_schema", node=ExportConf)
 
 
 register_configs()
 
 __all__ = [
+    "CheckpointConf",
     "ClusterConf",
     "Config",
+    "ExportConf",
     "LoggerConf",
     "LongSFTConf",
+    "LongStrawTaskConf",
     "MemoryConf",
     "ModelConf",
     "NeedleGRPOConf",
+    "OPEN_NODES",
     "PlanConf",
     "TASK_SCHEMAS",
     "TaskConf",
-    "TrainerConf",
     "register_configs",
+    "task_schema",
 ]

@@ -35,6 +35,11 @@ then ``constant`` or ``cosine`` decay to 0 at ``max_steps``) is a ``LambdaLR`` r
 :meth:`~LongStrawModule.configure_optimizers`, so Lightning checkpoints and restores it with the optimizer;
 the module steps it once per optimizer step (Lightning does not under manual optimisation) and logs the LR
 that step used as ``train/lr``.
+
+Checkpoints: besides what Lightning saves (parameters, optimizer and LR-scheduler state, loop progress), the
+sampling generator's state of every data-parallel rank is saved (``checkpoint["longstraw_sampling_rng"]``,
+gathered from all ranks, since one rank may write the file) and restored per DP rank, so a resumed run samples
+the responses the uninterrupted run would have sampled.
 """
 
 from __future__ import annotations
@@ -277,6 +282,37 @@ class LongStrawModule(pl.LightningModule):
     def _dp_rank(self) -> int:
         group = self._mesh_group("dp")
         return dist.get_rank(group) if group is not None else 0
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    RNG_CHECKPOINT_KEY = "longstraw_sampling_rng"
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save every DP rank's sampling-generator state (``{dp_rank: ByteTensor or None}``). Lightning calls
+        this hook on every rank, so the gather is a collective they all join."""
+        state = self._generator.get_state() if self._generator is not None else None
+        entry = (self._dp_rank(), state)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, entry)
+        else:
+            gathered = [entry]
+        states: dict[int, torch.Tensor | None] = {}
+        for dp_rank, rank_state in gathered:  # the SP ranks of a DP group hold the same generator
+            states.setdefault(int(dp_rank), rank_state)
+        checkpoint[self.RNG_CHECKPOINT_KEY] = states
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore this DP rank's sampling generator (a DP rank the checkpoint does not know starts from
+        ``seed``, as a fresh run would)."""
+        states = checkpoint.get(self.RNG_CHECKPOINT_KEY)
+        if not states:
+            return
+        state = states.get(self._dp_rank())
+        if state is None:
+            self._generator = None
+            return
+        self._generator = torch.Generator()
+        self._generator.set_state(torch.as_tensor(state, dtype=torch.uint8).cpu())
 
     def reference_logprobs(self, prompt, responses, sp_group=None, prompt_state=None) -> list[torch.Tensor]:
         """The KL reference's log-probs ``[T_i]``: ``ref_model``'s, or with LoRA and no ``ref_model`` the frozen

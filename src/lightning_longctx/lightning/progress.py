@@ -8,6 +8,10 @@ on rank 0 when stderr is a terminal, or else into log lines: one when a phase st
 when a phase that took at least ``min_interval_s`` ends. Short phases (a CPU demo) stay silent.
 
 Ranks other than 0 ignore every message; so does an instance with ``enabled=False``.
+
+:class:`StepProgressBar` is the Trainer's progress bar ``longctx-train`` uses: the optimizer step out of
+``max_steps`` (continuing from the restored step after a resume) with the live metrics (the reward, the loss),
+instead of Lightning's ``Epoch 0/-2`` and ``v_num``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 import torch.distributed as dist
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 log = logging.getLogger(__name__)
 _MESSAGE = re.compile(r"^\s*(?P<phase>.*?)\s*(?P<index>\d+)\s*/\s*(?P<total>\d+)\s*$")
@@ -121,4 +126,47 @@ class PhaseProgress:
         self._finish(time.perf_counter())
 
 
-__all__ = ["PhaseProgress"]
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar counting optimizer steps (``trainer.global_step``) out of ``trainer.max_steps``: one bar
+    for the whole run (``step: 2/24 [..., reward=0.125]``), starting at the restored step after a resume, its
+    postfix the progress-bar metrics (``reward``, ``train/loss``, ...) without ``v_num``. Without ``max_steps``
+    (epoch-based training) it is Lightning's own per-epoch bar, minus ``v_num``."""
+
+    def _steps(self, trainer) -> bool:
+        return trainer.max_steps is not None and trainer.max_steps > 0
+
+    def on_train_start(self, trainer, *args) -> None:
+        if not self._steps(trainer):
+            return super().on_train_start(trainer, *args)
+        from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+        self.train_progress_bar = Tqdm(
+            desc="step", total=trainer.max_steps, initial=trainer.global_step, position=(2 * self.process_position),
+            disable=self.is_disabled, leave=True, dynamic_ncols=True, file=sys.stdout, smoothing=0,
+            bar_format=self.BAR_FORMAT)
+        return None
+
+    def on_train_epoch_start(self, trainer, *args) -> None:
+        if not self._steps(trainer):
+            super().on_train_epoch_start(trainer, *args)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not self._steps(trainer):
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        bar = self.train_progress_bar
+        if not bar.disable and self._should_update(trainer.global_step, bar.total):
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
+        return None
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not self._steps(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
+
+
+__all__ = ["PhaseProgress", "StepProgressBar"]

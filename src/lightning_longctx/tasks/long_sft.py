@@ -8,6 +8,8 @@ context. Token ids: ``0`` pad, ``2`` passage marker, ``3`` query marker, ``4..``
 
 :class:`LongSFTModule` is the simplest LightningModule for ``strategy="ulysses"``: ``training_step`` is
 ``self.model(**batch).loss``; the strategy turns the full sequences into this rank's shard.
+``longctx-train task=long_sft`` builds it from ``task.module`` and the loader from ``task.data``
+(:func:`recall_dataloader`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset
+
+from ..lightning.dataloader import ResumableDataLoader
 
 PASSAGE_MARK, QUERY_MARK, FIRST_TOKEN = 2, 3, 4
 
@@ -56,6 +60,13 @@ class RecallDataset(Dataset):
         loss_mask = torch.zeros_like(ids)
         loss_mask[-n:] = 1  # the answer; the query marker's position predicts its first token
         return {"input_ids": ids, "labels": ids.clone(), "loss_mask": loss_mask}
+
+
+def recall_dataloader(num_samples: int, seq_len: int, vocab_size: int, *, passage_len: int = 16, batch_size: int = 1,
+                      seed: int = 0, num_workers: int = 0) -> ResumableDataLoader:
+    """The loader of ``task=long_sft`` (``task.data``): :class:`RecallDataset` samples, resumable mid-epoch."""
+    data = RecallDataset(num_samples, seq_len, vocab_size, passage_len=passage_len, seed=seed)
+    return ResumableDataLoader(data, batch_size=batch_size, num_workers=num_workers)
 
 
 class LongSFTModule(pl.LightningModule):
@@ -107,4 +118,4 @@ class LongSFTModule(pl.LightningModule):
                       on_step=True, batch_size=1, rank_zero_only=True)
 
 
-__all__ = ["FIRST_TOKEN", "PASSAGE_MARK", "QUERY_MARK", "LongSFTModule", "RecallDataset"]
+__all__ = ["FIRST_TOKEN", "PASSAGE_MARK", "QUERY_MARK", "LongSFTModule", "RecallDataset", "recall_dataloader"]

@@ -3,6 +3,9 @@
 A key token is hidden at a random depth in a long haystack of filler tokens; the prompt ends with a query
 marker and the policy must answer with the key. Reward: 1 for the key, 0.25 for any other key-class token,
 0 otherwise. Token ids: ``0`` pad, ``2`` key marker, ``3`` query marker, ``4..11`` keys, ``12..`` filler.
+
+``longctx-train task=needle_grpo`` builds :class:`NeedleGRPO` from ``task.module`` and the loader from
+``task.data`` (:func:`needle_dataloader`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from ..lightning.dataloader import ResumableDataLoader
 from ..lightning.longstraw_module import LongStrawModule
 
 PAD, KEY_MARK, QUERY_MARK = 0, 2, 3
@@ -45,6 +49,16 @@ class NeedleHaystack(Dataset):
 def collate_prompt_groups(items: list[dict]) -> dict:
     """Keep prompts as a list (their lengths may differ); every other field becomes a list too."""
     return {name: [item[name] for item in items] for name in items[0]}
+
+
+def needle_dataloader(num_prompts: int, seq_len: int, vocab_size: int, *, seed: int = 0, batch_size: int = 1,
+                      num_workers: int = 0) -> ResumableDataLoader:
+    """The loader of ``task=needle_grpo`` (``task.data``): :class:`NeedleHaystack` prompts of ``seq_len`` tokens
+    (a haystack of ``seq_len - 3``), ``batch_size`` prompt groups per step, resumable mid-epoch."""
+    if seq_len < 4:
+        raise ValueError(f"seq_len={seq_len} must be >= 4 (a haystack token, the key marker, the key, the query)")
+    data = NeedleHaystack(num_prompts, seq_len - 3, vocab_size, seed=seed)
+    return ResumableDataLoader(data, batch_size=batch_size, collate_fn=collate_prompt_groups, num_workers=num_workers)
 
 
 def needle_reward(responses: list[torch.Tensor], answer: int) -> torch.Tensor:

@@ -1,0 +1,476 @@
+"""What ``longctx-train`` builds from its config, and the checks that run before any work.
+
+The contract (``conf/``, schemas in :mod:`.config_schema`):
+
+- ``task``: the planner's keys at its top level (``name``, ``mode`` = ``sft`` | ``longstraw``, ``seq_len``; for
+  LongStraw ``group_size``, ``max_new_tokens``, ``prompt_grad``) and two ``_target_`` nodes:
+  ``task.module`` -> ``hydra.utils.instantiate(cfg.task.module, model=<the built model>)`` (any
+  ``LongStrawModule`` subclass for ``longstraw``, any LightningModule for ``sft``) and ``task.data`` ->
+  ``hydra.utils.instantiate(cfg.task.data)`` (a ``LightningDataModule`` or a ``DataLoader``). Memory knobs
+  reach the module by interpolation in the task's yaml (``logits_chunk_size: ${memory.logits_chunk_size}``).
+- ``model``: :func:`build_model` (``DecoderLM`` from ``model.pretrained`` or the architecture fields, LoRA from
+  ``model.lora``), or the builder ``model._target_`` names.
+- ``tokenizer.path``: default ``model.pretrained``; tasks interpolate ``${tokenizer.path}``.
+- ``trainer``: any ``lightning.pytorch.Trainer`` argument (:func:`check_trainer_keys`), ``trainer.callbacks`` a
+  list of ``_target_`` nodes (:func:`trainer_kwargs`).
+
+Every ``_target_`` of the config is imported, and the keyword arguments of a node are checked against its
+target's signature, before the planner and before any process starts (:func:`check_targets`); the current
+directory is importable (``task.module._target_=my_grpo.MyGRPO`` with ``my_grpo.py`` in it), as for
+``python -m``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import inspect
+import logging
+import math
+import os
+import sys
+import warnings
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from . import config_schema
+
+_HF_KEYS = ("_target_", "name", "hf_id", "pretrained", "lora")  # ModelConf keys that are not architecture fields
+_HYDRA_KEYS = ("_target_", "_partial_", "_convert_", "_recursive_", "_args_")
+# Trainer arguments the CLI sets from other groups: key -> where to set it instead
+TRAINER_RESERVED = {
+    "strategy": "cluster.* (UlyssesStrategy(sp_size=cluster.sp_size, sharding=cluster.sharding, ...))",
+    "accelerator": "cluster.accelerator", "devices": "cluster.devices", "num_nodes": "cluster.num_nodes",
+    "precision": "memory.precision", "logger": "the logger group (logger=tensorboard|csv)",
+}
+MODES = ("sft", "longstraw")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run, found before any work; the message names the key."""
+
+
+# ------------------------------------------------------------------------------------------------ imports
+def importable_cwd() -> None:
+    """Make the current directory importable (console scripts put their own ``bin/`` first on ``sys.path``, not
+    the directory they run in), after the script's directory, as ``python -m`` would have it."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(1 if sys.path else 0, cwd)
+
+
+def locate(path: str, key: str) -> Any:
+    """The object at the dotted ``path`` (Hydra's own lookup), with an error naming the config key and why."""
+    try:
+        from hydra._internal.utils import _locate
+    except ImportError:  # pragma: no cover - a Hydra without it: the public (noisier) lookup
+        from hydra.utils import get_object as _locate
+
+    importable_cwd()
+    try:
+        return _locate(path)
+    except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, ValueError from Hydra's _locate
+        reason = " ".join(str(err).split())
+        raise ConfigError(f"{key}={path!r} cannot be imported: {reason} (a dotted path to a class or function, "
+                          "importable from the current directory or PYTHONPATH)") from err
+
+
+def _parameters(target: Any) -> tuple[set[str], bool] | None:
+    """The keyword names ``target`` takes and whether it takes ``**kwargs`` (None: no inspectable signature)."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    names = {name for name, p in signature.parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names, any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+
+
+def _target_nodes(node: Any, key: str):
+    """``(full key, node)`` of every dict node with a ``_target_`` under ``node`` (``hydra`` excluded)."""
+    if node._is_none() or node._is_missing() or node._is_interpolation():
+        return
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            yield key, node
+        for child in node:
+            if key == "" and child == "hydra":
+                continue
+            value = node._get_node(child)
+            if isinstance(value, (DictConfig, ListConfig)):
+                yield from _target_nodes(value, f"{key}.{child}" if key else str(child))
+    elif isinstance(node, ListConfig):
+        for index in range(len(node)):
+            value = node._get_node(index)
+            if isinstance(value, (DictConfig, ListConfig)):
+                yield from _target_nodes(value, f"{key}[{index}]")
+
+
+def check_targets(cfg: DictConfig, *, injected: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Import every ``_target_`` in ``cfg`` and check each node's keys against its target's parameters
+    (``injected``: the arguments the CLI passes itself, e.g. ``model`` for ``task.module``). Raises
+    :class:`ConfigError` naming the key."""
+    injected = {"task.module": ("model",)} if injected is None else injected
+    for key, node in _target_nodes(cfg, ""):
+        target_key = f"{key}._target_"
+        path = node.get("_target_")
+        if path is None:
+            continue
+        if not isinstance(path, str):
+            raise ConfigError(f"{target_key} must be a dotted path string, got {path!r}")
+        target = locate(path, target_key)
+        if key == "model":
+            continue  # the builder takes the fields its signature names (build_model)
+        params = _parameters(target)
+        if params is None:
+            continue
+        names, var_kwargs = params
+        for needed in injected.get(key, ()):
+            if needed not in names and not var_kwargs:
+                raise ConfigError(f"{target_key}={path!r} must take the keyword argument {needed!r} "
+                                  f"(longctx-train calls instantiate(cfg.{key}, {needed}=...))")
+        if var_kwargs or node.get("_partial_", False):
+            continue
+        for arg in node:
+            arg = str(arg)
+            if arg in _HYDRA_KEYS or arg in names:
+                continue
+            close = difflib.get_close_matches(arg, sorted(names), n=1)
+            hint = f"; did you mean {key}.{close[0]}?" if close else f"; it takes {sorted(names)}"
+            raise ConfigError(f"{key}.{arg}: {path} takes no argument {arg!r}{hint}")
+
+
+def check_task(cfg: DictConfig) -> None:
+    """The task node as the CLI and the planner read it: the planner keys at its top level, ``module`` and
+    ``data`` ``_target_`` nodes. Raises :class:`ConfigError` naming the key."""
+    task = cfg.get("task")
+    if not isinstance(task, DictConfig):
+        raise ConfigError("task: choose a task (task=needle_grpo, task=long_sft, or a yaml of your own)")
+    for key, kind in (("name", str), ("mode", str), ("seq_len", int)):
+        if OmegaConf.is_missing(task, key) or task.get(key) is None:
+            raise ConfigError(f"task.{key} is required (the planner reads it)")
+        if not isinstance(task[key], kind) or isinstance(task[key], bool):
+            raise ConfigError(f"task.{key}={task[key]!r} must be a {kind.__name__}")
+    if task.mode not in MODES:
+        raise ConfigError(f"task.mode={task.mode!r} must be one of {list(MODES)}")
+    if task.seq_len < 1:
+        raise ConfigError(f"task.seq_len={task.seq_len} must be >= 1")
+    if task.mode == "longstraw":
+        for key in ("group_size", "max_new_tokens"):
+            value = task.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"task.{key}={value!r}: a LongStraw task needs a positive int (the planner reads it)")
+        if task.get("prompt_grad", "full") not in ("full", "none"):
+            raise ConfigError(f"task.prompt_grad={task.prompt_grad!r} must be 'full' or 'none'")
+    for key in ("module", "data"):
+        node = task.get(key)
+        if not isinstance(node, DictConfig) or not node.get("_target_"):
+            raise ConfigError(f"task.{key}._target_ is required (a dotted path: task.{key} is instantiated)")
+
+
+def check_trainer_keys(trainer_cfg: DictConfig) -> None:
+    """Every ``trainer.*`` key is a ``lightning.pytorch.Trainer`` argument (checked against its signature) and not
+    one the CLI sets from another group. Raises :class:`ConfigError` naming the key."""
+    from lightning.pytorch.trainer.trainer import Trainer
+
+    names, _ = _parameters(Trainer.__init__)
+    names.discard("self")
+    for key in trainer_cfg:
+        key = str(key)
+        if key in TRAINER_RESERVED:
+            raise ConfigError(f"trainer.{key} is set by longctx-train from {TRAINER_RESERVED[key]}; set that instead")
+        if key not in names:
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            hint = f"; did you mean trainer.{close[0]}?" if close else ""
+            raise ConfigError(f"trainer.{key} is not a lightning.pytorch.Trainer argument{hint}")
+    callbacks = trainer_cfg.get("callbacks")
+    if callbacks is not None:
+        if not isinstance(callbacks, ListConfig):
+            raise ConfigError("trainer.callbacks must be a list of _target_ nodes, e.g. "
+                              "'trainer.callbacks=[{_target_: lightning.pytorch.callbacks.LearningRateMonitor}]'")
+        for index, node in enumerate(callbacks):
+            if not isinstance(node, DictConfig) or "_target_" not in node:
+                raise ConfigError(f"trainer.callbacks[{index}] must be a _target_ node, got {node!r}")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """All checks that need no model and no process group: task, trainer keys, every ``_target_``."""
+    check_task(cfg)
+    check_trainer_keys(cfg.trainer)
+    check_targets(cfg)
+
+
+# ------------------------------------------------------------------------------------------------ building
+def decoder_config(model_cfg: DictConfig):
+    """``DecoderConfig`` from a model preset. Fields ``DecoderConfig`` does not have must be at their defaults
+    (else the architecture would silently change)."""
+    from .models import DecoderConfig
+
+    values = {k: v for k, v in OmegaConf.to_container(model_cfg, resolve=True).items() if k not in _HF_KEYS}
+    known = {f.name for f in dataclasses.fields(DecoderConfig)}
+    schema_defaults = {f.name: f.default for f in dataclasses.fields(config_schema.ModelConf)}
+    unsupported = sorted(k for k in values if k not in known and values[k] != schema_defaults.get(k))
+    if unsupported:
+        raise NotImplementedError(
+            f"model={model_cfg.name}: DecoderLM does not implement the fields {unsupported}; "
+            f"longctx-plan model={model_cfg.name} still plans it"
+        )
+    return DecoderConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
+    """The ``MemoryConfig`` knobs of the model for ``cfg``.
+
+    ``memory.offload_checkpoints`` means what the task checkpoints: for an SFT task (``long_sft``) the model's
+    activation checkpoints (``MemoryConfig``, which needs ``memory.activation_checkpointing=true``: unchanged,
+    the model's own error otherwise); for a LongStraw task (``needle_grpo``) the prompt's layer checkpoints of
+    ``longstraw_step``, which the task's ``module`` node takes (``offload_checkpoints:
+    ${memory.offload_checkpoints}``). The model of a LongStraw task then gets ``offload_checkpoints`` only
+    together with ``activation_checkpointing`` (its own checkpoints, used by any plain forward with autograd), so
+    ``memory.offload_checkpoints=true`` alone is valid there, not an error.
+    """
+    knobs = {k: cfg.memory[k] for k in ("head_chunk_size", "activation_checkpointing", "offload_checkpoints",
+                                        "mlp_chunk_size", "logits_chunk_size")}
+    if cfg.task.mode == "longstraw":
+        knobs["offload_checkpoints"] = bool(knobs["offload_checkpoints"] and knobs["activation_checkpointing"])
+    return knobs
+
+
+def _attach_lora(model, lora) -> None:
+    if lora is None or not lora.get("r"):
+        return
+    if not hasattr(model, "add_lora"):
+        raise ConfigError(f"model.lora.r={lora.r}: the built {type(model).__name__} has no add_lora(); unset "
+                          "model.lora.r or let the model builder take a 'lora' argument")
+    model.add_lora(int(lora.r), float(lora.alpha), list(lora.target_modules),
+                   on_prompt=bool(lora.get("on_prompt", True)))
+
+
+def build_model(cfg: DictConfig):
+    """The model for ``cfg``.
+
+    Without ``model._target_``: ``DecoderLM`` from ``cfg.model`` (random init, or ``model.pretrained``) with
+    ``cfg.memory``'s knobs (:func:`model_memory_knobs`), and LoRA adapters when ``model.lora.r`` is set.
+
+    With ``model._target_=my_pkg.build_model``: that callable with the fields of the resolved model node its
+    signature names (every field but ``lora`` when it takes ``**kwargs``), plus ``memory`` (the
+    ``MemoryConfig``) when it names a ``memory`` parameter; ``model.lora`` is then attached here
+    (``add_lora``) unless the builder names a ``lora`` parameter.
+    """
+    from .models import DecoderLM, MemoryConfig
+
+    memory = MemoryConfig(**model_memory_knobs(cfg))
+    target = cfg.model.get("_target_")
+    lora = cfg.model.get("lora")
+    if target:
+        builder = locate(target, "model._target_")
+        fields = OmegaConf.to_container(cfg.model, resolve=True)
+        fields.pop("_target_")
+        params = _parameters(builder)
+        names, var_kwargs = params if params is not None else (set(), True)
+        kwargs = {k: v for k, v in fields.items() if k in names or (var_kwargs and k != "lora")}
+        if "memory" in names:
+            kwargs["memory"] = memory
+        model = builder(**kwargs)
+        if "lora" not in names:
+            _attach_lora(model, lora)
+        return model
+    if cfg.model.pretrained:
+        model = DecoderLM.from_pretrained(cfg.model.pretrained, memory=memory)
+    else:
+        model = DecoderLM(decoder_config(cfg.model), memory)
+    _attach_lora(model, lora)  # a frozen base, trainable adapters (model.lora.r=16)
+    return model
+
+
+def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
+    from hydra.utils import instantiate
+
+    if "_convert_" not in node:
+        kwargs["_convert_"] = "all"  # plain lists and dicts for the target, not OmegaConf containers
+    return instantiate(node, **kwargs)
+
+
+def build_task(cfg: DictConfig, model) -> tuple[Any, Any]:
+    """``(LightningModule, data)`` for ``cfg.task``: ``instantiate(cfg.task.module, model=model)`` and
+    ``instantiate(cfg.task.data)`` (a ``DataLoader``, made resumable mid-epoch when it is a plain one, or a
+    ``LightningDataModule``, whose ``train_dataloader`` is wrapped the same way)."""
+    import lightning.pytorch as pl
+
+    from .lightning.dataloader import make_resumable, resumable_datamodule
+
+    check_task(cfg)
+    module = _instantiate(cfg.task.module, model=model)
+    data = _instantiate(cfg.task.data)
+    if isinstance(data, pl.LightningDataModule):
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        if is_overridden("train_dataloader", data):
+            data = resumable_datamodule(data)
+    else:
+        data = make_resumable(data)
+    return module, data
+
+
+def build_logger(cfg: DictConfig):
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    lg = cfg.logger
+    if lg.kind == "tensorboard":
+        return TensorBoardLogger(lg.save_dir, name=lg.name, version=lg.version, default_hp_metric=False)
+    if lg.kind == "csv":
+        return CSVLogger(lg.save_dir, name=lg.name, version=lg.version)
+    raise ValueError(f"logger.kind={lg.kind!r} must be 'tensorboard' or 'csv'")
+
+
+def trainer_kwargs(cfg: DictConfig) -> tuple[dict[str, Any], list[Any]]:
+    """``(Trainer keyword arguments, user callbacks)`` from ``cfg.trainer``: ``_target_`` nodes anywhere in it are
+    instantiated (``trainer.callbacks``, ``trainer.plugins``, ``trainer.profiler``, ...)."""
+    check_trainer_keys(cfg.trainer)
+    values = OmegaConf.to_container(cfg.trainer, resolve=True)
+    callbacks = values.pop("callbacks", None) or []
+    built = _instantiate(OmegaConf.create(values)) if values else {}
+    kwargs = dict(built)
+    return kwargs, [_instantiate(OmegaConf.create(c)) for c in callbacks]
+
+
+def run_dir() -> str:
+    """The Hydra run directory (the current directory outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.output_dir)
+    return os.getcwd()
+
+
+def checkpoint_dir(cfg: DictConfig) -> str:
+    """``checkpoint.dir``, or ``<run dir>/checkpoints``."""
+    directory = cfg.checkpoint.get("dir")
+    return os.path.abspath(directory) if directory else os.path.join(run_dir(), "checkpoints")
+
+
+# ------------------------------------------------------------------------------------------------ callbacks
+def route_lightning_deprecations() -> None:
+    """Deprecation warnings raised from Lightning's own code (``DeprecationWarning`` / ``FutureWarning`` whose
+    location is inside the ``lightning`` package, e.g. ``lightning/pytorch/utilities/_pytree.py``'s ``LeafSpec``
+    one) stay off the console: they go to the run's log file (Hydra's ``<run dir>/<job>.log``) only. Every other
+    warning is shown as before. Idempotent."""
+    import lightning
+
+    if getattr(warnings.showwarning, "_longctx_route", False):
+        return
+    roots = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (lightning,))
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, (DeprecationWarning, FutureWarning)) and os.path.abspath(filename).startswith(roots):
+            text = warnings.formatwarning(message, category, filename, lineno, line).rstrip()
+            record = logging.LogRecord("py.warnings", logging.WARNING, filename, lineno, text, None, None)
+            for handler in logging.getLogger().handlers:
+                if isinstance(handler, logging.FileHandler):
+                    handler.handle(record)
+            return
+        shown(message, category, filename, lineno, file, line)
+
+    showwarning._longctx_route = True
+    warnings.showwarning = showwarning
+
+
+def parameters_digest(module) -> tuple[str, str]:
+    """``(sha256 of this rank's parameters, sha256 over every rank's digest in rank order)``: FSDP2 shards are
+    hashed where they are (no gather), so the second is the same on every rank and names the whole model state
+    of one layout. Call it on every rank (an all-gather)."""
+    import torch
+    import torch.distributed as dist
+
+    digest = hashlib.sha256()
+    for name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
+        tensor = param.detach()
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        digest.update(name.encode())
+        digest.update(tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    local = digest.hexdigest()
+    digests = [local]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        digests = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, local)
+    return local, hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
+def summary_callback(cfg: DictConfig):
+    """A callback that logs the resolved config as hyperparameters and prints a summary at the end."""
+    from lightning.pytorch.callbacks import Callback
+
+    metric = "train/reward_mean" if cfg.task.mode == "longstraw" else "train/loss"
+
+    class RunSummary(Callback):
+        def __init__(self) -> None:
+            self.values: list[float] = []
+            self.log_dir: str | None = None
+            self.digest: str | None = None
+            self.text = ""  # printed by run_train after fit, once the progress bar is gone
+
+        def setup(self, trainer, pl_module, stage: str) -> None:
+            # before the Trainer's own hyperparameter logging, which writes hparams.yaml once
+            self.log_dir = trainer.log_dir  # a collective: every rank calls it
+            if trainer.logger is not None:
+                params = OmegaConf.to_container(cfg, resolve=True)
+                trainer.logger.log_hyperparams(params, metrics={f"hp/final_{metric.split('/')[-1]}": math.nan})
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            value = trainer.callback_metrics.get(metric)
+            if value is not None:
+                self.values.append(float(value))
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            _, self.digest = parameters_digest(pl_module)  # every rank: a collective
+            head = (f"== longctx-train summary ({cfg.task.name}, model={cfg.model.name}, cluster={cfg.cluster.name}, "
+                    f"global step {trainer.global_step}) ==")
+            if not trainer.is_global_zero:
+                if trainer.local_rank == 0:  # one line per node
+                    self.text = (f"longctx-train node {trainer.node_rank} (rank {trainer.global_rank}): global step "
+                                 f"{trainer.global_step}, parameters sha256 {self.digest}")
+                return
+            lines = [head]
+            if self.values:
+                k = max(1, len(self.values) // 4)
+                first, last = sum(self.values[:k]) / k, sum(self.values[-k:]) / k
+                if trainer.logger is not None:
+                    trainer.logger.log_metrics({f"hp/final_{metric.split('/')[-1]}": last}, step=trainer.global_step)
+                lines.append(f"{metric}: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
+            lines += [f"{name}: {float(trainer.callback_metrics[name]):.4g}"
+                      for name in ("train/tokens_per_s", "train/peak_memory_gib") if name in trainer.callback_metrics]
+            lines.append(f"parameters sha256: {self.digest} ({trainer.world_size} rank(s))")
+            if self.log_dir:
+                lines.append(f"TensorBoard logdir: {self.log_dir}")
+                lines.append(f"  tensorboard --logdir {os.path.dirname(self.log_dir)}")
+            self.text = "\n".join(lines)
+
+    return RunSummary()
+
+
+def build_callbacks(cfg: DictConfig, user: list[Any], trainer_args: dict[str, Any], summary) -> list[Any]:
+    """The user's ``trainer.callbacks`` plus the CLI's: the run summary, the step progress bar (unless the user
+    brought a progress bar, or ``trainer.enable_progress_bar=false``) and the atomic checkpoints (unless the user
+    brought a ``ModelCheckpoint``, or ``trainer.enable_checkpointing=false``)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+
+    from .lightning.checkpoint import AtomicCheckpoint
+    from .lightning.progress import StepProgressBar
+
+    callbacks = [*user, summary]
+    if trainer_args.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in user):
+        callbacks.append(StepProgressBar())
+    if trainer_args.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in user):
+        ck = cfg.checkpoint
+        callbacks.append(AtomicCheckpoint(checkpoint_dir(cfg), every_n_train_steps=ck.every_n_steps, keep=ck.keep,
+                                          save_weights_only=ck.weights_only))
+    return callbacks
+
+
+__all__ = ["ConfigError", "build_callbacks", "build_logger", "build_model", "build_task", "check_config",
+           "check_targets", "check_task", "check_trainer_keys", "checkpoint_dir", "decoder_config", "importable_cwd",
+           "locate", "model_memory_knobs", "parameters_digest", "route_lightning_deprecations", "run_dir",
+           "summary_callback", "trainer_kwargs"]

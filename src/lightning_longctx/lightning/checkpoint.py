@@ -1,0 +1,212 @@
+"""Step checkpoints with an atomic ``last.ckpt``, for plain and sharded (FSDP2, distributed-checkpoint
+directory) checkpoints alike.
+
+:class:`AtomicCheckpoint` is a ``ModelCheckpoint`` (so ``Trainer.fit(ckpt_path="last")`` and Lightning's own
+checkpoint bookkeeping work) whose writes are crash-safe:
+
+1. every ``every_n_train_steps`` optimizer steps, and when training ends, all ranks write the checkpoint to
+   ``.step_<N>.ckpt.partial`` (``UlyssesStrategy`` writes a file, or under FSDP2 a directory of shards plus
+   ``meta.pt``); after the strategy's barrier rank 0 renames it to ``step_<N>.ckpt`` (one ``rename``: atomic
+   for files and directories alike);
+2. ``last.ckpt`` is a relative symlink, swapped for one to the new checkpoint by ``os.replace`` (atomic);
+3. only then are older step checkpoints beyond ``keep`` deleted (never the one ``last.ckpt`` points to, nor the
+   one the run resumed from).
+
+A run killed at any moment leaves ``last.ckpt`` pointing at a complete checkpoint (a ``.partial`` left behind
+is deleted when the next run starts). Lightning's ``save_last=True`` would instead write the whole state a
+second time to ``last.ckpt`` in place, and its ``save_last="link"`` removes the old link before making the new
+one; both leave windows with no complete ``last``. :func:`resolve_ckpt_path` turns ``ckpt_path=last`` (or a run
+directory) into the checkpoint ``last.ckpt`` points to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+LAST = "last.ckpt"
+PARTIAL_SUFFIX = ".partial"
+_STEP = re.compile(r"^step_(\d+)(-v\d+)?\.ckpt$")
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step in a ``step_<N>.ckpt`` name (None for other names)."""
+    match = _STEP.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+class AtomicCheckpoint(ModelCheckpoint):
+    """``step_<N>.ckpt`` every ``every_n_train_steps`` optimizer steps and at the end of training, written under a
+    temporary name and renamed when complete; ``last.ckpt`` an atomically swapped symlink to the newest; the
+    newest ``keep`` step checkpoints kept (``-1`` = all).
+
+    Args:
+        dirpath: the checkpoint directory.
+        every_n_train_steps: None or 0 = only at the end of training.
+        keep: step checkpoints to keep.
+        save_weights_only: as in ``ModelCheckpoint`` (not resumable).
+    """
+
+    def __init__(self, dirpath: str | os.PathLike, every_n_train_steps: int | None = 50, keep: int = 1,
+                 save_weights_only: bool = False) -> None:
+        if keep == 0 or keep < -1:
+            raise ValueError(f"keep={keep} must be >= 1 or -1 (all)")
+        if every_n_train_steps is not None and every_n_train_steps < 0:
+            raise ValueError(f"every_n_train_steps={every_n_train_steps} must be >= 1 (or null: only at the end)")
+        super().__init__(dirpath=dirpath, filename="step_{step:08d}", auto_insert_metric_name=False,
+                         every_n_train_steps=every_n_train_steps or 0, save_top_k=-1, save_last=True,
+                         save_weights_only=save_weights_only, enable_version_counter=False)
+        self.keep = keep
+        if not every_n_train_steps:
+            self._every_n_epochs = 0  # not epoch-based either: only at the end of training
+
+    # --------------------------------------------------------------------------------------- triggers
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._resuming = trainer.ckpt_path is not None
+        super().setup(trainer, pl_module, stage)
+        if trainer.is_global_zero and self.dirpath and os.path.isdir(self.dirpath):
+            for leftover in Path(self.dirpath).glob(f".*{PARTIAL_SUFFIX}"):  # a run killed mid-write
+                _remove(leftover)
+        trainer.strategy.barrier("AtomicCheckpoint.setup")
+
+    def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath) -> None:  # ModelCheckpoint.setup's check
+        if getattr(self, "_resuming", False):
+            return
+        if self.dirpath and os.path.isdir(self.dirpath) and any(checkpoint_step(p) is not None
+                                                                for p in os.listdir(self.dirpath)):
+            log.warning("checkpoint dir %s holds checkpoints of an earlier run: new ones are added next to them "
+                        "(resume with ckpt_path=last)", self.dirpath)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.ckpt_path is not None:  # resumed: that step is saved already
+            self._last_global_step_saved = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        # also under manual optimisation (LongStrawModule): the state after the optimizer step is the one to keep
+        every = self._every_n_train_steps
+        if every < 1 or trainer.global_step % every != 0 or self._should_skip_saving_checkpoint(trainer):
+            return
+        self.save_step(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        every = self._every_n_epochs
+        if every >= 1 and (trainer.current_epoch + 1) % every == 0 and not self._should_skip_saving_checkpoint(trainer):
+            self.save_step(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        pass  # step-based only
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_step > 0 and not self._should_skip_saving_checkpoint(trainer):
+            self.save_step(trainer)
+
+    # ------------------------------------------------------------------------------------------- saving
+    def save_step(self, trainer) -> str:
+        """Write ``step_<global step>.ckpt`` atomically, point ``last.ckpt`` at it, prune; returns its path."""
+        assert self.dirpath is not None
+        directory = Path(self.dirpath)
+        name = self.format_checkpoint_name(self._monitor_candidates(trainer))
+        final = Path(name)
+        version = 1
+        while self.file_exists(final, trainer):  # never overwrite: last.ckpt may point at it
+            final = directory / f"{Path(name).stem}-v{version}{self.FILE_EXTENSION}"
+            version += 1
+        partial = directory / f".{final.name}{PARTIAL_SUFFIX}"
+        if trainer.is_global_zero:
+            directory.mkdir(parents=True, exist_ok=True)
+            if partial.exists() or partial.is_symlink():
+                _remove(partial)
+        trainer.strategy.barrier("AtomicCheckpoint.prepare")
+        # the paths as they will be once complete: they are part of the saved state (ModelCheckpoint.state_dict)
+        self.best_model_path = self.last_model_path = str(final)
+        trainer.save_checkpoint(partial, self.save_weights_only)  # every rank; ends with the strategy's barrier
+        if trainer.is_global_zero:
+            os.replace(partial, final)
+            link = directory / f".{LAST}{PARTIAL_SUFFIX}"
+            if link.exists() or link.is_symlink():
+                _remove(link)
+            os.symlink(final.name, link)
+            last = directory / LAST
+            if last.is_dir() and not last.is_symlink():
+                shutil.rmtree(last)  # a real directory cannot be replaced by a link in one step
+            os.replace(link, last)
+            self._prune(trainer, directory, keep=final)
+        trainer.strategy.barrier("AtomicCheckpoint.done")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = str(final)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
+            log.info("checkpoint %s (step %d)", final, trainer.global_step)
+        return str(final)
+
+    def _prune(self, trainer, directory: Path, keep: Path) -> None:
+        """Delete step checkpoints older than the newest ``self.keep`` (never ``keep``, what ``last.ckpt`` points
+        to, nor the one this run resumed from)."""
+        if self.keep == -1:
+            return
+        steps = sorted((p for p in directory.iterdir() if checkpoint_step(p) is not None and not p.is_symlink()),
+                       key=lambda p: (checkpoint_step(p), p.name))
+        protected = {keep.resolve(), (directory / LAST).resolve()}
+        if trainer.ckpt_path:
+            protected.add(Path(trainer.ckpt_path).resolve())
+        for path in steps[:-self.keep]:
+            if path.resolve() not in protected:
+                _remove(path)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # resuming into another directory (ckpt_path=<other run>): the paths recorded there are that run's
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:
+            super().load_state_dict(state_dict)
+
+    def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
+        pass  # last.ckpt is the symlink save_step swaps
+
+    def _save_topk_checkpoint(self, trainer, monitor_candidates) -> None:
+        self.save_step(trainer)
+
+    def _find_last_checkpoints(self, trainer) -> set[str]:
+        last = Path(self.dirpath or "") / LAST
+        return {str(last.resolve())} if last.exists() else set()
+
+
+def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | os.PathLike) -> str | None:
+    """The checkpoint to resume from: ``last`` = what ``<checkpoint_dir>/last.ckpt`` points to (None, with a
+    warning, when there is none yet: a first run with ``ckpt_path=last`` starts fresh); a run directory = its
+    ``checkpoints/last.ckpt``; a directory holding ``last.ckpt``; a checkpoint file or sharded directory as is."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        last = Path(checkpoint_dir) / LAST
+        if not last.exists():
+            log.warning("ckpt_path=last: no checkpoint in %s yet; starting from scratch", checkpoint_dir)
+            return None
+        return str(last.resolve())
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint")
+    if path.is_dir() and not (path / "meta.pt").exists():  # not a sharded checkpoint itself
+        for candidate in (path / LAST, path / "checkpoints" / LAST):
+            if candidate.exists():
+                return str(candidate.resolve())
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: a directory with no {LAST} (nor checkpoints/{LAST}) and "
+                                "not a sharded checkpoint (no meta.pt)")
+    return str(path.resolve())
+
+
+__all__ = ["AtomicCheckpoint", "LAST", "checkpoint_step", "resolve_ckpt_path"]

@@ -1,0 +1,224 @@
+"""A user's text data for GRPO: prompts from a local file or folder, tokenized with an HF tokenizer.
+
+:func:`load_rows` reads JSONL / JSON, Parquet, CSV, a folder of such files, or a folder written by
+``datasets.Dataset.save_to_disk`` (``DatasetDict`` folders too: ``split`` picks one), with the ``datasets``
+library. :class:`TextPromptData` turns the rows into :class:`~lightning_longctx.LongStrawModule` batches::
+
+    prompt_ids   list of [S_i] int64 tensors (one per prompt of the batch; S_i <= seq_len)
+    prompt       list of the raw prompts (str, or a list of chat messages), for the reward functions
+    <column>     one list per other column of the data set, one entry per prompt
+
+All checks run when the data module is built, before any Trainer or process group: a missing path, an unknown
+``prompt_field`` or column, a column name the module reserves, a prompt longer than ``seq_len`` (refused,
+naming the rows and their lengths, unless ``truncate="left"`` keeps each prompt's last ``seq_len`` tokens:
+the question usually sits at the end of a long-context prompt), and ``chat_template=True`` on a tokenizer
+without one. Every rank tokenizes the whole data set (the prompts are needed in full on every SP rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .needle import collate_prompt_groups
+
+log = logging.getLogger(__name__)
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# Batch keys with a meaning of their own: LongStrawModule's (given responses), TRL's reward-call keywords.
+RESERVED_COLUMNS = ("prompt_ids", "responses", "old_logprobs", "prompt", "prompts", "completions", "completion_ids",
+                    "trainer_state")
+TRUNCATE = (None, "left")
+
+
+def load_rows(path: str | os.PathLike, *, split: str = "train", cache_dir: str | None = None):
+    """The rows at ``path`` as a ``datasets.Dataset``.
+
+    Args:
+        path: a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file; a folder written by ``save_to_disk``
+            (``Dataset`` or ``DatasetDict``); or a folder of data files of one of those formats.
+        split: the split of a ``DatasetDict`` folder.
+        cache_dir: where ``datasets`` writes its Arrow cache of a file (None = its default).
+    Raises:
+        FileNotFoundError: the path does not exist (naming it).
+        ValueError: an unknown file format, a folder with no data files or several formats, a missing split.
+    """
+    import datasets
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"task.data.path={str(path)!r} does not exist (cwd {os.getcwd()})")
+    if path.is_dir():
+        if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+            data = datasets.load_from_disk(str(path))
+            if isinstance(data, datasets.DatasetDict):
+                if split not in data:
+                    raise ValueError(f"{path} holds the splits {sorted(data)}; task.data.split={split!r} is not one")
+                data = data[split]
+            return data
+        files = sorted(p for p in path.rglob("*") if p.suffix in FORMATS and p.is_file())
+        kinds = {FORMATS[p.suffix] for p in files}
+        if len(kinds) != 1:
+            found = "no data files" if not files else f"files of several formats {sorted(kinds)}"
+            raise ValueError(f"task.data.path={str(path)!r} is a folder with {found}; expected a save_to_disk folder "
+                             f"or files of one format among {sorted(FORMATS)}")
+        builder, data_files = kinds.pop(), [str(p) for p in files]
+    else:
+        if path.suffix not in FORMATS:
+            raise ValueError(f"task.data.path={str(path)!r}: unknown format {path.suffix!r}; use one of "
+                             f"{sorted(FORMATS)} or a datasets.save_to_disk folder")
+        builder, data_files = FORMATS[path.suffix], [str(path)]
+    return datasets.load_dataset(builder, data_files=data_files, split="train", cache_dir=cache_dir)
+
+
+def load_tokenizer(tokenizer: Any = None, *, what: str = "tokenizer.path"):
+    """An HF tokenizer: ``tokenizer`` itself when it is one, else ``AutoTokenizer.from_pretrained(tokenizer)``
+    (a local directory). Raises ValueError naming ``what`` when it is None or not a directory."""
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    if tokenizer is None:
+        raise ValueError(f"{what} is null: set it to a local tokenizer directory (it defaults to model.pretrained)")
+    if not Path(tokenizer).expanduser().is_dir():
+        raise FileNotFoundError(f"{what}={str(tokenizer)!r} is not a directory holding a tokenizer")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()))
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def marks_assistant_tokens(tokenizer) -> bool:
+    """Whether the chat template wraps assistant turns in ``{% generation %}`` (what transformers needs for
+    ``return_assistant_tokens_mask=True``)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return bool(re.search(r"\{%-?\s*generation\s*-?%\}", str(template)))
+
+
+def is_conversation(value: Any) -> bool:
+    """A chat record: a list of ``{"role", "content"}`` dicts."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(m, dict) and "role" in m
+                                                                    for m in value)
+
+
+def chat_ids(tokenizer, messages: Sequence[dict], *, add_generation_prompt: bool, **kwargs) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template."""
+    out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+                                        add_generation_prompt=add_generation_prompt, **kwargs)
+    return list(out["input_ids"])
+
+
+def encode_prompt(tokenizer, prompt: Any, *, chat_template: bool) -> list[int]:
+    """Token ids of one prompt: a string (with ``chat_template``: as one user turn) or a list of chat messages
+    (needs ``chat_template``), ending with the assistant's generation prompt when templated."""
+    if chat_template:
+        messages = prompt if is_conversation(prompt) else [{"role": "user", "content": str(prompt)}]
+        return chat_ids(tokenizer, messages, add_generation_prompt=True)
+    if is_conversation(prompt):
+        raise ValueError("the prompt is a list of chat messages: set task.data.chat_template=true to render it")
+    return list(tokenizer(str(prompt))["input_ids"])
+
+
+def check_columns(column_names: Sequence[str], wanted: Sequence[str], *, what: str) -> None:
+    missing = [c for c in wanted if c not in column_names]
+    if missing:
+        raise ValueError(f"{what}: column(s) {missing} not in the data set; its columns are {list(column_names)}")
+
+
+class PromptRows(Dataset):
+    """Tokenized prompts and their other columns: items ``{"prompt_ids": [S], "prompt": ..., <column>: ...}``."""
+
+    def __init__(self, prompt_ids: list[torch.Tensor], prompts: list, columns: dict[str, list]) -> None:
+        self.prompt_ids, self.prompts, self.columns = prompt_ids, prompts, columns
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def __getitem__(self, index: int) -> dict:
+        item = {"prompt_ids": self.prompt_ids[index].long(), "prompt": self.prompts[index]}
+        item.update({name: values[index] for name, values in self.columns.items()})
+        return item
+
+
+class TextPromptData(pl.LightningDataModule):
+    """GRPO prompts from ``path`` (see the module docstring for the batch format).
+
+    Args:
+        path: the data (:func:`load_rows`).
+        seq_len: the longest prompt in tokens (the planner's ``task.seq_len``).
+        tokenizer_path / tokenizer: an HF tokenizer directory, or the tokenizer itself.
+        prompt_field: the prompt column (a string, or a list of chat messages with ``chat_template``).
+        columns: the columns handed to the reward functions (None = every column but the prompt).
+        chat_template: render each prompt with the tokenizer's chat template (a string as one user turn),
+            ending with the generation prompt; an error when the tokenizer has no template.
+        truncate: None = refuse prompts longer than ``seq_len``; ``"left"`` = keep their last ``seq_len`` tokens.
+        batch_size: prompts per batch (LongStrawModule takes one optimizer step per prompt).
+        shuffle, seed: the order (under several DP ranks Lightning's DistributedSampler shuffles with its seed).
+        split, cache_dir: see :func:`load_rows`.
+    """
+
+    def __init__(self, path: str, *, seq_len: int, tokenizer_path: str | None = None, tokenizer: Any = None,
+                 prompt_field: str = "prompt", columns: Sequence[str] | None = None, chat_template: bool = False,
+                 truncate: str | None = None, batch_size: int = 1, shuffle: bool = True, seed: int = 0,
+                 num_workers: int = 0, split: str = "train", cache_dir: str | None = None) -> None:
+        super().__init__()
+        if truncate not in TRUNCATE:
+            raise ValueError(f"task.data.truncate={truncate!r} must be one of {list(TRUNCATE)}")
+        if seq_len < 1:
+            raise ValueError(f"task.seq_len={seq_len} must be >= 1")
+        self.batch_size, self.shuffle, self.seed, self.num_workers = batch_size, shuffle, seed, num_workers
+        self.tokenizer = load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path)
+        if chat_template and not has_chat_template(self.tokenizer):
+            raise ValueError(f"task.data.chat_template=true but the tokenizer at {tokenizer_path!r} has no chat "
+                             "template (tokenizer.chat_template is empty): set task.data.chat_template=false")
+        rows = load_rows(path, split=split, cache_dir=cache_dir)
+        check_columns(rows.column_names, [prompt_field], what=f"task.data.prompt_field={prompt_field!r}")
+        names = [c for c in rows.column_names if c != prompt_field] if columns is None else list(columns)
+        check_columns(rows.column_names, names, what=f"task.data.columns={names}")
+        reserved = sorted(set(names) & set(RESERVED_COLUMNS))
+        if reserved:
+            raise ValueError(f"the data set's column(s) {reserved} clash with names LongStrawModule or the reward "
+                             f"call reserve ({list(RESERVED_COLUMNS)}): rename them, or pass task.data.columns=[...]")
+        if len(rows) == 0:
+            raise ValueError(f"task.data.path={path!r} holds no rows")
+        prompts = list(rows[prompt_field])
+        ids = [encode_prompt(self.tokenizer, p, chat_template=chat_template) for p in prompts]
+        self.prompt_ids = self._fit_lengths(ids, seq_len, truncate, prompt_field)
+        self.rows = PromptRows(self.prompt_ids, prompts, {name: list(rows[name]) for name in names})
+        self.columns = names
+
+    @staticmethod
+    def _fit_lengths(ids: list[list[int]], seq_len: int, truncate: str | None, field: str) -> list[torch.Tensor]:
+        lengths = [len(x) for x in ids]
+        empty = [i for i, n in enumerate(lengths) if n == 0]
+        if empty:
+            raise ValueError(f"row(s) {empty[:10]} of column {field!r} tokenize to no tokens")
+        long = [(i, n) for i, n in enumerate(lengths) if n > seq_len]
+        if long and truncate is None:
+            shown = ", ".join(f"row {i} ({n} tokens)" for i, n in long[:5])
+            raise ValueError(f"{len(long)} prompt(s) longer than task.seq_len={seq_len} tokens: {shown}"
+                             f"{', ...' if len(long) > 5 else ''}; raise task.seq_len (the memory plan checks it), "
+                             f"or set task.data.truncate=left to keep each prompt's last {seq_len} tokens")
+        if long:
+            log.warning("truncated %d prompt(s) longer than task.seq_len=%d from the left (row %d: %d tokens)",
+                        len(long), seq_len, *long[0])
+        return [torch.tensor(x[-seq_len:], dtype=torch.int32) for x in ids]
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.rows, batch_size=self.batch_size, shuffle=self.shuffle, generator=generator,
+                          collate_fn=collate_prompt_groups, num_workers=self.num_workers)
+
+
+__all__ = ["FORMATS", "RESERVED_COLUMNS", "PromptRows", "TextPromptData", "chat_ids", "check_columns",
+           "encode_prompt", "has_chat_template", "is_conversation", "load_rows", "load_tokenizer",
+           "marks_assistant_tokens"]

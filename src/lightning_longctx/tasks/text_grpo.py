@@ -1,0 +1,154 @@
+"""GRPO on a user's text prompts with TRL-style reward functions: ``task=text_grpo``.
+
+:class:`TextGRPOModule` is a :class:`~lightning_longctx.LongStrawModule` whose :meth:`~TextGRPOModule.reward`
+decodes the G sampled responses with the HF tokenizer and calls the reward functions in TRL's convention
+(:mod:`.rewards`): ``prompts`` (the raw prompt, repeated G times), ``completions`` (decoded, special tokens
+skipped; for a chat-message prompt TRL's ``[{"role": "assistant", "content": ...}]``), ``completion_ids``
+(lists of ints, the EOS included when drawn), each data set column repeated G times and ``trainer_state``.
+The total reward ``[G]`` is the weighted nansum over the functions; each function's mean and std over the
+group are logged as ``train/rewards/<name>/mean`` / ``/std`` and the total as ``train/reward_mean`` (by the
+base module). Batches come from :class:`~.text_data.TextPromptData`.
+
+Under sequence parallelism the base class runs :meth:`reward` on each SP group's first rank only and
+broadcasts its ``[G]`` rewards, so the functions run once per group (a remote judge is asked once) and the
+per-function metrics are logged from that rank (``rank_zero_only=True``: global rank 0's values reach the
+logger, as for the base module's own metrics).
+
+Before the first prefill (``check_rewards=True``) the functions get one dry call on the first batch's first
+row with G empty completions: a function that does not accept the keywords, raises, or returns the wrong
+number of rewards stops the run there, naming it, instead of after a million-token prefill and sampling.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..lightning.longstraw_module import LongStrawModule
+from .rewards import RewardFunctionError, RewardFunctions
+from .text_data import is_conversation, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+_NOT_FIELDS = ("prompt_ids", "responses", "old_logprobs")
+
+
+class TextGRPOModule(LongStrawModule):
+    """GRPO with exact LongStraw steps on text prompts, rewarded by TRL-style reward functions.
+
+    Args:
+        model: the policy (a ``DecoderLM``, e.g. ``DecoderLM.from_pretrained(dir)``).
+        tokenizer_path / tokenizer: the HF tokenizer (a local directory, or the tokenizer itself).
+        reward_funcs: dotted paths, Hydra ``_target_`` nodes or callables (:class:`~.rewards.RewardFunctions`).
+        reward_weights: one weight per function (None = all 1).
+        eos_token_id: ends a sampled response; None = the tokenizer's ``eos_token_id``.
+        check_rewards: the dry call of the reward functions before the first prefill (see the module docstring).
+        **kwargs: :class:`~lightning_longctx.LongStrawModule`'s (``group_size``, ``max_new_tokens``, ``lr``, ...).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, tokenizer_path: str | None = None, tokenizer: Any = None,
+                 reward_funcs: Any = None, reward_weights: Any = None, eos_token_id: int | None = None,
+                 check_rewards: bool = True, **kwargs: Any) -> None:
+        tok = load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path, what="tokenizer_path")
+        rewards = RewardFunctions(reward_funcs, reward_weights)  # import errors before any model work
+        if eos_token_id is None:
+            eos_token_id = tok.eos_token_id
+            if eos_token_id is None:
+                log.warning("the tokenizer has no eos_token_id: every response runs to max_new_tokens")
+        if "clip_eps" in kwargs:
+            kwargs["clip_eps"] = tuple(float(x) for x in kwargs["clip_eps"])
+        super().__init__(model, eos_token_id=eos_token_id, **kwargs)
+        self.tokenizer, self.rewards, self.check_rewards = tok, rewards, check_rewards
+        self.eos_token_id = eos_token_id
+        self.last_reward_metrics: dict[str, float] = {}
+        self._rewards_checked = not check_rewards
+
+    # ------------------------------------------------------------------------------------------ rewards
+    def _trainer_state(self) -> SimpleNamespace:
+        if self._trainer is None:
+            return SimpleNamespace(global_step=0, epoch=0, max_steps=None)
+        trainer = self.trainer
+        return SimpleNamespace(global_step=trainer.global_step, epoch=trainer.current_epoch,
+                               max_steps=trainer.max_steps)
+
+    def score_completions(self, prompt: Any, completion_ids: list[list[int]], fields: dict[str, Any]):
+        """``(total [G], per_function [F, G])`` for G completions (token id lists) of one prompt; ``fields``: this
+        row's other columns (one value each, repeated G times for the call)."""
+        g = len(completion_ids)
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversation(prompt) else texts
+        columns = {name: [value] * g for name, value in fields.items()}
+        return self.rewards(prompts=[prompt] * g, completions=completions, completion_ids=completion_ids,
+                            columns=columns, trainer_state=self._trainer_state())
+
+    def reward(self, prompt_ids: torch.Tensor, responses: list[torch.Tensor], prompt: Any = None,
+               **fields: Any) -> torch.Tensor:
+        """``[G]`` total rewards of one group; logs each function's ``train/rewards/<name>/mean`` and ``/std``.
+        ``prompt``: the raw prompt (decoded from ``prompt_ids`` when the batch has none)."""
+        if prompt is None:
+            prompt = self.tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=True)
+        total, per = self.score_completions(prompt, [r.tolist() for r in responses], fields)
+        self.last_reward_metrics = self.rewards.metrics(per)
+        if self._trainer is not None:
+            self.log_dict(self.last_reward_metrics, on_step=True, batch_size=1, rank_zero_only=True)
+        return total
+
+    def dry_run_rewards(self, prompt: Any, fields: dict[str, Any]) -> None:
+        """Call every reward function once with G empty completions (``completion_ids`` = ``[[eos]]``) of ``prompt``
+        and ``fields``; raises :class:`~.rewards.RewardFunctionError` naming the function on any failure."""
+        ids = [[self.eos_token_id] if self.eos_token_id is not None else [] for _ in range(self.group_size)]
+        try:
+            self.score_completions(prompt, ids, fields)
+        except RewardFunctionError as exc:
+            raise RewardFunctionError(f"{exc} (dry call before training: {self.group_size} empty completions of the "
+                                      "first row; task.check_rewards=false skips it)") from exc
+
+    def _check_rewards_on(self, batch: dict) -> None:
+        """The dry call on the SP group's first rank; its failure reaches every SP rank (no hang)."""
+        prompts = batch["prompt_ids"]
+        first = prompts if torch.is_tensor(prompts) and prompts.dim() == 1 else prompts[0]
+        fields = {k: v[0] for k, v in batch.items() if k not in _NOT_FIELDS}
+        prompt = fields.pop("prompt", None)
+        if prompt is None:
+            prompt = self.tokenizer.decode(first.tolist(), skip_special_tokens=True)
+        sp_group = self._mesh_group("sp")
+        failure: Exception | None = None
+        if sp_group is None or dist.get_rank(sp_group) == 0:
+            try:
+                self.dry_run_rewards(prompt, fields)
+            except Exception as exc:  # noqa: BLE001 - re-raised after the broadcast
+                failure = exc
+        if sp_group is not None:
+            flag = torch.tensor([0.0 if failure is None else 1.0], device=first.device)
+            dist.broadcast(flag, src=dist.get_global_rank(sp_group, 0), group=sp_group)
+            if failure is None and flag.item() != 0.0:
+                raise RuntimeError("the reward functions' dry call failed on the first rank of this sequence-parallel "
+                                   "group (its error is in that rank's log)")
+        if failure is not None:
+            raise failure
+
+    def training_step(self, batch: dict, batch_idx: int):
+        if not self._rewards_checked:
+            self._check_rewards_on(batch)
+            self._rewards_checked = True
+        return super().training_step(batch, batch_idx)
+
+
+def _merged_signature() -> inspect.Signature:
+    """TextGRPOModule's own parameters plus LongStrawModule's keyword ones, so that config checks that read the
+    signature (``longctx-train``'s key check of ``task.module``) see every keyword it accepts."""
+    own = inspect.signature(TextGRPOModule.__init__).parameters
+    base = inspect.signature(LongStrawModule.__init__).parameters
+    params = [p for name, p in own.items() if name != "self" and p.kind != p.VAR_KEYWORD]
+    params += [p for name, p in base.items() if p.kind == p.KEYWORD_ONLY and name not in own]
+    return inspect.Signature(params)
+
+
+TextGRPOModule.__signature__ = _merged_signature()
+
+__all__ = ["TextGRPOModule"]
