@@ -12,6 +12,10 @@ Peak memory is the peak live tensor bytes of the step (CPU: the live-tensor trac
 qk norm, partial RoPE 0.25 and zero-centred norms; CPU-sized: hidden 128, 4 layers, attention 4 heads / 2 K/V
 heads of 32, linear 2 key / 4 value heads of 32, conv 4) instead of the attention-only default.
 
+``--sharded``: also the per-rank memory of the exact step on dp1 x sp2 (two processes) with replicated vs
+FSDP2-sharded parameters vs FSDP2 + LoRA at the same prompt and model (``bench/longstraw_sharded.py``: held
+parameter bytes + the step's peak, and the planner's prediction of it); ``--no-step --sharded`` runs only those.
+
 ``--prefill-lengths L1 L2 ...``: also time the no-grad prefill per layer type at those prompt lengths, each
 layer run as ``prefill`` runs it (``layer(h, pos, return_state=True, state_every=state_segment)``) and its
 token mixer alone, and print seconds per 1K (1024) tokens per layer: attention grows with the prompt length
@@ -22,6 +26,7 @@ every number.
     python bench/longstraw.py --prompt 32768 --device cuda --dtype bfloat16
     python bench/longstraw.py --model hybrid --threads 1 --groups 2 8 --prefill-lengths 4096 16384 32768 \\
         --state-segment 4096 --json hybrid.json
+    python bench/longstraw.py --no-step --sharded --prompt 8192 --groups 4   # replicated vs FSDP2 vs FSDP2 + LoRA
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from lightning_longctx.longstraw.prefix import prefill  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
 from lightning_longctx.models.config import FULL_ATTENTION, LINEAR_ATTENTION  # noqa: E402
 from lightning_longctx.ops import chunked_token_logprobs, track_memory  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import longstraw_sharded  # noqa: E402
 
 MIB = 2.0**20
 
@@ -188,6 +196,17 @@ def print_prefill(result, lengths):
     print("  whole prefill() s: " + ", ".join(f"{k}: {v:.3f}" for k, v in result["prefill_s"].items()))
 
 
+def sharded_rows(args) -> list:
+    """``bench/longstraw_sharded.py``'s rows for this run's model and prompt (G = the largest of ``--groups``)."""
+    sharded = argparse.Namespace(**vars(args))
+    sharded.group, sharded.modes = max(args.groups), args.sharded_modes
+    sharded.intermediate = args.intermediate or 3 * args.hidden  # build_config's MLP width
+    rows = longstraw_sharded.run(sharded)
+    print()
+    longstraw_sharded.print_table(rows, sharded)
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["attention", "hybrid"], default="attention")
@@ -217,6 +236,9 @@ def main(argv=None):
                         help="torch.set_num_threads; on a shared CPU use 1 (several OpenMP threads competing with "
                              "other processes for the cores make the many small ops of the scan erratically slow)")
     parser.add_argument("--json", default=None, help="write every number here")
+    parser.add_argument("--sharded", action="store_true",
+                        help="also dp1 x sp2 replicated vs FSDP2 vs FSDP2 + LoRA per-rank memory (2 processes)")
+    longstraw_sharded.add_arguments(parser, shared=True)
     args = parser.parse_args(argv)
     if args.layers is None:
         args.layers = 4 if args.model == "hybrid" else 2
@@ -279,6 +301,8 @@ def main(argv=None):
             f"exact_over_detached_time_G{g_hi}": ratio(("exact", g_hi), ("detached", g_hi), 1),
         }
 
+    if args.sharded:
+        report["sharded"] = sharded_rows(args)
     if args.prefill_lengths:
         report["prefill"] = prefill_bench(model, args, gen)
         print_prefill(report["prefill"], args.prefill_lengths)

@@ -123,3 +123,31 @@ def fsdp_fit(rank: int, world: int, sharding: str, lora: bool = False, defer_gra
     return {"params": full, "want": want, "initial": initial, "local": local,
             "total": sum(p.numel() for p in params.values()),
             "sharded": any(isinstance(p, DTensor) for p in params.values())}
+
+
+def bf16_mixed_hybrid_step(rank: int, world: int) -> dict:
+    """The exact step on the hybrid, full fine-tuning, FSDP2 with bf16 compute and fp32 reduction (what
+    ``precision="bf16-mixed"`` runs): each Gated DeltaNet layer's backward passes reduce-scatter one dtype."""
+    import torch.distributed as dist
+
+    from lightning_longctx.lightning.parallelize import (
+        fsdp_mesh,
+        mixed_precision_policy,
+        register_prefix_state_methods,
+        shard_modules,
+    )
+    from lightning_longctx.longstraw import longstraw_step
+
+    torch.set_num_threads(1)
+    policy = model(False, "hybrid").float()
+    shard_modules(policy, [policy], sharding="fsdp", mesh=fsdp_mesh("fsdp", "cpu"),
+                  mp_policy=mixed_precision_policy("bf16-mixed"))
+    register_prefix_state_methods([policy])
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (40,), generator=g)
+    responses = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 5)]
+    longstraw_step(policy, prompt, responses, torch.tensor([1.0, -1.0]), group=dist.group.WORLD,
+                   measure_memory=False)
+    grads = [p.grad.full_tensor() for p in policy.parameters() if p.grad is not None]
+    return {"grads": len(grads), "params": sum(1 for _ in policy.parameters()),
+            "finite": all(bool(torch.isfinite(t).all()) for t in grads), "dtypes": {str(t.dtype) for t in grads}}

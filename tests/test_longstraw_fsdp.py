@@ -45,3 +45,12 @@ def test_fsdp_sharded_hybrid_longstraw_module_equals_one_process(world, lora):
 
 def test_replicated_longstraw_module_equals_one_process():
     _check(run_ranks(fsdp_fit, 2, "replicate"), 2, sharded=False)
+
+
+def test_bf16_mixed_full_fine_tuning_of_a_sharded_hybrid_reduces_every_gradient():
+    from distributed import run_distributed
+    from longstraw_fsdp_workers import bf16_mixed_hybrid_step
+
+    for rank in run_distributed(bf16_mixed_hybrid_step, 2, timeout=240.0):
+        assert rank["finite"] and rank["dtypes"] == {"torch.float32"}
+        assert rank["grads"] == rank["params"], rank  # every parameter of the hybrid gets its reduced gradient

@@ -5,7 +5,8 @@ transformers' models on the meta device); (2) the structure: monotonicity, the L
 of G, max_context as the exact boundary, the budget check's message; (3) published figures (LongStraw's
 64 KiB/token for the Qwen3.6-27B shape; UPipe's Llama3-8B attention activations at 3M tokens on 8 GPUs);
 (4) the measured peak: the live-tensor tracker on CPU runs of the tiny preset, one and two processes, SFT
-and LongStraw steps, within 15%.
+and LongStraw steps, and of a Qwen3.5-shaped hybrid on FSDP2-sharded parameters (full fine-tuning and LoRA),
+within 15%.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def test_params_grads_and_optimizer_bytes_bf16_mixed_vs_bf16_true_by_hand():
 
 def test_longstraw_bf16_mixed_accumulates_cache_gradients_in_fp32():
     """TINY, one rank, prompt 1025 -> S' = 1024 cached tokens: K/V 2 x 2 layers x 1024 x 2 heads x 16 = 131,072
-    elements, bf16 (2 B) under both precisions; the cache-gradient accumulators 4 B each under bf16-mixed.
+    elements, bf16 (2 B) under both precisions; the cache-gradient accumulators 4 B each under both (the step
+    sums them in float32 whatever the parameters' dtype: ``grads.accumulation_dtype``).
     Autocast caches bf16 copies of o_proj and the SwiGLU weights (2 x (64^2 + 3 x 64 x 128) = 57,344) and,
     with unchunked logits, lm_head (64^2): 2 B each, alive through the whole step."""
     elements = 2 * 2 * 1024 * 2 * 16
@@ -134,7 +136,7 @@ def test_longstraw_bf16_mixed_accumulates_cache_gradients_in_fp32():
     mixed = plan(TINY, ONE, dict(FP32_EAGER, precision="bf16-mixed"), **kwargs).breakdown
     true = plan(TINY, ONE, dict(FP32_EAGER, precision="bf16-true"), **kwargs).breakdown
     assert mixed["kv_cache"] == true["kv_cache"] == 2 * elements
-    assert mixed["longstraw_accumulators"] == 4 * elements and true["longstraw_accumulators"] == 2 * elements
+    assert mixed["longstraw_accumulators"] == true["longstraw_accumulators"] == 4 * elements
     assert mixed["weight_copies"] == 2 * (57344 + 64 * 64) and true["weight_copies"] == 0
     chunked = plan(TINY, ONE, dict(FP32_EAGER, precision="bf16-mixed", logits_chunk_size=4), **kwargs).breakdown
     assert chunked["weight_copies"] == 2 * 57344
@@ -362,6 +364,34 @@ def test_plan_matches_the_tracker_on_tiny_cpu_runs():
     assert not failures, "\n".join(failures)
 
 
+def test_plan_matches_the_tracker_on_sharded_and_lora_longstraw_steps():
+    """dp1 x sp2 gloo processes, FSDP2-sharded float32 parameters as ``UlyssesStrategy(sharding="fsdp")`` shards a
+    ``LongStrawModule`` (``planner_workers``): a Qwen3.5-shaped hybrid (gated attention with q/k norms, partial
+    RoPE, zero-centred norms; a Gated DeltaNet layer), prompt 4096, G=2 responses of 16 tokens, full fine-tuning
+    and LoRA (r=4, all seven projections) over a frozen base. Per rank: the parameter shards it holds plus the
+    step's peak (``StepOutput.peak_bytes``: FSDP2's gathered layers and reduce-scatter buffers, the sharded
+    gradients, the prompt state, activations; a fresh model, so FSDP2's buffers are allocated inside the step)
+    against the plan with the same knobs, less the optimizer states (no optimizer step runs)."""
+    from planner_workers import KNOBS, LORA_R, LORA_TARGETS, SHAPE, sharded_step_peaks
+
+    prompt, response, group = 4096, 16, 2
+    modes = ("fsdp", "fsdp+lora")
+    per_rank = run_distributed(sharded_step_peaks, 2, prompt, response, group, modes, timeout=180)
+    failures = []
+    for rows in zip(*per_rank):
+        mode = rows[0]["mode"]
+        fields = dict(SHAPE, lora=dict(r=LORA_R, target_modules=LORA_TARGETS)) if mode.endswith("lora") else SHAPE
+        p = plan(fields, dict(devices=2, sharding="fsdp"), dict(FP32_EAGER, **KNOBS), seq_len=prompt,
+                 mode="longstraw", group_size=group, response_len=response)
+        planned = p.total_bytes - p.breakdown["optimizer"]
+        assert p.breakdown["params"] == rows[0]["held"], (mode, p.breakdown["params"], rows[0]["held"])
+        measured = max(r["held"] + r["peak"] for r in rows)
+        if abs(planned - measured) > 0.15 * measured:
+            failures.append(f"{mode}: planned {planned / 2**20:.2f} MiB ({p.peak_phase}) vs measured "
+                            f"{measured / 2**20:.2f} MiB")
+    assert not failures, "\n".join(failures)
+
+
 def test_lora_holds_a_frozen_bf16_base_and_trains_only_the_adapters():
     """``model.lora.r=16`` on Llama3-8B, all 7 projections: per layer r (in + out) = 16 x (q 8192 + k 5120 + v 5120
     + o 8192 + gate 18432 + up 18432 + down 18432) = 16 x 81,920; 32 layers -> 41,943,040 adapter parameters. The
@@ -383,15 +413,34 @@ def test_lora_holds_a_frozen_bf16_base_and_trains_only_the_adapters():
 
 
 def test_offloaded_prompt_cache_keeps_two_layers_of_kv_and_accumulators_on_the_device():
-    """``memory.offload_prompt_cache``: the K/V cache and its fp32 sums move to the host; the device keeps the
-    staged layer and the one in flight (2 of the 32 Llama3-8B layers)."""
+    """``memory.offload_prompt_cache``: the K/V cache and its fp32 sums move to the host. The replays stage two
+    layers' K/V on the device (the one in use, the next in flight) and add every gradient into the host sums;
+    the grouped backward recomputes K/V and stages two layers' sums. Llama3-8B (32 layers): its peak is the
+    second layer from the top (the top one only recomputes its K/V), which without offload still holds 31
+    layers of K/V and sums."""
     knobs = dict(precision="bf16-mixed", budget_gib=80.0)
     kwargs = dict(seq_len=65537, mode="longstraw", group_size=8, response_len=64)
     plain = plan(LLAMA3_8B, dict(devices=8), knobs, **kwargs)
     staged = plan(LLAMA3_8B, dict(devices=8), dict(knobs, offload_prompt_cache=True), **kwargs)
     kv, acc = plain.breakdown["kv_cache"], plain.breakdown["longstraw_accumulators"]
-    assert staged.breakdown["kv_cache"] == 2 * kv // 32 and staged.breakdown["longstraw_accumulators"] == 2 * acc // 32
+    layer_kv, layer_acc = kv // 32, acc // 32
+    assert staged.breakdown["kv_cache"] == 2 * layer_kv and staged.breakdown["longstraw_accumulators"] == 2 * layer_acc
     assert staged.host_bytes == plain.host_bytes + kv + acc
-    moved = (kv - 2 * kv // 32) + (acc - 2 * acc // 32)  # what leaves the device in every phase of the step
-    assert staged.phases["replay"] == plain.phases["replay"] - moved
-    assert staged.phases["grouped backward"] == plain.phases["grouped backward"] - moved
+    assert staged.phases["replay"] == plain.phases["replay"] - (kv - 2 * layer_kv) - acc
+    assert staged.phases["grouped backward"] == plain.phases["grouped backward"] - 31 * (layer_kv + layer_acc) \
+        + 2 * layer_acc
+
+
+def test_rollouts_charge_each_responses_own_cache_and_only_there_does_g_count():
+    """Llama3-8B on 8 ranks, G responses of 8,192 tokens: each rank holds its 1 K/V head of every attention
+    layer for G rows of (8,192 + 8) tokens, bf16: G x 32 layers x 8,200 x 1 x 128 x 2 (K, V) x 2 bytes; the
+    rollout phase grows with G, the step's phases do not."""
+    knobs = dict(budget_gib=79.0, precision="bf16-mixed")
+    plans = {g: plan(LLAMA3_8B, dict(devices=8), knobs, seq_len=65536, mode="longstraw", group_size=g,
+                     response_len=8192) for g in (2, 8)}
+    for g, p in plans.items():
+        assert p.breakdown["response_caches"] == g * 32 * 8200 * 1 * 128 * 2 * 2
+    assert plans[8].phases["rollouts"] - plans[2].phases["rollouts"] == pytest.approx(
+        6 * (32 * 8200 * 128 * 4 + 3 * 128256 * 4))
+    for phase in ("prefill", "replay", "grouped backward", "optimizer step"):
+        assert plans[8].phases[phase] == plans[2].phases[phase], phase

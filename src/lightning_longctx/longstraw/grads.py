@@ -15,6 +15,11 @@ over data-parallel replicas) in ``accumulate_dtype``: one flattened collective p
 parameters, zeros where a rank has no gradient, so every rank issues the same collectives. Then it adds them
 to what ``.grad`` held before the step, cast to the parameter's dtype (an optimizer needs
 ``grad.dtype == param.dtype``).
+
+The prompt cache's gradient is summed the same way: :class:`CacheGradSink` receives each branch's gradient of
+one attention layer's cache, stage by stage (``[1, S', m, d]`` for the stage's ``m`` cache heads, straight
+from the fused attention's backward), and adds it in place into one ``accumulate_dtype`` buffer per layer and
+tensor (on the host for an offloaded cache); no leaf, no ``.grad``, no cache-sized temporary.
 """
 
 from __future__ import annotations
@@ -45,6 +50,26 @@ def move_grad_into(buffers: dict, key, dtype: torch.dtype):
         tensor.grad = None
 
     return move_to_buffer
+
+
+class CacheGradSink:
+    """Adds one attention layer's cache-gradient slices into ``buffers[(layer, 0 | 1)]`` (keys, values).
+
+    ``like``: the layer's cache tensor (its shape ``[1, S', n_r, d]``); the buffers are created as zeros in
+    ``dtype`` on first use, on ``device`` (the host for an offloaded cache). Called as ``sink(stage, dk, dv)``
+    with a :class:`~lightning_longctx.parallel.head_stages.Stage` and its ``[1, S', m, d]`` gradients."""
+
+    def __init__(self, buffers: dict, layer: int, like: torch.Tensor, dtype: torch.dtype, device) -> None:
+        self.buffers, self.layer, self.shape, self.dtype, self.device = buffers, layer, like.shape, dtype, device
+
+    def __call__(self, stage, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        for which, grad in enumerate((dk, dv)):
+            buffer = self.buffers.get((self.layer, which))
+            if buffer is None:
+                buffer = self.buffers[(self.layer, which)] = torch.zeros(self.shape, dtype=self.dtype,
+                                                                        device=self.device)
+            # in place, in ``dtype`` (one device-to-host copy of the slice when the buffer lives on the host)
+            stage.cache_slice(buffer).add_(grad.to(buffer.device) if grad.device != buffer.device else grad)
 
 
 class GroupGradients:
@@ -104,4 +129,4 @@ class GroupGradients:
         self._buffers.clear()
 
 
-__all__ = ["GroupGradients", "accumulation_dtype", "move_grad_into"]
+__all__ = ["CacheGradSink", "GroupGradients", "accumulation_dtype", "move_grad_into"]

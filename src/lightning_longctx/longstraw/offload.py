@@ -3,13 +3,16 @@
 The prompt K/V cache and its fp32 gradient buffer are the largest things a LongStraw step holds (at 2M
 tokens, tens of GiB per rank). With offload they live in (pinned, on CUDA) host memory:
 
-- replay: layer ``l``'s keys and values are copied to the device as leaves when the branch reaches layer
-  ``l``, while layer ``l + 1``'s copy is already in flight on a side stream (double buffering); each leaf's
-  gradient is added into the host buffer by a post-accumulate hook and freed on the device;
+- replay: layer ``l``'s keys and values are copied to the device when the branch's forward reaches layer
+  ``l``, while layer ``l + 1``'s copy is already in flight on a side stream (double buffering). The fused
+  attention does not keep that copy for its backward: the backward fetches layer ``l`` again (layer ``l - 1``
+  in flight), and each stage's cache gradient ``[1, S', m, d]`` is added into the host buffer as it is made
+  (``grads.CacheGradSink``);
 - grouped backward: layer ``l``'s summed gradient comes back to the device while layer ``l - 1``'s is
   prefetched.
 
-So the device holds two layers' K/V (and their gradients) instead of all of them. On a CPU-only machine
+So the device holds two layers' K/V (and one stage's gradient) instead of all of them; the cache crosses PCIe
+twice per branch (forward and backward). On a CPU-only machine
 every copy is a no-op and the path runs unchanged (the tests exercise it there).
 """
 
@@ -56,18 +59,3 @@ class HostStager:
                 c.record_stream(torch.cuda.current_stream(self.device))
             return copies
         return [t.to(self.device, non_blocking=True) for t in tensors]
-
-
-def add_grad_to_host(buffers: dict, key, dtype: torch.dtype):
-    """A post-accumulate-grad hook: ``buffers[key] += leaf.grad`` in ``dtype`` on the host, then the device
-    gradient is freed (one device-to-host copy per branch and layer)."""
-
-    def hook(leaf: torch.Tensor) -> None:
-        grad = leaf.grad.detach().to("cpu", dtype)
-        if key in buffers:
-            buffers[key].add_(grad)
-        else:
-            buffers[key] = grad.clone() if grad.data_ptr() == leaf.grad.data_ptr() else grad
-        leaf.grad = None
-
-    return hook

@@ -22,137 +22,21 @@ its response tokens the adapters, as one forward over ``cat(P, r_i)`` with the a
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from ..models.fused_attention import PromptPass
 from ..models.gated_deltanet import LinearState
 from ..models.lora import adapters_disabled, adapters_from_position, lora_on_prompt
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
-from .grads import move_grad_into
 from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
-from .offload import HostStager, add_grad_to_host
+from .offload import HostStager
+from .state import PromptState, _to_host
 
-
-@dataclass
-class PromptState:
-    """What later tokens need of the prompt, per layer; nothing else of the prompt stays alive.
-
-    ``caches``: per layer, its state after the cached prompt, as the layer's ``return_state`` gives it
-    (head-sharded under SP): attention ``(keys, values)``, each ``[1, S', kv_cache_heads, head_dim]`` in the
-    compute dtype; Gated DeltaNet a :class:`~lightning_longctx.models.LinearState` (recurrent state
-    ``[1, Hv/P, Dk, Dv]`` in fp32, conv tail ``[1, K-1, C_l]``, and for the grouped backward the states every
-    ``state_segment`` tokens, graph-free, possibly on the host). The differentiable tensors are leaves that
-    require grad when the prompt gradient is wanted, so every branch's backward accumulates into one
-    gradient buffer per layer and tensor, in ``grad_dtype`` (fp32 by default: with a bf16 cache a
-    post-accumulate hook moves each branch's bf16 gradient into the fp32 buffer, so the sum over the G
-    branches never rounds at bf16 precision; :meth:`cache_grad` reads it).
-    ``checkpoints``: per layer, its input ``[1, S'/P, hidden]`` on this rank (possibly on the host), for the
-    grouped backward.
-    """
-
-    prompt_ids: torch.Tensor  # [S], full
-    cached_length: int  # S'
-    group: dist.ProcessGroup | None
-    caches: list = field(default_factory=list)
-    checkpoints: list[torch.Tensor] = field(default_factory=list)
-    grad_dtype: torch.dtype = torch.float32
-    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, tensor index) -> buffer
-    state_segment: int | None = None
-    stager: HostStager | None = None  # offload_prompt_cache: attention K/V and their gradients on the host
-    cache_requires_grad: bool = False
-    param_versions: tuple[int, ...] = ()  # the parameters' version counters at prefill (see check_prompt_state)
-    consumed: bool = False  # a grouped backward ran over it (its caches and checkpoints are gone)
-
-    def add_cache(self, cache, requires_grad: bool, *, offload: bool = False) -> None:
-        """Append one layer's state as leaves; with ``requires_grad`` their gradients sum in ``grad_dtype``.
-
-        ``cache``: ``(keys, values)`` or a ``LinearState`` (whose ``boundaries`` stay graph-free, on the host
-        with ``offload``)."""
-        layer = len(self.caches)
-        if self.stager is not None and not isinstance(cache, LinearState):  # K/V to the host, graph-free
-            self.cache_requires_grad = requires_grad
-            self.caches.append(tuple(self.stager.to_host(t.detach()) for t in cache))
-            return
-        leaves = []
-        for which, t in enumerate(cache[:2]):
-            leaf = t.detach().requires_grad_(requires_grad)
-            if requires_grad and leaf.dtype != self.grad_dtype:
-                leaf.register_post_accumulate_grad_hook(move_grad_into(self.grads, (layer, which), self.grad_dtype))
-            leaves.append(leaf)
-        if isinstance(cache, LinearState):
-            boundaries = cache.boundaries
-            if boundaries is not None and offload:
-                boundaries = _to_host(boundaries)
-            self.caches.append(LinearState(*leaves, boundaries))
-        else:
-            self.caches.append(tuple(leaves))
-
-    def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
-        """The gradient summed over the group so far of layer ``layer``'s state tensor ``which`` (attention:
-        0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail); on the host when offloaded."""
-        if (layer, which) in self.grads:
-            return self.grads[(layer, which)]
-        return None if self.stager is not None and not isinstance(self.caches[layer], LinearState) else \
-            self.caches[layer][which].grad
-
-    def layer_cache(self, layer: int):
-        """Layer ``layer``'s state, as its ``prefix_state`` (None when nothing was cached).
-
-        With ``stager`` (offloaded K/V): fresh device leaves of the host copy, whose gradients a hook adds
-        into the host buffers; the next offloaded layer's copy starts on the side stream."""
-        if not self.caches:
-            return None
-        cache = self.caches[layer]
-        if self.stager is None or isinstance(cache, LinearState):
-            return cache
-        nxt = self._staged_neighbour(layer, +1)
-        if nxt is not None:
-            self.stager.prefetch(("cache", nxt), list(self.caches[nxt]))
-        leaves = []
-        for which, t in enumerate(self.stager.fetch(("cache", layer), list(cache))):
-            leaf = t.detach().requires_grad_(self.cache_requires_grad)
-            if self.cache_requires_grad:
-                leaf.register_post_accumulate_grad_hook(add_grad_to_host(self.grads, (layer, which), self.grad_dtype))
-            leaves.append(leaf)
-        return tuple(leaves)
-
-    def device_cache_grads(self, layer: int, device) -> list[torch.Tensor | None]:
-        """Layer ``layer``'s summed state gradients on ``device`` (for the grouped backward); offloaded ones come
-        from the host, and the previous offloaded layer's start copying on the side stream."""
-        grads = [self.cache_grad(layer, which) for which in (0, 1)]
-        if self.stager is None or isinstance(self.caches[layer], LinearState):
-            return grads
-        prev = self._staged_neighbour(layer, -1)
-        pending = [] if prev is None else [self.grads.get((prev, w)) for w in (0, 1)]
-        if pending and all(g is not None for g in pending):
-            self.stager.prefetch(("grad", prev), pending)
-        present = [g for g in grads if g is not None]
-        fetched = iter(self.stager.fetch(("grad", layer), present) if present else [])
-        return [None if g is None else next(fetched).to(device) for g in grads]
-
-    def _staged_neighbour(self, layer: int, step: int) -> int | None:
-        """The next (``step=1``) or previous (``-1``) layer whose K/V are staged from the host, or None."""
-        index = layer + step
-        while 0 <= index < len(self.caches):
-            if not isinstance(self.caches[index], LinearState):
-                return index
-            index += step
-        return None
-
-    @property
-    def tail_ids(self) -> torch.Tensor:
-        """Prompt tokens not in the cache (at least the last one), replayed at the head of every branch."""
-        return self.prompt_ids[self.cached_length:]
-
-    def local_prefix(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's cached-prompt ids and global positions, ``[1, S'/P]`` each."""
-        world, rank = group_size(self.group), group_rank(self.group)
-        ids = self.prompt_ids[: self.cached_length].view(1, -1)
-        pos = torch.arange(self.cached_length, device=ids.device).view(1, -1)
-        return shard_sequence(ids, rank, world), shard_sequence(pos, rank, world)
+KEEP_ATTENTION_OUTPUT = ("off", "device", "host")
 
 
 def prompt_weights(model):
@@ -173,7 +57,7 @@ def response_adapters(model, state: PromptState):
 def prefill(
     model, prompt_ids: torch.Tensor, group, *, keep_checkpoints: bool, cache_requires_grad: bool,
     offload_checkpoints: bool = False, progress=None, grad_dtype: torch.dtype = torch.float32,
-    state_segment: int = DEFAULT_STATE_SEGMENT, offload_prompt_cache: bool = False,
+    state_segment: int = DEFAULT_STATE_SEGMENT, offload_prompt_cache: bool = False, keep_attention_output: str = "off",
 ) -> PromptState:
     """Run the cached part of the prompt once without autograd, keeping per layer its state and checkpoint.
 
@@ -181,7 +65,11 @@ def prefill(
     ``state_segment``: with ``keep_checkpoints``, linear layers also keep their state every that many tokens
     (a multiple of 64), where the grouped backward restarts their scan segment by segment.
     ``offload_prompt_cache``: attention layers' K/V and their gradient buffers live on the host (:mod:`.offload`).
+    ``keep_attention_output`` (``"device"`` / ``"host"``, with ``keep_checkpoints``): attention layers below the
+    last also keep their stage outputs and LSEs there (``PromptState.attention_outputs``), so the grouped
+    backward does not attend over the prompt again; ``"off"``: it recomputes them.
     ``on_prompt=False`` adapters are disabled here (:func:`prompt_weights`)."""
+    check_keep_attention_output(keep_attention_output)
     world = group_size(group)
     cached = world * ((prompt_ids.numel() - 1) // world)
     every = state_segment if keep_checkpoints else None
@@ -197,14 +85,50 @@ def prefill(
         for index, layer in enumerate(model.layers):
             if keep_checkpoints:
                 state.checkpoints.append(_to_host(hidden) if offload_checkpoints else hidden)
+            kept = None
+            if keep_checkpoints and keep_attention_output != "off" and index < last and _is_attention(layer):
+                kept = []
+                prompt_pass = PromptPass(keep=_keeper(kept, keep_attention_output == "host"))
             if index < last:
-                hidden, cache = layer(hidden, pos, return_state=True, state_every=every)
+                hidden, cache = layer(hidden, pos, return_state=True, state_every=every,
+                                      **({} if kept is None else {"prefix_state": prompt_pass}))
             else:  # nothing reads the last layer's output at prompt positions: only its state
                 cache = layer.prompt_state(hidden, pos, state_every=every)
             state.add_cache(cache, cache_requires_grad, offload=offload_checkpoints)
+            state.attention_outputs.append(kept)
             if progress is not None:
                 progress(f"prefill layer {index + 1}/{len(model.layers)}")
     return state
+
+
+def _keeper(kept: list, host: bool):
+    """``keep(stage, out, lse)`` for :class:`PromptPass`: append the stage's pair to ``kept`` (host copies)."""
+    move = _to_host if host else (lambda t: t)
+    return lambda _stage, out, lse: kept.append((move(out), move(lse)))
+
+
+def check_keep_attention_output(keep: str) -> None:
+    if keep not in KEEP_ATTENTION_OUTPUT:
+        raise ValueError(f"keep_attention_output={keep!r}; choose one of {KEEP_ATTENTION_OUTPUT}")
+
+
+def _is_attention(layer) -> bool:
+    return getattr(layer, "layer_type", None) == "full_attention"
+
+
+def attention_output_bytes(model, prompt_tokens: int, sp: int = 1, dtype_bytes: int = 4) -> int:
+    """Bytes one rank keeps with ``keep_attention_output`` for a prompt of ``prompt_tokens``: per attention
+    layer but the last, the cached prompt's ``S' = P floor((S-1)/P)`` tokens of its ``H/P`` query heads, the
+    output ``S' (H/P) d`` in the compute dtype (``dtype_bytes``) and the LSE ``S' (H/P)`` in fp32 (fp64 for a
+    float64 model): about ``H / H_kv`` times the layer's K cache, plus the LSE."""
+    cached = sp * ((prompt_tokens - 1) // sp)
+    layers = [layer for layer in model.layers if _is_attention(layer)]
+    if not layers:
+        return 0
+    attn = layers[0].self_attn
+    per_layer = cached * attn.num_heads // sp * (attn.head_dim * dtype_bytes + (8 if dtype_bytes == 8 else 4))
+    kept = sum(1 for i, layer in enumerate(model.layers) if _is_attention(layer) and i < len(model.layers) - 1)
+    return kept * per_layer
 
 
 def parameter_versions(model) -> tuple[int, ...]:
@@ -242,12 +166,6 @@ def check_prompt_state(state: PromptState, model, prompt_ids: torch.Tensor, grou
                          "gradients; use step.prefill_for_step with the step's prompt_grad and memory options")
 
 
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu":
-        return x
-    return x.to("cpu", non_blocking=True).pin_memory()
-
-
 @dataclass
 class Branch:
     """One response laid out for replay on this rank: ``[tail of prompt, response[:-1]]`` -> ``response``."""
@@ -277,15 +195,26 @@ def make_branch(state: PromptState, response: torch.Tensor) -> Branch:
 
 
 def branch_logprobs(model, state: PromptState, branch: Branch, *, logits_chunk_size=None, entropy=False,
-                    temperature: float = 1.0):
+                    temperature: float = 1.0, checkpoint_layers: bool = False):
     """Forward one branch over the cached prompt; ``[n_l]`` log-probs of its targets (0 where ignored), of
     ``softmax(logits / temperature)`` when ``temperature != 1`` (the sampling distribution, as TRL trains on).
     ``on_prompt=False`` adapters act on its response positions only (:func:`response_adapters`; the fused
-    attention and the tiled MLP keep that mask for the backward, which may run after this returns)."""
+    attention and the tiled MLP keep that mask for the backward, which may run after this returns).
+
+    ``checkpoint_layers`` (with autograd): keep only each layer's input and recompute the layer in the branch's
+    backward (activation checkpointing), so a long response's activations are one layer's, not every layer's;
+    the gradients are identical. The prompt cache the layer reads is not copied by it (the state holds it)."""
     hidden = model.embed(branch.input_ids)
+    pos = branch.position_ids
     with response_adapters(model, state):
         for index, layer in enumerate(model.layers):
-            hidden = layer(hidden, branch.position_ids, prefix_state=state.layer_cache(index))
+            cache = state.replay_cache(index)
+            if checkpoint_layers and torch.is_grad_enabled():
+                # the mask is fixed now: the recomputation runs in the backward, outside response_adapters
+                mask = {"lora_mask": layer.adapter_mask(pos)} if hasattr(layer, "adapter_mask") else {}
+                hidden = checkpoint(layer, hidden, pos, prefix_state=cache, use_reentrant=False, **mask)
+            else:
+                hidden = layer(hidden, pos, prefix_state=cache)
     scaled = {} if temperature == 1.0 else {"temperature": temperature}
     return model.token_logprobs(hidden[0], branch.targets[0], chunk_size=logits_chunk_size, return_entropy=entropy,
                                 **scaled)
@@ -296,7 +225,11 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
 
     For layers L..1: recompute the layer from its checkpoint with autograd and back-propagate the state
     gradient of that layer together with the gradient arriving from the layer above; then the embedding.
-    Gated DeltaNet layers recompute their scan segment by segment in reverse from the stored states
+    Attention layers run it through the fused head-chunked attention (one stage's full-prompt q/k/v alive at a
+    time; the summed K/V gradients are added to each stage's K/V gradient there); with the prefill's kept
+    attention outputs (``keep_attention_output``) only the token-wise parts are recomputed (norm, projections,
+    RoPE, o_proj, MLP) and the attention backward runs from the kept output and LSE. Gated DeltaNet layers
+    recompute their scan segment by segment in reverse from the stored states
     (:func:`.linear_backward.linear_layer_backward`), so only one segment's scan graph is alive.
 
     ``layer_grad_sync(layer, enabled)`` (FSDP2-sharded models): a Gated DeltaNet layer's backward is several
@@ -321,10 +254,16 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
             grad_in = linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads,
                                             state.caches[index].boundaries, state.state_segment, last)
         else:
-            grad_in = _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads)
+            kept = state.attention_outputs[index] if index < len(state.attention_outputs) else None
+            if kept is not None:
+                kept = [tuple(t.to(ids.device, non_blocking=True) for t in pair) for pair in kept]
+            grad_in = _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads, kept)
+            del kept
         grad_hidden = grad_in
-        # this layer's state, state gradient and checkpoint are no longer needed
+        # this layer's state, state gradient, kept attention outputs and checkpoint are no longer needed
         state.caches[index] = state.checkpoints[index] = None
+        if index < len(state.attention_outputs):
+            state.attention_outputs[index] = None
         state.grads.pop((index, 0), None)
         state.grads.pop((index, 1), None)
         del hidden_in, cache_grads
@@ -336,20 +275,20 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
             torch.autograd.backward(embedded, grad_hidden)
 
 
-def _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads):
-    """Recompute an attention layer over the prompt and back-propagate its K/V and output gradients."""
-    if grad_hidden is None:  # the top layer: only its K/V received a gradient
-        hidden_out, (key, value) = None, layer.prompt_state(hidden_in, pos)
-    else:
-        hidden_out, (key, value) = layer(hidden_in, pos, return_state=True)
-    outputs, grads = [], []
-    for out, cache_grad in zip((key, value), cache_grads):
-        if cache_grad is not None:
-            outputs.append(out)
-            grads.append(cache_grad.to(out.dtype))  # summed in grad_dtype; the layer's backward runs in its own
-    if grad_hidden is not None:
-        outputs.append(hidden_out)
-        grads.append(grad_hidden)
-    if outputs:
-        torch.autograd.backward(outputs, grads)
+def _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads, kept=None):
+    """Back-propagate an attention layer over the prompt: its summed K/V gradients ``cache_grads`` (cache layout
+    ``[1, S', n_r, d]``, either None) and its output gradient ``grad_hidden [1, s_l, E]`` (None: the top layer,
+    whose prompt outputs nothing reads). ``kept``: the prefill's per-stage ``(out, lse)`` of this layer, or None
+    (the attention is recomputed). Returns ``hidden_in.grad``."""
+    if grad_hidden is None:  # the top layer: only its K/V received a gradient; recompute only them
+        key, value = layer.prompt_state(hidden_in, pos)
+        pairs = [(out, g.to(out.dtype)) for out, g in zip((key, value), cache_grads) if g is not None]
+        if pairs:  # summed in grad_dtype; the layer's backward runs in its own
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        return hidden_in.grad
+    seeds = None if all(g is None for g in cache_grads) else tuple(cache_grads)
+    # the layer's own forward (FSDP2 gathers its parameters around it), its attention told by the PromptPass to
+    # reuse the kept outputs and to add the K/V seeds in its backward
+    hidden_out = layer(hidden_in, pos, prefix_state=PromptPass(saved=kept, kv_grads=seeds))
+    torch.autograd.backward(hidden_out, grad_hidden)
     return hidden_in.grad

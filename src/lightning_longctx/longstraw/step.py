@@ -46,6 +46,7 @@ from .losses import LOSS_TYPES, policy_token_terms, response_weights
 from .prefix import (
     PromptState,
     branch_logprobs,
+    check_keep_attention_output,
     check_prompt_state,
     grouped_backward,
     make_branch,
@@ -166,7 +167,11 @@ def _reshard(model) -> None:
 
 
 def _set_layer_grad_sync(layer, enabled: bool) -> None:
-    """One FSDP2 layer's gradient reduce-scatter on or off (the grouped backward of a Gated DeltaNet layer)."""
+    """One FSDP2 layer's gradient reduce-scatter on or off (the grouped backward of a Gated DeltaNet layer).
+
+    Only with deferred sync (small, float32 trainable state such as LoRA): FSDP2 accumulates skipped gradients
+    in the reduce dtype (fp32) while the last backward's fresh ones are in the compute dtype (bf16), and its
+    reduce-scatter needs one dtype; full fine-tuning reduce-scatters after each of the layer's backward passes."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(layer, FSDPModule):
@@ -202,6 +207,7 @@ def prefill_for_step(
     model, prompt_ids: torch.Tensor, *, group: dist.ProcessGroup | None = None, prompt_grad: str = "full",
     offload_checkpoints: bool = False, state_segment: int = DEFAULT_STATE_SEGMENT,
     offload_prompt_cache: bool = False, accumulate_dtype: torch.dtype | None = None, progress=None,
+    keep_attention_output: str | None = None,
 ) -> PromptState:
     """The prompt's state as :func:`longstraw_step` with the same arguments prefills it (checkpoints and cache
     gradients when the grouped backward runs), to prefill once for ``sample``, ``score`` and the step::
@@ -211,16 +217,26 @@ def prefill_for_step(
         old = score(policy, prompt, responses, group=sp, prompt_state=state)  # when the step clips
         longstraw_step(policy, prompt, responses, advantages, old_logprobs=old, group=sp, prompt_state=state)
 
-    Valid until the parameters change (an optimizer step); the step consumes it.
+    Valid until the parameters change (an optimizer step); the step consumes it. ``keep_attention_output``: as
+    :func:`longstraw_step`'s (None: the model's ``MemoryConfig``).
     """
     validate_group(model, prompt_ids, [prompt_ids[-1:]], prompt_grad=prompt_grad)  # the prompt's checks
     check_state_segment(state_segment)
+    keep = _memory_knob(model, "keep_attention_output", "off") if keep_attention_output is None \
+        else keep_attention_output
+    check_keep_attention_output(keep)
     set_sequence_parallel_group(model, group)
     full = _needs_grouped_backward(model, prompt_grad)
     grad_dtype = accumulation_dtype([p for p in model.parameters() if p.requires_grad], accumulate_dtype)
     return prefill(model, prompt_ids, group, keep_checkpoints=full, cache_requires_grad=full,
                    offload_checkpoints=offload_checkpoints, progress=progress, grad_dtype=grad_dtype,
-                   state_segment=state_segment, offload_prompt_cache=offload_prompt_cache)
+                   state_segment=state_segment, offload_prompt_cache=offload_prompt_cache,
+                   keep_attention_output=keep if full else "off")
+
+
+def _memory_knob(model, name: str, default):
+    """``model.memory.<name>`` (a ``DecoderLM``'s :class:`~lightning_longctx.models.MemoryConfig`), else ``default``."""
+    return getattr(getattr(model, "memory", None), name, default)
 
 
 def longstraw_step(
@@ -248,6 +264,8 @@ def longstraw_step(
     defer_grad_sync: bool | None = None,
     prompt_state: PromptState | None = None,
     temperature: float = 1.0,
+    keep_attention_output: str | None = None,
+    replay_checkpointing: bool | None = None,
 ) -> StepOutput:
     """Accumulate into ``param.grad`` the exact gradient of the group loss for one prompt and G responses.
 
@@ -294,6 +312,17 @@ def longstraw_step(
             None = prefill here. Its prefill is then outside ``peak_bytes`` and ``seconds``.
         temperature: the log-probs (and entropies) are those of ``softmax(logits / temperature)``, the
             distribution :func:`~lightning_longctx.longstraw.sample` drew from (TRL's convention); 1 = plain.
+        keep_attention_output: ``"device"`` / ``"host"``: the prefill keeps each attention layer's prompt
+            attention output and LSE (per layer but the last, ``S' H/P (d b + 4)`` bytes on this rank, about
+            ``H / H_kv`` times its K cache) there, and the grouped backward runs the attention backward from
+            them instead of attending over the prompt again (it recomputes only norms, projections, RoPE, o_proj
+            and the MLP). ``"off"``: recompute (one stage's q/k/v alive at a time). Exact either way. None = the
+            model's ``MemoryConfig.keep_attention_output`` (``"off"``). A given ``prompt_state`` keeps what it
+            was prefilled with.
+        replay_checkpointing: recompute each layer of a branch in its backward, keeping only the layer inputs
+            (the prompt cache is never copied), so a long response's replay holds one layer's activations
+            instead of all; identical gradients, one more branch forward. None = the model's
+            ``MemoryConfig.activation_checkpointing``.
         measure_memory: track the step's peak live tensor bytes (``StepOutput.peak_bytes``; on CPU a dispatch
             mode that sees every op, which costs time on small ops): False for training loops, which read the
             device's own peak (``ops.memory.device_peak_bytes``).
@@ -304,6 +333,10 @@ def longstraw_step(
                    old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, max_response_length=max_response_length)
     check_state_segment(state_segment)
     check_temperature(temperature)
+    if keep_attention_output is not None:
+        check_keep_attention_output(keep_attention_output)
+    if replay_checkpointing is None:
+        replay_checkpointing = bool(_memory_knob(model, "activation_checkpointing", False))
     check_group_agrees(prompt_ids, responses, group)
     set_sequence_parallel_group(model, group)
     lengths = [r.numel() for r in responses]
@@ -336,11 +369,12 @@ def longstraw_step(
             state = prefill_for_step(model, prompt_ids, group=group, prompt_grad=prompt_grad,
                                      offload_checkpoints=offload_checkpoints, state_segment=state_segment,
                                      offload_prompt_cache=offload_prompt_cache, accumulate_dtype=accumulate_dtype,
-                                     progress=progress)
+                                     progress=progress, keep_attention_output=keep_attention_output)
         for i, response in enumerate(responses):
             branch = make_branch(state, response)
             logp_l, entropy_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size,
-                                                entropy=True, temperature=temperature)
+                                                entropy=True, temperature=temperature,
+                                                checkpoint_layers=replay_checkpointing)
             valid = branch.response_index >= 0
             terms = policy_token_terms(
                 logp_l, advantages[i].to(logp_l.dtype),
@@ -368,7 +402,7 @@ def longstraw_step(
                 _set_grad_sync(model, True)  # each layer's one grouped backward reduce-scatters its summed grads
             with prompt_weights(model):  # on_prompt=False adapters with a trainable base: the prompt on the base
                 grouped_backward(model, state, progress=progress,
-                                 layer_grad_sync=_set_layer_grad_sync if sharded else None)
+                                 layer_grad_sync=_set_layer_grad_sync if sharded and defer else None)
         del state, prompt_state
     if not sharded:
         step_grads.finish(group, dp_group)  # accumulate_dtype: sum over SP, mean over DP, one collective per bucket

@@ -65,15 +65,23 @@ def attention_stage_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, local_
     return {"forward": (3 * c + 4 * m) * unit, "backward": stage_bwd * unit + outside}
 
 
-def _norm_saved(e: int, b: int) -> int:
-    """Per token, one RMSNorm: a float32 copy of a half input, ``x * rsqrt`` and the output, the rsqrt."""
-    return e * ((FLOAT32 if b < FLOAT32 else 0) + 2 * b) + FLOAT32
+def norm_saved(e: int, b: int, zero_centered: bool = False, frozen: bool = False) -> int:
+    """Per token, one RMSNorm's saved tensors and its output (not its input): float32 ``x * rsqrt`` and the
+    output (the input itself is saved too); half a float32 copy of the input, ``x * rsqrt`` cast back and the
+    output, where the zero-centred form (``x_hat * (1 + w)`` in float32) keeps ``x * rsqrt`` in float32; the
+    rsqrt. ``frozen`` (LoRA: the norm weight needs no gradient): ``x * rsqrt`` is not saved."""
+    half = b < FLOAT32
+    if frozen:
+        return e * ((FLOAT32 if half else 0) + b) + FLOAT32
+    if not half:
+        return 2 * b * e + FLOAT32
+    return e * (FLOAT32 + (FLOAT32 if zero_centered else b) + b) + FLOAT32
 
 
 def layer_saved_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, kind: str) -> dict[str, int]:
     """Bytes per local token a layer keeps for backward (no checkpointing), split at the attention.
 
-    ``pre``: input RMSNorm (:func:`_norm_saved`) + the attention's output ``H d b``, per-stage LSE ``a H``
+    ``pre``: input RMSNorm (:func:`norm_saved`) + the attention's output ``H d b``, per-stage LSE ``a H``
     (``H / P`` heads x ``s`` tokens) and RoPE cos/sin ``2 d b``. ``post``: the two residual sums ``2 E b``,
     the post-attention RMSNorm and the SwiGLU intermediates ``4 I b`` (gate, silu, up, product; 0 when the
     MLP is tiled). A linear-attention layer (Gated DeltaNet; an estimate from its shapes) keeps its q, k,
@@ -85,11 +93,11 @@ def layer_saved_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, kind: str)
     else:
         mixer = (2 * model.linear_qk_dim + 2 * model.linear_v_dim + 2 * model.linear_num_value_heads) * b
     tiled = knobs.mlp_chunk_size is not None
-    post = 2 * e * b + _norm_saved(e, b) + (0 if tiled else 4 * model.intermediate_size * b)
-    return {"pre": _norm_saved(e, b) + mixer, "post": post}
+    post = 2 * e * b + norm_saved(e, b) + (0 if tiled else 4 * model.intermediate_size * b)
+    return {"pre": norm_saved(e, b) + mixer, "post": post}
 
 
-def _mlp_transients(model: ModelShape, knobs: MemoryKnobs, local_tokens: int) -> dict[str, int]:
+def mlp_transients(model: ModelShape, knobs: MemoryKnobs, local_tokens: int) -> dict[str, int]:
     """SwiGLU transients beyond the saved intermediates: ``I b`` per token each way untiled (the next
     intermediate while the others are saved; in backward each new gradient replaces a freed input); tiled
     with ``c``-token tiles, one tile's ``4 I b`` forward, its recompute plus gradients ``7 I b`` in backward,
@@ -120,11 +128,11 @@ def _logits(model: ModelShape, knobs: MemoryKnobs, tokens: int, autocast_cast: b
             "backward": chunk * v * (b + 2 * FLOAT32) + FLOAT32 * v * e + cast}
 
 
-def _sharded(cluster: ClusterShape) -> bool:
+def states_sharded(cluster: ClusterShape) -> bool:
     return cluster.sharding == "fsdp" and cluster.world > 1
 
 
-def _static(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs) -> dict[str, int]:
+def static_bytes(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs) -> dict[str, int]:
     """Parameters, gradients and optimizer states (``optimizer_states`` tensors per parameter, AdamW: 2, in
     the parameter dtype as torch keeps them), ``p`` bytes each (fp32 under ``bf16-mixed``). ``fsdp``: each
     divided by the world size, plus FSDP2's buffers of the largest layer ``N_l``: its gathered parameters in
@@ -139,7 +147,7 @@ def _static(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs) -> dic
     trainable = model.lora_parameters()  # 0 without LoRA: then every parameter trains
     base_dtype = b if model.lora_r else pb
     grads = trainable or n
-    world = cluster.world if _sharded(cluster) else 1
+    world = cluster.world if states_sharded(cluster) else 1
     shard = lambda count: math.ceil(count / world)  # noqa: E731 - elements per rank
     static = {"params": shard(n) * base_dtype + shard(trainable) * pb, "grads": shard(grads) * pb,
               "optimizer": knobs.optimizer_states * shard(grads) * pb, "fsdp_buffers": 0}
@@ -174,14 +182,14 @@ def weight_copies_bytes(model: ModelShape, cluster: ClusterShape, knobs: MemoryK
     step included; they outlive the region anyway as the saved inputs of each layer's backward. Else (SFT
     replicas, FSDP2 on a 1-wide shard mesh with ``reshard_after_forward=False`` and ``MixedPrecisionPolicy``):
     the unsharded bf16 copy of every parameter, ``N b``."""
-    if not knobs.mixed or _sharded(cluster) or model.lora_r:  # LoRA: the frozen base already is bf16
+    if not knobs.mixed or states_sharded(cluster) or model.lora_r:  # LoRA: the frozen base already is bf16
         return 0
     chunked = knobs.logits_chunk_size is not None and knobs.logits_chunk_size < tokens
     cast = autocast_cached_parameters(model, chunked) if autocast_only else model.num_parameters()
     return cast * knobs.dtype_bytes
 
 
-def _recurrent_state(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
+def recurrent_state_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
     """Per rank, all linear layers: the float32 state ``n_v/P x d_k x d_v`` twice (the running state and its
     chunk-boundary copy) plus the conv state ``(K - 1)(2 q_k + v) b / P``."""
     if not model.linear_layers:
@@ -195,7 +203,7 @@ def _recurrent_state(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
 STATE_SEGMENT = 16384  # longstraw_step's default state_segment (tokens between stored linear-layer states)
 
 
-def _segment_states(model: ModelShape, sp: int, cached: int, segment: int = STATE_SEGMENT) -> int:
+def segment_state_bytes(model: ModelShape, sp: int, cached: int, segment: int = STATE_SEGMENT) -> int:
     """Per rank, all linear layers: the float32 states LongStraw's prefill stores every ``segment`` prompt
     tokens for the segmented grouped backward, ``ceil(S' / segment) - 1`` per layer."""
     if not model.linear_layers or cached <= segment:
@@ -229,7 +237,7 @@ def kv_cache_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, cached_tokens
 def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int):
     """Components and phases of one SFT step (forward, backward, optimizer step) on one rank.
 
-    Persistent: ``static`` (:func:`_static`) and either the saved activations (embedding output + every
+    Persistent: ``static`` (:func:`static_bytes`) and either the saved activations (embedding output + every
     layer's :func:`layer_saved_bytes` + final norm + logits) or, with checkpointing, one ``E b`` input per
     layer (host memory when offloaded). Phases add the transients alive together: the logits (forward,
     backward), the last layer's MLP backward, its attention forward and backward (with checkpointing: after
@@ -240,7 +248,7 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
     sp = cluster.sp
     s_l = math.ceil(seq_len / sp)
     b, e = knobs.dtype_bytes, model.hidden_size
-    static = _static(model, cluster, knobs)
+    static = static_bytes(model, cluster, knobs)
     copies = weight_copies_bytes(model, cluster, knobs, s_l, autocast_only=False)
     base = sum(static.values()) + copies
     kinds = list(model.layer_types)
@@ -248,9 +256,9 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
     last = kinds[-1]
     saved_layers = s_l * sum(per_kind[k]["pre"] + per_kind[k]["post"] for k in kinds)
     logits = _logits(model, knobs, s_l)
-    top = s_l * _norm_saved(e, b) + logits["saved"]  # final norm and the loss
+    top = s_l * norm_saved(e, b) + logits["saved"]  # final norm and the loss
     attn = attention_stage_bytes(model, knobs, sp, s_l) if model.full_layers else {"forward": 0, "backward": 0}
-    mlp = _mlp_transients(model, knobs, s_l)
+    mlp = mlp_transients(model, knobs, s_l)
     grad_stream = s_l * e * b  # the residual stream's gradient (the branches' own grads are in their transients)
     layer_pre, layer_full = s_l * per_kind[last]["pre"], s_l * (per_kind[last]["pre"] + per_kind[last]["post"])
     comp = dict(static)
@@ -288,103 +296,12 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
     return comp, phases, host
 
 
-def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int, group_size: int,
-                     response_len: int, prompt_grad: str = "full"):
-    """Components and phases of one exact LongStraw group step on one rank (``seq_len`` = prompt tokens).
-
-    Persistent through the step: ``static``, the KV cache of the cached prompt ``S' = P floor((S-1)/P)``
-    (:func:`kv_cache_bytes`), the recurrent states of linear layers, and with ``prompt_grad="full"`` the
-    accumulated cache gradients (the LongStraw accumulators: as many elements as the cache, in the
-    parameter dtype ``p``: fp32 under ``bf16-mixed``) and one ``E b`` checkpoint per layer and local token,
-    plus the linear layers' states every ``STATE_SEGMENT`` tokens (host memory when offloaded). With
-    ``offload_prompt_cache`` the K/V cache and its accumulators live on the host and the device holds two
-    layers of each (the staged layer and the one in flight). Under
-    ``bf16-mixed`` (fp32 replicas under autocast) every phase also holds
-    autocast's cached bf16 weight copies (:func:`weight_copies_bytes`; the step, and the optimizer step,
-    run inside ``training_step``), and the chunked lm_head casts its weight per chunk. Phases:
-
-    - prefill: one layer's no-grad forward over ``s_l`` tokens: hidden, residual and norm plus the larger
-      of the attention stage and the MLP (``3 I b`` per token, or one tile's ``4 I b``);
-    - replay of one branch of ``T = response_len`` tokens: its activations (``T`` tokens through every
-      layer) plus, per layer, the cache gradient's full-size temporaries (slice backward: ``2x`` one
-      layer's K/V) and the stage's GQA-expanded prefix K/V and their gradients ``(3C + m) S' d b`` (eager;
-      flash: ``2m``);
-    - grouped backward: one layer recomputed with autograd from its checkpoint: :func:`layer_saved_bytes`
-      plus, since the cache path keeps every stage in the graph, ``(5 H/P + 2m x stages) s d b``.
-
-    G never appears: nothing of a branch outlives its replay.
-    """
-    sp = cluster.sp
-    cached = sp * ((seq_len - 1) // sp)
-    s_l = max(cached // sp, 1)
-    b, e, d = knobs.dtype_bytes, model.hidden_size, model.head_dim
-    static = _static(model, cluster, knobs)
-    t = response_len + sp  # the branch: the prompt tail (< P tokens) + the response
-    t_l = math.ceil(t / sp)
-    copies = weight_copies_bytes(model, cluster, knobs, t_l, autocast_only=True)
-    base = sum(static.values()) + copies
-    kv = kv_cache_bytes(model, knobs, sp, cached)
-    state = _recurrent_state(model, knobs, sp)
-    full = prompt_grad == "full"
-    ckpt = model.num_hidden_layers * s_l * e * b if full else 0
-    ckpt += _segment_states(model, sp, cached) if full else 0  # they live (and are offloaded) with the checkpoints
-    host = ckpt if knobs.offload_checkpoints else 0
-    ckpt_dev = 0 if host else ckpt
-    acc = (kv // b * knobs.param_bytes + state) if full else 0
-    layer_kv = kv // model.full_layers if model.full_layers else 0  # one layer's K/V, staged or not
-    if knobs.offload_prompt_cache and model.full_layers:
-        # K/V and their fp32 gradient sums on the host; on the device two layers of each (double buffering)
-        layers = model.full_layers
-        kv_acc = acc - state if full else 0
-        host += kv + kv_acc
-        kv, acc = min(kv, 2 * kv // layers), (min(kv_acc, 2 * kv_acc // layers) + state if full else 0)
-    comp = dict(static, weight_copies=copies)
-    comp.update(kv_cache=kv, recurrent_state=state, checkpoints=ckpt_dev, longstraw_accumulators=acc)
-    persistent = base + kv + state + ckpt_dev
-    kinds = set(model.layer_types)
-    per_kind = {k: layer_saved_bytes(model, knobs, sp, k) for k in kinds}
-    worst_layer = max(v["pre"] + v["post"] for v in per_kind.values())
-    mlp = _mlp_transients(model, knobs, s_l)
-    comp["mlp_tiles"] = max(mlp.values())
-    if model.full_layers:
-        c, m, stages = stage_layout(model, sp, knobs.head_chunk_size)
-        attn = attention_stage_bytes(model, knobs, sp, s_l)
-        unit = cached * d * b
-        expand = (3 * c + m) if knobs.attention_backend == "eager" else 2 * m
-        replay_cache = 2 * layer_kv + expand * unit
-        # the cache path is plain autograd: every stage's q (local and exchanged), output and RoPE
-        # intermediates stay in the graph until the layer's backward (5 copies per local head), and each
-        # stage's k, v (2m per stage); fitted to the tracker
-        graph_stages = (5 * model.num_attention_heads // sp + 2 * m * stages) * s_l * sp * d * b
-    else:
-        attn, replay_cache, graph_stages = {"forward": 0, "backward": 0}, 0, 0
-    comp["attention_stage"] = max(attn.values())
-    branch = t_l * (sum(per_kind[k]["pre"] + per_kind[k]["post"] for k in model.layer_types) + 2 * e * b)
-    logits = _logits(model, knobs, t_l, autocast_cast=knobs.mixed and not _sharded(cluster))
-    branch += logits["saved"] + logits["backward"]
-    chunk = knobs.mlp_chunk_size
-    mlp_nograd = (3 * s_l if chunk is None or chunk >= s_l else 4 * chunk) * model.intermediate_size * b
-    prefill = s_l * (2 * e * b + _norm_saved(e, b)) + max(attn["forward"], mlp_nograd)
-    # the layer's forward with autograd (its peak: everything saved, before the backward frees it)
-    grouped = s_l * worst_layer + graph_stages + 2 * s_l * e * b
-    comp.update(replay_branch=branch + replay_cache, layer_recompute=s_l * worst_layer + graph_stages)
-    phases = {
-        "prefill": persistent + prefill,
-        "replay": persistent + acc + branch + replay_cache,
-    }
-    if full:
-        phases["grouped backward"] = persistent + acc + grouped
-    phases["optimizer step"] = base + static["params"]
-    return comp, phases, host
-
-
 __all__ = [
     "attention_stage_bytes",
     "autocast_cached_parameters",
     "cache_heads_per_rank",
     "kv_cache_bytes",
     "layer_saved_bytes",
-    "longstraw_phases",
     "sft_phases",
     "stage_layout",
     "weight_copies_bytes",

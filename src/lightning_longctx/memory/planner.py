@@ -8,9 +8,10 @@ the same layouts), no Lightning, no process group: it runs before any process st
 
 Every formula counts the tensors this package's code keeps alive (``models/``, ``ops/``, ``longstraw/``), as
 the live-tensor tracker (:func:`lightning_longctx.ops.track_memory`) sees them; the peak of a step is the
-persistent part plus the largest transient of its phases (see :func:`sft_phases` /
-:func:`longstraw_phases`). Validated against the tracker on CPU runs of the tiny presets and checked
-against published figures: ``docs/memory_planner.md``.
+persistent part plus the largest transient of its phases (see :func:`.phases.sft_phases` /
+:func:`.longstraw.longstraw_phases`). Validated against the tracker on CPU runs (the tiny preset; LongStraw also
+on FSDP2-sharded and LoRA runs of a Qwen3.5-shaped hybrid) and checked against published figures:
+``docs/memory_planner.md``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .phases import longstraw_phases, sft_phases, stage_layout
+from .longstraw import longstraw_phases
+from .phases import sft_phases, stage_layout
 from .shapes import BACKENDS, GIB, MODES, PRECISIONS, ClusterShape, MemoryKnobs, ModelShape
 
 
@@ -87,9 +89,11 @@ class Plan:
 
 # ------------------------------------------------------------------------------------------------ API
 def longstraw_sharding(model: ModelShape, cluster: ClusterShape) -> str:
-    """How ``LongStrawModule`` holds its states under ``cluster.sharding``: FSDP2-sharded, except for hybrids
-    (Gated DeltaNet layers), which keep full replicas for now."""
-    return "replicate" if model.linear_layers else cluster.sharding
+    """How ``LongStrawModule`` holds its states: as ``cluster.sharding`` says (FSDP2-sharded under
+    ``UlyssesStrategy(sharding="fsdp")``, attention and hybrid models alike). ``model`` is accepted so callers
+    need not know that the layer types do not matter."""
+    del model
+    return cluster.sharding
 
 
 def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mode: str = "sft", group_size: int = 8,
@@ -104,8 +108,7 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         mode: ``"sft"`` or ``"longstraw"``.
         group_size, response_len, prompt_grad: the LongStraw group (G responses of ``response_len`` tokens).
         param_sharding: how parameters, gradients and optimizer states are held; None = as implemented:
-            ``cluster.sharding``, except LongStraw on a hybrid (Gated DeltaNet layers), whose ``LongStrawModule``
-            keeps full replicas (:func:`longstraw_sharding`).
+            ``cluster.sharding`` (:func:`longstraw_sharding`).
     Returns:
         :class:`Plan`. Raises ValueError for an impossible layout (heads vs sp, chunk sizes).
     """
@@ -136,12 +139,10 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
     notes = []
     if mode == "longstraw" and cluster.world > 1 and param_sharding is None and held.sharding == "replicate":
         notes.append("LongStraw: parameters, gradients and optimizer states are full replicas on every rank "
-                     + ("(cluster.sharding=replicate)" if cluster.sharding == "replicate" else
-                        "(LongStrawModule keeps replicas for hybrids: their grouped backward is not FSDP-sharded "
-                        "yet)"))
-    if model.linear_layers:
-        notes.append(f"{model.linear_layers} linear-attention (Gated DeltaNet) layers: their activation terms are "
-                     "estimates from the layer shapes, not fitted to the tracker yet")
+                     "(cluster.sharding=replicate)")
+    if model.linear_layers and mode == "sft":
+        notes.append(f"{model.linear_layers} linear-attention (Gated DeltaNet) layers: their SFT activation terms "
+                     "are estimates from the layer shapes (the LongStraw terms are checked against the tracker)")
     return Plan(mode=mode, seq_len=seq_len, group_size=group_size, response_len=response_len, sp=cluster.sp,
                 dp=cluster.dp, local_tokens=local, head_chunk_size=chunk, breakdown=comp, phases=phases,
                 peak_phase=peak_phase, total_bytes=phases[peak_phase] + reserve,
@@ -178,8 +179,8 @@ def _override_text(cluster: ClusterShape, knobs: MemoryKnobs, new_cluster: Clust
     parts = [f"cluster.{f}={fmt(getattr(new_cluster, f))}" for f in ("devices", "num_nodes", "sp_size", "sharding")
              if getattr(new_cluster, f) != getattr(cluster, f)]
     parts += [f"memory.{f}={fmt(getattr(new_knobs, f))}" for f in ("head_chunk_size", "activation_checkpointing",
-                                                                  "offload_checkpoints", "mlp_chunk_size",
-                                                                  "logits_chunk_size")
+                                                                  "offload_checkpoints", "offload_prompt_cache",
+                                                                  "mlp_chunk_size", "logits_chunk_size")
               if getattr(new_knobs, f) != getattr(knobs, f)]
     return " ".join(parts)
 
@@ -188,19 +189,23 @@ def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: i
                 **kwargs) -> list[tuple[str, float]]:
     """Changes (Hydra override strings) that make an over-budget plan fit, with their peak GiB, fewest first.
 
-    Tries, one at a time: ``memory.head_chunk_size=1``, activation checkpointing, offloading, a tiled MLP,
-    chunked logits, all memory knobs together, twice the devices / nodes (SP over more ranks), FSDP sharding;
-    then all knobs with SP over 2, 4, ... 64 times the nodes (only the smallest that fits).
+    Tries, one at a time: ``memory.head_chunk_size=1``, activation checkpointing, offloading (LongStraw: also
+    the prompt cache), a tiled MLP, chunked logits, all memory knobs together, twice the devices / nodes (SP
+    over more ranks), FSDP sharding; then all knobs with SP over 2, 4, ... 64 times the nodes (only the
+    smallest that fits).
     """
     model = ModelShape.from_config(model_cfg) if not isinstance(model_cfg, ModelShape) else model_cfg
     cluster = cluster_cfg if isinstance(cluster_cfg, ClusterShape) else ClusterShape.from_config(cluster_cfg)
     knobs = memory_cfg if isinstance(memory_cfg, MemoryKnobs) else MemoryKnobs.from_config(memory_cfg)
+    longstraw = mode == "longstraw"
     all_knobs = replace(knobs, head_chunk_size=1, activation_checkpointing=True, offload_checkpoints=True,
+                        offload_prompt_cache=knobs.offload_prompt_cache or longstraw,
                         mlp_chunk_size=knobs.mlp_chunk_size or 8192, logits_chunk_size=knobs.logits_chunk_size or 8192)
     candidates = [
         (cluster, replace(knobs, head_chunk_size=1)),
         (cluster, replace(knobs, activation_checkpointing=True)),
         (cluster, replace(knobs, activation_checkpointing=True, offload_checkpoints=True)),
+        *([(cluster, replace(knobs, offload_prompt_cache=True))] if longstraw else []),
         (cluster, replace(knobs, mlp_chunk_size=knobs.mlp_chunk_size or 8192)),
         (cluster, replace(knobs, logits_chunk_size=knobs.logits_chunk_size or 8192)),
         (cluster, all_knobs),

@@ -62,7 +62,9 @@ class ModelShape:
 
     ``layer_types`` entries are ``"full_attention"`` or ``"linear_attention"`` (Gated DeltaNet, as in
     transformers' ``qwen3_5_text``, with its ``linear_*`` fields); ``attn_output_gate`` doubles ``q_proj``
-    (Qwen3.5's gated attention). ``lora_r`` / ``lora_targets``: LoRA adapters of rank ``r`` on those
+    (Qwen3.5's gated attention); ``zero_centered_norms`` (Qwen3.5: ``x_hat * (1 + w)`` in float32) changes what
+    an RMSNorm keeps in half precision; ``partial_rotary_factor``: the width of RoPE's cos/sin.
+    ``lora_r`` / ``lora_targets``: LoRA adapters of rank ``r`` on those
     projections (``model.lora``; None = full fine-tuning): the base is frozen in the compute dtype and only
     the adapters have gradients and optimizer states.
     """
@@ -79,6 +81,8 @@ class ModelShape:
     qk_norm: bool = False
     layer_types: tuple[str, ...] = ()
     attn_output_gate: bool = False
+    zero_centered_norms: bool = False
+    partial_rotary_factor: float = 1.0
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     linear_key_head_dim: int = 128
@@ -114,6 +118,8 @@ class ModelShape:
             tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
             attention_bias=bool(_get(cfg, "attention_bias", False)), qk_norm=bool(_get(cfg, "qk_norm", False)),
             layer_types=types, attn_output_gate=bool(_get(cfg, "attn_output_gate", False)),
+            zero_centered_norms=bool(_get(cfg, "zero_centered_norms", False)),
+            partial_rotary_factor=float(_get(cfg, "partial_rotary_factor", 1.0)),
             **{f: int(_get(cfg, f, defaults[f])) for f in (
                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                 "linear_conv_kernel_dim")},

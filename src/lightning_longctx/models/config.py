@@ -223,6 +223,11 @@ class MemoryConfig:
         mlp_chunk_size: tokens per tile of the MLP (tiled MLP); None = untiled.
         logits_chunk_size: tokens per chunk of lm_head + cross-entropy, so ``[seq, vocab]`` logits are never
             materialised when labels are given; None = plain logits.
+        keep_attention_output: LongStraw's exact step: ``"device"`` / ``"host"`` keep each attention layer's
+            prompt attention output and LSE from the prefill (head-sharded: per layer but the last, ``S' H/P``
+            values in the compute dtype plus ``S' H/P`` fp32, about ``H / H_kv`` times its K cache) there, so the
+            grouped backward recomputes only the token-wise parts and runs the attention backward directly;
+            ``"off"`` = the grouped backward attends over the prompt again.
     """
 
     head_chunk_size: int | None = None
@@ -230,10 +235,13 @@ class MemoryConfig:
     offload_checkpoints: bool = False
     mlp_chunk_size: int | None = None
     logits_chunk_size: int | None = None
+    keep_attention_output: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("head_chunk_size", "mlp_chunk_size", "logits_chunk_size"):
             _positive(name, getattr(self, name), allow_none=True)
+        if self.keep_attention_output not in ("off", "device", "host"):
+            raise ValueError(f"keep_attention_output={self.keep_attention_output!r} must be 'off', 'device' or 'host'")
         if self.offload_checkpoints and not self.activation_checkpointing:
             raise ValueError(
                 "offload_checkpoints=True offloads the activation checkpoints: set activation_checkpointing=True"

@@ -5,6 +5,10 @@ prompt (no mask) and causally to the branch itself. It runs two attention calls 
 so the (huge) cache is never concatenated with the branch keys. Its backward runs each segment's
 attention backward with the *merged* output and lse, which is exactly that segment's share of the
 gradient (the identity ring attention relies on), and returns gradients for the cache tensors too.
+
+The non-causal part over the cache never expands it for GQA (:func:`shared_kv_forward`): the ``g`` query heads
+reading one K/V head are stacked into the query sequence (Hydragen's trick; valid because no mask depends on
+the query position), so a cache of ``kv_heads`` heads is read, and its gradient produced, at its own size.
 """
 
 from __future__ import annotations
@@ -32,11 +36,56 @@ def merge_attention_outputs(
     return out.to(out_a.dtype), lse
 
 
+def _stack(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[b, t, n*g, d] -> [b, t*g, n, d]``: query head ``i*g + j`` at stacked position ``p*g + j`` of head ``i``."""
+    b, t, h, d = x.shape
+    g = h // kv_heads
+    return x if g == 1 else x.reshape(b, t, kv_heads, g, d).transpose(2, 3).reshape(b, t * g, kv_heads, d)
+
+
+def _unstack(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of :func:`_stack`: ``[b, t*g, n, d] -> [b, t, n*g, d]``."""
+    b, tg, n, d = x.shape
+    g = heads // n
+    return x if g == 1 else x.reshape(b, tg // g, g, n, d).transpose(2, 3).reshape(b, tg // g, heads, d)
+
+
+def _stack_lse(lse: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[b, n*g, t] -> [b, n, t*g]`` (as :func:`_stack`)."""
+    b, h, t = lse.shape
+    g = h // kv_heads
+    return lse if g == 1 else lse.reshape(b, kv_heads, g, t).transpose(2, 3).reshape(b, kv_heads, t * g)
+
+
+def _unstack_lse(lse: torch.Tensor, heads: int) -> torch.Tensor:
+    b, n, tg = lse.shape
+    g = heads // n
+    return lse if g == 1 else lse.reshape(b, n, tg // g, g).transpose(2, 3).reshape(b, heads, tg // g)
+
+
+def shared_kv_forward(query, key, value, *, softmax_scale=None, backend="auto"):
+    """Non-causal attention of ``query [b, t, H, d]`` over ``key, value [b, S, n, d]`` (``H = n g``) without
+    expanding the K/V: ``out [b, t, H, d]``, ``lse [b, H, t]``."""
+    heads, n = query.shape[2], key.shape[2]
+    out, lse = attention_forward(_stack(query, n), key, value, causal=False, softmax_scale=softmax_scale,
+                                 backend=backend)
+    return _unstack(out, heads), _unstack_lse(lse, heads)
+
+
+def shared_kv_backward(grad_out, query, key, value, out, lse, *, softmax_scale=None, backend="auto"):
+    """The gradients ``dq [b, t, H, d]``, ``dk, dv [b, S, n, d]`` of :func:`shared_kv_forward` given the (possibly
+    merged) ``out``/``lse``; the K/V gradients come out at the cache's own size (no GQA reduction)."""
+    heads, n = query.shape[2], key.shape[2]
+    dq, dk, dv = attention_backward(_stack(grad_out, n), _stack(query, n), key, value, _stack(out, n),
+                                    _stack_lse(lse, n), causal=False, softmax_scale=softmax_scale, backend=backend)
+    return _unstack(dq, heads), dk, dv
+
+
 class _PrefixAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_prefix, value_prefix, key, value, softmax_scale, backend):
         opts = dict(softmax_scale=softmax_scale, backend=backend)
-        out_p, lse_p = attention_forward(query, key_prefix, value_prefix, causal=False, **opts)
+        out_p, lse_p = shared_kv_forward(query, key_prefix, value_prefix, **opts)
         out_n, lse_n = attention_forward(query, key, value, causal=True, **opts)
         out, lse = merge_attention_outputs(out_p, lse_p, out_n, lse_n)
         del out_p, out_n
@@ -48,9 +97,7 @@ class _PrefixAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         query, key_prefix, value_prefix, key, value, out, lse = ctx.saved_tensors
-        dq_p, dk_p, dv_p = attention_backward(
-            grad_out, query, key_prefix, value_prefix, out, lse, causal=False, **ctx.opts
-        )
+        dq_p, dk_p, dv_p = shared_kv_backward(grad_out, query, key_prefix, value_prefix, out, lse, **ctx.opts)
         dq_n, dk_n, dv_n = attention_backward(grad_out, query, key, value, out, lse, causal=True, **ctx.opts)
         return dq_p + dq_n, dk_p, dv_p, dk_n, dv_n, None, None
 

@@ -13,20 +13,20 @@ stages are exactly those of plain Ulysses: a rank never holds, or caches, more K
 chunking. Attention runs on ``[batch, s, C, head_dim]``, the result goes back by all-to-all into a
 preallocated ``[batch, s_l, H, head_dim]`` output. Only one stage's full-sequence tensors are alive
 at a time, in forward and in backward: backward recomputes the stage's all-to-alls from the saved local
-q/k/v and output instead of keeping them, and saves only the per-stage log-sum-exp.
+q/k/v and output instead of keeping them, and saves only the per-stage log-sum-exp. The stage plan and the
+loop are :mod:`.head_stages`' (shared with the decoder's fused attention block).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..ops.attention import attention_backward, attention_forward
-from .all_to_all import group_size, head_to_seq, seq_to_head
+from .all_to_all import group_rank, group_size
 from .collectives import gather_ints
+from .head_stages import StageAttention, run_backward, run_forward, stage_plan
 
 
 def _validate_local(query, key, value, world: int, head_chunk_size: int | None) -> int:
@@ -115,89 +115,34 @@ def head_schedule(heads: int, kv_heads: int, world: int, chunk: int | None) -> t
     return tuple(stages)
 
 
-@dataclass(frozen=True)
-class _HeadSet:
-    """A set of head indices as a narrow span when consecutive (a view, no gather) or an index tensor."""
-
-    span: tuple[int, int] | None  # (start, length)
-    index: torch.Tensor | None  # [n] long, on the attention's device
-
-    @staticmethod
-    def of(heads: tuple[int, ...], device) -> _HeadSet:
-        if list(heads) == list(range(heads[0], heads[0] + len(heads))):
-            return _HeadSet((heads[0], len(heads)), None)
-        return _HeadSet(None, torch.tensor(heads, dtype=torch.long, device=device))
-
-    def take(self, x: torch.Tensor) -> torch.Tensor:
-        return x.narrow(2, *self.span) if self.span is not None else x.index_select(2, self.index)
-
-    def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self.span is not None:
-            dst.narrow(2, *self.span).copy_(src)
-        else:
-            dst.index_copy_(2, self.index, src)
-
-    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst[heads] += src``, summing repeated heads (replicated K/V)."""
-        if self.span is not None:
-            dst.narrow(2, *self.span).add_(src)
-        else:
-            dst.index_add_(2, self.index, src)
-
-
-_DEVICE_SCHEDULES: dict[tuple, tuple[tuple[_HeadSet, _HeadSet], ...]] = {}
-
-
-def _device_schedule(heads: int, kv_heads: int, world: int, chunk: int, device: torch.device):
-    """:func:`head_schedule` as per-stage ``(_HeadSet, _HeadSet)``, index tensors built once per device."""
-    key = (heads, kv_heads, world, chunk, str(device))
-    if key not in _DEVICE_SCHEDULES:
-        _DEVICE_SCHEDULES[key] = tuple((_HeadSet.of(q, device), _HeadSet.of(kv, device))
-                                       for q, kv in head_schedule(heads, kv_heads, world, chunk))
-    return _DEVICE_SCHEDULES[key]
-
-
 class _UlyssesAttention(torch.autograd.Function):
+    """The stage loop of :mod:`.head_stages` over already-projected local q/k/v: a stage takes their head rows."""
+
     @staticmethod
     def forward(ctx, query, key, value, group, causal, chunk, softmax_scale, backend):
-        heads, kv_heads = query.shape[2], key.shape[2]
-        schedule = _device_schedule(heads, kv_heads, group_size(group), chunk, query.device)
-        opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
-        out = torch.empty_like(query)  # [b, s_l, H, d], filled stage by stage
-        lses = []
-        for q_set, kv_set in schedule:
-            q_st = seq_to_head(q_set.take(query), group)  # [b, s, C, d]
-            k_st = seq_to_head(kv_set.take(key), group)  # [b, s, m, d]
-            v_st = seq_to_head(kv_set.take(value), group)
-            out_st, lse_st = attention_forward(q_st, k_st, v_st, **opts)
-            del q_st, k_st, v_st
-            q_set.put(out, head_to_seq(out_st, group))
-            lses.append(lse_st)  # [b, C, s]
+        stages = stage_plan(query.shape[2], key.shape[2], group_size(group), group_rank(group), chunk, query.device)
+        attention = StageAttention(causal=causal, softmax_scale=softmax_scale, backend=backend)
+        project = lambda st: (st.take_q(query), st.take_kv(key), st.take_kv(value))  # noqa: E731
+        out, lses = run_forward(stages, group, query.shape[2], project, attention)
         ctx.save_for_backward(query, key, value, out, *lses)
-        ctx.group, ctx.schedule, ctx.opts = group, schedule, opts
+        ctx.group, ctx.stages, ctx.attention = group, stages, attention
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, *lses = ctx.saved_tensors
-        group = ctx.group
-        grad_out = grad_out.contiguous()
-        dq = torch.empty_like(query)
-        dk = torch.zeros_like(key)
-        dv = torch.zeros_like(value)
-        for (q_set, kv_set), lse_st in zip(ctx.schedule, lses):
-            # Recompute this stage's head-sharded tensors rather than having saved them.
-            q_st = seq_to_head(q_set.take(query), group)
-            k_st = seq_to_head(kv_set.take(key), group)
-            v_st = seq_to_head(kv_set.take(value), group)
-            out_st = seq_to_head(q_set.take(out), group)
-            do_st = seq_to_head(q_set.take(grad_out), group)
-            dq_st, dk_st, dv_st = attention_backward(do_st, q_st, k_st, v_st, out_st, lse_st, **ctx.opts)
-            del q_st, k_st, v_st, out_st, do_st
-            q_set.put(dq, head_to_seq(dq_st, group))
-            kv_set.add(dk, head_to_seq(dk_st, group))  # sums replicated K/V heads
-            kv_set.add(dv, head_to_seq(dv_st, group))
-        return dq, dk, dv, None, None, None, None, None
+        grads = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+        def push(st, _, local_grads):
+            dq, dk, dv = local_grads
+            st.put_q(grads[0], dq)
+            st.add_kv(grads[1], dk)  # sums replicated K/V heads
+            st.add_kv(grads[2], dv)
+
+        project = lambda st: (st.take_q(query), st.take_kv(key), st.take_kv(value))  # noqa: E731
+        run_backward(ctx.stages, ctx.group, project, ctx.attention, push, lses=lses, out=out,
+                     grad_out=grad_out.contiguous())
+        return (*grads, None, None, None, None, None)
 
 
 def ulysses_attention(

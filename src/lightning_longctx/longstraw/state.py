@@ -1,0 +1,165 @@
+"""The prompt's state between the passes of one LongStraw step: per layer its cache, checkpoint and the
+gradient summed into the cache over the group (see :mod:`.prefix` for the passes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..models.fused_attention import PrefixCache
+from ..models.gated_deltanet import LinearState
+from ..parallel import group_rank, group_size, shard_sequence
+from .grads import CacheGradSink, move_grad_into
+from .offload import HostStager
+
+
+@dataclass
+class PromptState:
+    """What later tokens need of the prompt, per layer; nothing else of the prompt stays alive.
+
+    ``caches``: per layer, its state after the cached prompt, as the layer's ``return_state`` gives it
+    (head-sharded under SP): attention ``(keys, values)``, each ``[1, S', kv_cache_heads, head_dim]`` in the
+    compute dtype, graph-free; Gated DeltaNet a :class:`~lightning_longctx.models.LinearState` (recurrent state
+    ``[1, Hv/P, Dk, Dv]`` in fp32, conv tail ``[1, K-1, C_l]``, and for the grouped backward the states every
+    ``state_segment`` tokens, graph-free, possibly on the host). When the prompt gradient is wanted, every
+    branch's backward accumulates into one gradient buffer per layer and tensor in ``grad_dtype`` (fp32 by
+    default, so the sum over the G branches never rounds at bf16 precision; :meth:`cache_grad` reads it):
+    attention K/V through :meth:`replay_cache`'s sink, which the fused attention's backward adds each stage's
+    slice into in place (:class:`.grads.CacheGradSink`); Gated DeltaNet states are leaves whose bf16 gradient a
+    post-accumulate hook moves into the buffer.
+    ``checkpoints``: per layer, its input ``[1, S'/P, hidden]`` on this rank (possibly on the host), for the
+    grouped backward. ``attention_outputs`` (``keep_attention_output``): per attention layer but the last, each
+    stage's head-sharded attention output ``[1, S', C, d]`` and LSE ``[1, C, S']`` (fp32) from the prefill, on
+    the device or the host, so the grouped backward runs the attention backward without attending again
+    (:func:`attention_output_bytes`); None elsewhere.
+    """
+
+    prompt_ids: torch.Tensor  # [S], full
+    cached_length: int  # S'
+    group: dist.ProcessGroup | None
+    caches: list = field(default_factory=list)
+    checkpoints: list[torch.Tensor] = field(default_factory=list)
+    grad_dtype: torch.dtype = torch.float32
+    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, tensor index) -> buffer
+    state_segment: int | None = None
+    stager: HostStager | None = None  # offload_prompt_cache: attention K/V and their gradients on the host
+    cache_requires_grad: bool = False
+    param_versions: tuple[int, ...] = ()  # the parameters' version counters at prefill (see check_prompt_state)
+    consumed: bool = False  # a grouped backward ran over it (its caches and checkpoints are gone)
+    attention_outputs: list = field(default_factory=list)  # per layer: [(out, lse) per stage] or None
+
+    def add_cache(self, cache, requires_grad: bool, *, offload: bool = False) -> None:
+        """Append one layer's state; with ``requires_grad`` its gradients sum in ``grad_dtype``.
+
+        ``cache``: ``(keys, values)`` (kept graph-free: the replay's sink collects their gradient, see
+        :meth:`replay_cache`; on the host with ``stager``) or a ``LinearState`` (kept as leaves; its
+        ``boundaries`` stay graph-free, on the host with ``offload``)."""
+        layer = len(self.caches)
+        self.cache_requires_grad = requires_grad
+        if not isinstance(cache, LinearState):
+            move = self.stager.to_host if self.stager is not None else lambda t: t
+            self.caches.append(tuple(move(t.detach()) for t in cache))
+            return
+        leaves = []
+        for which, t in enumerate(cache[:2]):
+            leaf = t.detach().requires_grad_(requires_grad)
+            if requires_grad and leaf.dtype != self.grad_dtype:
+                leaf.register_post_accumulate_grad_hook(move_grad_into(self.grads, (layer, which), self.grad_dtype))
+            leaves.append(leaf)
+        boundaries = cache.boundaries
+        if boundaries is not None and offload:
+            boundaries = _to_host(boundaries)
+        self.caches.append(LinearState(*leaves, boundaries))
+
+    def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
+        """The gradient summed over the group so far of layer ``layer``'s state tensor ``which`` (attention:
+        0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail); on the host when offloaded."""
+        if (layer, which) in self.grads:
+            return self.grads[(layer, which)]
+        cache = self.caches[layer]
+        return cache[which].grad if isinstance(cache, LinearState) else None
+
+    def layer_cache(self, layer: int):
+        """Layer ``layer``'s state, graph-free (None when nothing was cached): attention ``(keys, values)`` on
+        the device (offloaded: a device copy, the next offloaded layer's already starting on the side stream),
+        for decoding and scoring; a ``LinearState`` as kept. A branch replay that trains uses
+        :meth:`replay_cache`."""
+        if not self.caches:
+            return None
+        cache = self.caches[layer]
+        if self.stager is None or isinstance(cache, LinearState):
+            return cache
+        return self._fetch(layer, +1)
+
+    def replay_cache(self, layer: int):
+        """Layer ``layer``'s state as a branch replay's ``prefix_state``: a ``LinearState`` as kept; attention
+        K/V as a :class:`~lightning_longctx.models.fused_attention.PrefixCache` whose gradient sink adds each
+        stage's slice into this state's ``grad_dtype`` buffers (when ``cache_requires_grad``). Offloaded K/V
+        are fetched by the forward and again by the backward (the previous offloaded layer in flight then)."""
+        if not self.caches:
+            return None
+        cache = self.caches[layer]
+        if isinstance(cache, LinearState):
+            return cache
+        sink = None
+        if self.cache_requires_grad:
+            device = "cpu" if self.stager is not None else cache[0].device
+            sink = CacheGradSink(self.grads, layer, cache[0], self.grad_dtype, device)
+        if self.stager is None:
+            return PrefixCache(cache, grad_sink=sink)
+        return PrefixCache(fetch=lambda backward: self._fetch(layer, -1 if backward else +1), grad_sink=sink)
+
+    def _fetch(self, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A device copy of offloaded layer ``layer``'s K/V; the next staged layer in direction ``step`` starts
+        copying on the side stream."""
+        nxt = self._staged_neighbour(layer, step)
+        if nxt is not None:
+            self.stager.prefetch(("cache", nxt), list(self.caches[nxt]))
+        return tuple(self.stager.fetch(("cache", layer), list(self.caches[layer])))
+
+    def device_cache_grads(self, layer: int, device) -> list[torch.Tensor | None]:
+        """Layer ``layer``'s summed state gradients on ``device`` (for the grouped backward); offloaded ones come
+        from the host, and the previous offloaded layer's start copying on the side stream."""
+        grads = [self.cache_grad(layer, which) for which in (0, 1)]
+        if self.stager is None or isinstance(self.caches[layer], LinearState):
+            return grads
+        prev = self._staged_neighbour(layer, -1)
+        pending = [] if prev is None else [self.grads.get((prev, w)) for w in (0, 1)]
+        if pending and all(g is not None for g in pending):
+            self.stager.prefetch(("grad", prev), pending)
+        present = [g for g in grads if g is not None]
+        fetched = iter(self.stager.fetch(("grad", layer), present) if present else [])
+        return [None if g is None else next(fetched).to(device) for g in grads]
+
+    def _staged_neighbour(self, layer: int, step: int) -> int | None:
+        """The next (``step=1``) or previous (``-1``) layer whose K/V are staged from the host, or None."""
+        index = layer + step
+        while 0 <= index < len(self.caches):
+            if not isinstance(self.caches[index], LinearState):
+                return index
+            index += step
+        return None
+
+    @property
+    def tail_ids(self) -> torch.Tensor:
+        """Prompt tokens not in the cache (at least the last one), replayed at the head of every branch."""
+        return self.prompt_ids[self.cached_length:]
+
+    def local_prefix(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's cached-prompt ids and global positions, ``[1, S'/P]`` each."""
+        world, rank = group_size(self.group), group_rank(self.group)
+        ids = self.prompt_ids[: self.cached_length].view(1, -1)
+        pos = torch.arange(self.cached_length, device=ids.device).view(1, -1)
+        return shard_sequence(ids, rank, world), shard_sequence(pos, rank, world)
+
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return x
+    return x.to("cpu", non_blocking=True).pin_memory()
+
+
+__all__ = ["PromptState"]

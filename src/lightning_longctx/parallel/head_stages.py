@@ -1,0 +1,274 @@
+"""The head-chunked stage plan and the one stage loop (UPipe's untied stages), forward and backward.
+
+Dimension legend (DeepSpeed ALST style, as :mod:`.ulysses`):
+    ``P``  ranks in the SP group        ``s_l`` local tokens, ``s = P * s_l``     ``d`` head_dim
+    ``H``  query heads, ``H_kv`` K/V heads, ``g = H / H_kv``
+    ``C``  query heads a rank attends per stage; ``m = max(1, C / g)`` K/V heads it receives per stage
+    ``n_r`` K/V heads in rank ``r``'s cache layout (each distinct head its stages receive, once, in stage order)
+
+Both users run the same loop over the same :class:`Stage` plan: :func:`~.ulysses.ulysses_attention` (q/k/v
+already projected: a stage takes their head rows) and the decoder's fused attention
+(:mod:`lightning_longctx.models.fused_attention`: a stage projects its rows from ``x``).
+
+- :func:`run_forward`: per stage ``project`` the stage's local q ``[b, s_l, C*P, d]`` and k/v
+  ``[b, s_l, P*m, d]``, all-to-all to the full sequence ``[b, s, C|m, d]``, hand new K/V to ``kv_out`` (a
+  cache), attend (:class:`StageAttention`), all-to-all the output back into one ``[b, s_l, H, d]`` buffer.
+- :func:`run_backward`: per stage re-``project`` (the caller decides whether with a graph), all-to-all,
+  attention backward from the saved output and LSE (:func:`~lightning_longctx.ops.attention_backward`), add
+  the gradient arriving at the stage's K/V in cache layout (``kv_grads``), all-to-all back and ``push`` the
+  local gradients to the caller.
+
+Only one stage's full-sequence tensors are alive at a time, in both loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..ops.attention import attention_backward, attention_forward
+from ..ops.merge import merge_attention_outputs, shared_kv_backward, shared_kv_forward
+from .all_to_all import group_size, head_to_seq, seq_to_head
+
+
+def _span(index: torch.Tensor) -> tuple[int, int] | None:
+    """``(start, length)`` when ``index`` lists consecutive heads (a narrow view instead of a gather)."""
+    ints = index.tolist()
+    return (ints[0], len(ints)) if ints == list(range(ints[0], ints[0] + len(ints))) else None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the head-chunked schedule, seen from one rank.
+
+    The stage projects the local query heads ``q_index`` (``C`` per destination rank, rank by rank) and the
+    distinct K/V heads ``kv_heads`` (ascending); ``kv_send`` expands the latter into the ``P * m`` heads sent
+    rank by rank (None: already in order). Each rank receives ``kv_per_rank`` (``m``) K/V heads;
+    ``cache_start`` is where they sit in its cache layout and ``cache_new`` whether this stage is the first
+    to deliver them. ``q_span`` / ``kv_sent`` (built by :func:`build_stages`; derived when None) address the
+    local heads of projected ``[b, s_l, heads, d]`` tensors.
+    """
+
+    q_index: torch.Tensor
+    kv_heads: torch.Tensor
+    kv_send: torch.Tensor | None
+    kv_per_rank: int
+    cache_start: int
+    cache_new: bool
+    q_span: tuple[int, int] | None = None
+    kv_sent: torch.Tensor | None = None  # [P * m] local K/V head of each head sent: kv_heads[kv_send]
+
+    def take_q(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's query heads of ``x [b, s_l, H, d]``: ``[b, s_l, C*P, d]`` (a view when consecutive)."""
+        return x.narrow(2, *self.q_span) if self.q_span is not None else x.index_select(2, self.q_index)
+
+    def put_q(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst[:, :, q_index] = src``."""
+        if self.q_span is not None:
+            dst.narrow(2, *self.q_span).copy_(src)
+        else:
+            dst.index_copy_(2, self.q_index, src)
+
+    def _sent(self) -> torch.Tensor:
+        if self.kv_sent is not None:
+            return self.kv_sent
+        return self.kv_heads if self.kv_send is None else self.kv_heads[self.kv_send]
+
+    def take_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """The K/V heads the stage sends, of ``x [b, s_l, H_kv, d]``: ``[b, s_l, P*m, d]``."""
+        return x.index_select(2, self._sent())
+
+    def add_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst[:, :, sent] += src``, summing a K/V head sent to several ranks."""
+        dst.index_add_(2, self._sent(), src)
+
+    def cache_slice(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's K/V heads of a cache-layout ``x [b, s, n_r, d]``: ``[b, s, m, d]`` (a view)."""
+        return x.narrow(2, self.cache_start, self.kv_per_rank)
+
+
+def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, device) -> list[Stage]:
+    """The per-rank stage plan for ``heads``/``kv_heads`` over ``world`` ranks, ``chunk`` heads per stage."""
+    from .ulysses import head_schedule
+
+    stages, cache_heads, last = [], 0, None
+    as_index = lambda ints: torch.tensor(ints, dtype=torch.long, device=device)  # noqa: E731  (once per layout)
+    for q_heads, kv_heads_sent in head_schedule(heads, kv_heads, world, chunk):
+        # A K/V head sent to several ranks (fewer K/V heads than ranks) is projected once and replicated
+        # by kv_send. The schedule keeps every rank on its own heads (UPipe), so consecutive stages deliver
+        # a rank the same K/V heads or the next ones, and its cache holds exactly plain Ulysses' K/V heads.
+        # (UPipe also reuses a K/V head's projection across the g / C stages whose queries share it; here
+        # each of those stages re-projects it: 2 * s_l * E * d extra flops per stage, no extra memory.)
+        distinct = sorted(set(kv_heads_sent))
+        m = len(kv_heads_sent) // world
+        mine = kv_heads_sent[rank * m:(rank + 1) * m]
+        new = mine != last
+        if new:
+            cache_heads, last = cache_heads + (m if last is not None else 0), mine
+        send = None if list(kv_heads_sent) == distinct else [distinct.index(h) for h in kv_heads_sent]
+        q_index = as_index(q_heads)
+        stages.append(Stage(q_index, as_index(distinct), None if send is None else as_index(send), m, cache_heads,
+                            new, _span(q_index), as_index(kv_heads_sent)))
+    return stages
+
+
+_PLANS: dict[tuple, tuple[Stage, ...]] = {}
+
+
+def stage_plan(heads: int, kv_heads: int, world: int, rank: int, chunk: int, device) -> tuple[Stage, ...]:
+    """:func:`build_stages`, built once per layout and device (index tensors included)."""
+    key = (heads, kv_heads, world, rank, chunk, str(device))
+    if key not in _PLANS:
+        _PLANS[key] = tuple(build_stages(heads, kv_heads, world, rank, chunk, device))
+    return _PLANS[key]
+
+
+def cache_heads(stages: Sequence[Stage]) -> int:
+    """``n_r``: K/V heads in the cache layout of ``stages``."""
+    return stages[-1].cache_start + stages[-1].kv_per_rank
+
+
+@dataclass
+class StageAttention:
+    """One stage's attention on head-sharded ``q [b, t, C, d]``, ``k, v [b, t, m, d]``: over themselves
+    (``causal`` or not) and, with ``prefix``, also over that cache's stage heads (``[b, S', n_r, d]``, cache
+    layout; non-causal, GQA by stacking the queries, no expanded copy of the cache), merged by LSE.
+
+    ``prefix_grad(stage, dk, dv)`` receives each stage's cache gradient ``[b, S', m, d]`` in backward (the
+    caller adds it where it belongs: a LongStraw fp32 buffer, or the gradient returned for the cache).
+    """
+
+    causal: bool = True
+    softmax_scale: float | None = None
+    backend: str = "auto"
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+    prefix_grad: Callable[[Stage, torch.Tensor, torch.Tensor], None] | None = None
+
+    def _opts(self) -> dict:
+        return dict(softmax_scale=self.softmax_scale, backend=self.backend)
+
+    def forward(self, st: Stage, q, k, v):
+        """``out [b, t, C, d]`` and ``lse [b, C, t]`` (float32, float64 for float64 inputs)."""
+        out, lse = attention_forward(q, k, v, causal=self.causal, **self._opts())
+        if self.prefix is not None:
+            k_p, v_p = st.cache_slice(self.prefix[0]), st.cache_slice(self.prefix[1])
+            out_p, lse_p = shared_kv_forward(q, k_p, v_p, **self._opts())
+            out, lse = merge_attention_outputs(out_p, lse_p, out, lse)
+        return out, lse
+
+    def backward(self, st: Stage, do, q, k, v, out, lse):
+        """``dq, dk, dv`` of the stage's own tensors, given the (merged) ``out``/``lse``; the cache's share goes
+        to ``prefix_grad`` (the ring-attention identity: each segment's backward with the merged out/lse)."""
+        dq, dk, dv = attention_backward(do, q, k, v, out, lse, causal=self.causal, **self._opts())
+        if self.prefix is not None:
+            k_p, v_p = st.cache_slice(self.prefix[0]), st.cache_slice(self.prefix[1])
+            dq_p, dk_p, dv_p = shared_kv_backward(do, q, k_p, v_p, out, lse, **self._opts())
+            dq = dq + dq_p
+            if self.prefix_grad is not None:
+                self.prefix_grad(st, dk_p, dv_p)
+            del dk_p, dv_p
+        return dq, dk, dv
+
+
+def run_forward(stages: Sequence[Stage], group: dist.ProcessGroup | None, heads: int, project, attention,
+                *, kv_out=None, keep=None):
+    """The stage loop's forward, graph-free.
+
+    Args:
+        project: ``project(stage) -> (q [b, s_l, C*P, d], k, v [b, s_l, P*m, d])``, this rank's tokens.
+        attention: a :class:`StageAttention`, or None to only deliver K/V (stages not ``cache_new`` skipped).
+        kv_out: ``kv_out(stage, k, v)`` with the head-sharded ``[b, s, m, d]`` K/V of each ``cache_new`` stage.
+        keep: ``keep(stage, out, lse)`` with each stage's head-sharded output ``[b, s, C, d]`` and LSE.
+    Returns:
+        ``out [b, s_l, heads, d]`` (None without ``attention``) and the per-stage LSEs ``[b, C, s]``.
+    """
+    out, lses = None, []
+    for st in stages:
+        if attention is None and not st.cache_new:
+            continue
+        q, k, v = project(st)
+        k_st, v_st = seq_to_head(k, group), seq_to_head(v, group)
+        del k, v
+        if kv_out is not None and st.cache_new:
+            kv_out(st, k_st, v_st)
+        if attention is None:
+            continue
+        q_st = seq_to_head(q, group)
+        del q
+        out_st, lse = attention.forward(st, q_st, k_st, v_st)
+        del q_st, k_st, v_st
+        if out is None:
+            b, s, _, d = out_st.shape
+            out = out_st.new_empty(b, s // group_size(group), heads, d)
+        st.put_q(out, head_to_seq(out_st, group))
+        lses.append(lse)
+        if keep is not None:
+            keep(st, out_st, lse)
+        del out_st
+    return out, lses
+
+
+def assemble_output(stages: Sequence[Stage], group, heads: int, kept) -> torch.Tensor:
+    """``[b, s_l, heads, d]`` from each stage's kept head-sharded output ``kept[i] = (out [b, s, C, d], lse)``
+    (what :func:`run_forward`'s ``keep`` received): the forward's last all-to-all without attending again."""
+    out = None
+    for st, (out_st, _) in zip(stages, kept):
+        local = head_to_seq(out_st, group)
+        if out is None:
+            out = local.new_empty(*local.shape[:2], heads, local.shape[3])
+        st.put_q(out, local)
+    return out
+
+
+def run_backward(stages: Sequence[Stage], group, project, attention, push, *, lses=None, out=None, kept=None,
+                 grad_out=None, kv_grads=None) -> None:
+    """The stage loop's backward.
+
+    Args:
+        project: as in :func:`run_forward`; here it may build a graph (the fused attention re-projects with
+            autograd and back-propagates in ``push``). Its outputs are detached before the all-to-all.
+        attention: the forward's :class:`StageAttention`.
+        push: ``push(stage, (q, k, v), (dq, dk, dv))`` with ``project``'s tensors and their local gradients
+            (``[b, s_l, ...]`` like them; None where nothing arrived).
+        lses, out: the forward's per-stage LSEs and its ``[b, s_l, H, d]`` output; or ``kept``: per stage the
+            head-sharded ``(out, lse)`` (no all-to-all of the output needed).
+        grad_out: ``[b, s_l, H, d]``, or None (then only ``kv_grads`` flow).
+        kv_grads: ``(dk, dv)`` in cache layout ``[b, s, n_r, d]`` (any float dtype): the gradient reaching
+            each ``cache_new`` stage's K/V besides the attention's (a returned cache, LongStraw's summed
+            cache gradient), or None.
+    """
+    for i, st in enumerate(stages):
+        seeded = kv_grads is not None and st.cache_new
+        if grad_out is None and not seeded:
+            continue
+        q, k, v = project(st)
+        k_st, v_st = seq_to_head(k.detach(), group), seq_to_head(v.detach(), group)
+        dq = dk = dv = None
+        if grad_out is not None:
+            q_st = seq_to_head(q.detach(), group)
+            out_st, lse = kept[i] if kept is not None else (seq_to_head(st.take_q(out), group), lses[i])
+            do_st = seq_to_head(st.take_q(grad_out), group)
+            dq, dk, dv = attention.backward(st, do_st, q_st, k_st, v_st, out_st, lse)
+            del q_st, out_st, do_st
+        if seeded:
+            dk, dv = _add(dk, st, kv_grads[0], k_st.dtype), _add(dv, st, kv_grads[1], v_st.dtype)
+        del k_st, v_st
+        grads = tuple(None if g is None else head_to_seq(g, group) for g in (dq, dk, dv))
+        del dq, dk, dv
+        push(st, (q, k, v), grads)
+        del q, k, v, grads
+
+
+def _add(grad: torch.Tensor | None, st: Stage, seed: torch.Tensor | None, dtype: torch.dtype):
+    """``grad + seed[stage's cache heads]`` in ``dtype`` (either may be None)."""
+    if seed is None:
+        return grad
+    seed = st.cache_slice(seed)
+    return seed.to(dtype) if grad is None else grad.add_(seed)
+
+
+__all__ = ["Stage", "StageAttention", "assemble_output", "build_stages", "cache_heads", "run_backward", "run_forward",
+           "stage_plan"]

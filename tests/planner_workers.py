@@ -1,0 +1,77 @@
+"""Workers for tests/test_planner.py: the exact LongStraw step on FSDP2-sharded parameters (full fine-tuning and
+LoRA over a frozen base), its per-rank peak as the live-tensor tracker sees it.
+
+A Qwen3.5-shaped float32 model (gated attention with q/k norms, partial RoPE and zero-centred norms, and Gated
+DeltaNet layers), sharded as ``UlyssesStrategy(sharding="fsdp")`` shards a ``LongStrawModule``'s policy
+(``bench/longstraw_sharded.py``'s ``_shard``). One step per mode on a fresh model, so FSDP2's gathered-parameter
+buffers are allocated inside the step's tracker.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Per rank (sp=2): 3 query heads over 1 K/V head of 64 (27B: 3 over 1 of 256), 6 linear value heads of 32 over
+# 2 key heads (27B: 6 of 128 over 2); an attention layer below the top, so the grouped backward recomputes one in
+# full, a linear layer, and the top attention layer (only its K/V).
+SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=864, num_hidden_layers=3, num_attention_heads=6,
+             num_key_value_heads=1, head_dim=64, qk_norm=True, attn_output_gate=True, zero_centered_norms=True,
+             partial_rotary_factor=0.25,
+             layer_types=["full_attention", "linear_attention", "full_attention"],
+             linear_num_key_heads=4, linear_num_value_heads=12, linear_key_head_dim=32, linear_value_head_dim=32,
+             linear_conv_kernel_dim=4)
+KNOBS = dict(head_chunk_size=1, mlp_chunk_size=256, logits_chunk_size=512)  # MemoryConfig = the planner's knobs
+LORA_R = 4
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def policy(lora: bool):
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(**SHAPE), MemoryConfig(**KNOBS))
+    if lora:
+        model.add_lora(r=LORA_R, alpha=2 * LORA_R, target_modules=LORA_TARGETS)
+    return model
+
+
+def shard(model) -> None:
+    """What ``UlyssesStrategy(sharding="fsdp")`` does to a ``LongStrawModule``'s policy (float32: no mixed policy)."""
+    from lightning_longctx.lightning.parallelize import (
+        fsdp_mesh,
+        mixed_precision_policy,
+        register_prefix_state_methods,
+        shard_modules,
+    )
+
+    mesh = fsdp_mesh("fsdp", "cpu")
+    shard_modules(model, [model], sharding="fsdp", mesh=mesh, mp_policy=mixed_precision_policy(None))
+    register_prefix_state_methods([model])
+
+
+def held_bytes(model) -> int:
+    """Bytes of the parameters this rank holds (its FSDP2 shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
+
+
+def sharded_step_peaks(rank: int, world: int, prompt: int, response: int, group: int, modes) -> list[dict]:
+    """Per mode (``"fsdp"``, ``"fsdp+lora"``): this rank's held parameter bytes and the step's peak."""
+    import torch.distributed as dist
+
+    from lightning_longctx.longstraw import longstraw_step
+
+    gen = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(0, SHAPE["vocab_size"], (prompt,), generator=gen)
+    responses = [torch.randint(0, SHAPE["vocab_size"], (response,), generator=gen) for _ in range(group)]
+    advantages = torch.randn(group, generator=gen)
+    rows = []
+    for mode in modes:
+        model = policy(lora=mode.endswith("lora"))
+        shard(model)
+        out = longstraw_step(model, prompt_ids, responses, advantages, group=dist.group.WORLD,
+                             logits_chunk_size=KNOBS["logits_chunk_size"], measure_memory=True)
+        rows.append(dict(mode=mode, held=held_bytes(model), peak=out.peak_bytes))
+        del model
+    return rows
