@@ -2,16 +2,7 @@
 backward (``longstraw/step.py``, ``longstraw/prefix.py``, ``longstraw/linear_backward.py``; attention in every
 pass through ``models/fused_attention.py``'s stage loop, Gated DeltaNet layers ``models/gated_deltanet.py``).
 
-Legend as :mod:`.phases`, plus: ``s_l`` local prompt tokens, ``s = P s_l`` (the cached prompt ``S'``);
-``t_l`` / ``t`` the same for one branch (the prompt tail + a response); ``m_d`` the distinct K/V heads a
-rank projects per attention stage (each sent once per destination, :func:`stage_projection`); a linear
-(Gated DeltaNet) stage has ``c`` value heads, ``n_k`` key heads and ``ch = 2 n_k d_k + c d_v`` channels per
-rank, ``V = H_v d_v`` value channels in all. ``u = s d b``: one head over the whole prompt.
-
-Every count is read off the code and checked against the live-tensor tracker (CPU, float32 and bfloat16,
-one and two processes; ``tests/test_planner.py``, ``docs/memory_planner.md``). Where the code keeps
-something alive only because of how it is written (a Python local of the previous stage, a view of a
-full-length buffer), the term says so: it is still what the step allocates.
+Legend and how the counts were checked: :mod:`.layers` (the per-layer terms these phases add up).
 """
 
 from __future__ import annotations
