@@ -16,14 +16,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff check lightning_longctx tests bench examples
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(VENV)/bin/longctx-train
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff check lightning_longctx tests bench examples
 
 clean:
 	rm -rf $(VENV)

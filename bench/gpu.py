@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_common import MIB, Clock, free, group_inputs, guarded, measure, straw_row, sync  # noqa: E402, F401

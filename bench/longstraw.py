@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_longctx.longstraw import longstraw_step, policy_token_terms, response_weights  # noqa: E402
 from lightning_longctx.longstraw.prefix import prefill  # noqa: E402

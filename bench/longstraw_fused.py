@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_longctx.longstraw import longstraw_step  # noqa: E402
 from lightning_longctx.longstraw.prefix import branch_logprobs, grouped_backward, make_branch  # noqa: E402

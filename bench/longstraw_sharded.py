@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_longctx.parallel.spawn import run_distributed  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_longctx.longstraw.prefix import make_branch, prefill  # noqa: E402
 from lightning_longctx.longstraw.sampling import sample  # noqa: E402
