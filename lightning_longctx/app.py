@@ -15,7 +15,7 @@ The contract (``conf/``, schemas in :mod:`.config_schema`):
   list of ``_target_`` nodes (:func:`trainer_kwargs`).
 
 Every ``_target_`` of the config is imported, and the keyword arguments of a node are checked against its
-target's signature, before the planner and before any process starts (:func:`check_targets`); the current
+target's signature, before the planner and before any process starts (:func:`.config_checks.check_targets`); the current
 directory is importable (``task.module._target_=my_grpo.MyGRPO`` with ``my_grpo.py`` in it), as for
 ``python -m``.
 """
@@ -23,183 +23,28 @@ directory is importable (``task.module._target_=my_grpo.MyGRPO`` with ``my_grpo.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
-import inspect
 import logging
 import math
 import os
-import sys
 import warnings
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from . import config_schema
+from .config_checks import (  # the checks before any work; re-exported for cli.py and the tests
+    ConfigError,
+    _parameters,
+    check_config,
+    check_targets,
+    check_task,
+    check_trainer_keys,
+    importable_cwd,
+    locate,
+)
 
 _HF_KEYS = ("_target_", "name", "hf_id", "pretrained", "lora")  # ModelConf keys that are not architecture fields
-_HYDRA_KEYS = ("_target_", "_partial_", "_convert_", "_recursive_", "_args_")
-# Trainer arguments the CLI sets from other groups: key -> where to set it instead
-TRAINER_RESERVED = {
-    "strategy": "cluster.* (UlyssesStrategy(sp_size=cluster.sp_size, sharding=cluster.sharding, ...))",
-    "accelerator": "cluster.accelerator", "devices": "cluster.devices", "num_nodes": "cluster.num_nodes",
-    "precision": "memory.precision", "logger": "the logger group (logger=tensorboard|csv)",
-}
-MODES = ("sft", "longstraw")
-
-
-class ConfigError(ValueError):
-    """A config that cannot run, found before any work; the message names the key."""
-
-
-# ------------------------------------------------------------------------------------------------ imports
-def importable_cwd() -> None:
-    """Make the current directory importable (console scripts put their own ``bin/`` first on ``sys.path``, not
-    the directory they run in), after the script's directory, as ``python -m`` would have it."""
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(1 if sys.path else 0, cwd)
-
-
-def locate(path: str, key: str) -> Any:
-    """The object at the dotted ``path`` (Hydra's own lookup), with an error naming the config key and why."""
-    try:
-        from hydra._internal.utils import _locate
-    except ImportError:  # pragma: no cover - a Hydra without it: the public (noisier) lookup
-        from hydra.utils import get_object as _locate
-
-    importable_cwd()
-    try:
-        return _locate(path)
-    except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, ValueError from Hydra's _locate
-        reason = " ".join(str(err).split())
-        raise ConfigError(f"{key}={path!r} cannot be imported: {reason} (a dotted path to a class or function, "
-                          "importable from the current directory or PYTHONPATH)") from err
-
-
-def _parameters(target: Any) -> tuple[set[str], bool] | None:
-    """The keyword names ``target`` takes and whether it takes ``**kwargs`` (None: no inspectable signature)."""
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):
-        return None
-    names = {name for name, p in signature.parameters.items()
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return names, any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
-
-
-def _target_nodes(node: Any, key: str):
-    """``(full key, node)`` of every dict node with a ``_target_`` under ``node`` (``hydra`` excluded)."""
-    if node._is_none() or node._is_missing() or node._is_interpolation():
-        return
-    if isinstance(node, DictConfig):
-        if "_target_" in node:
-            yield key, node
-        for child in node:
-            if key == "" and child == "hydra":
-                continue
-            value = node._get_node(child)
-            if isinstance(value, (DictConfig, ListConfig)):
-                yield from _target_nodes(value, f"{key}.{child}" if key else str(child))
-    elif isinstance(node, ListConfig):
-        for index in range(len(node)):
-            value = node._get_node(index)
-            if isinstance(value, (DictConfig, ListConfig)):
-                yield from _target_nodes(value, f"{key}[{index}]")
-
-
-def check_targets(cfg: DictConfig, *, injected: dict[str, tuple[str, ...]] | None = None) -> None:
-    """Import every ``_target_`` in ``cfg`` and check each node's keys against its target's parameters
-    (``injected``: the arguments the CLI passes itself, e.g. ``model`` for ``task.module``). Raises
-    :class:`ConfigError` naming the key."""
-    injected = {"task.module": ("model",)} if injected is None else injected
-    for key, node in _target_nodes(cfg, ""):
-        target_key = f"{key}._target_"
-        path = node.get("_target_")
-        if path is None:
-            continue
-        if not isinstance(path, str):
-            raise ConfigError(f"{target_key} must be a dotted path string, got {path!r}")
-        target = locate(path, target_key)
-        if key == "model":
-            continue  # the builder takes the fields its signature names (build_model)
-        params = _parameters(target)
-        if params is None:
-            continue
-        names, var_kwargs = params
-        for needed in injected.get(key, ()):
-            if needed not in names and not var_kwargs:
-                raise ConfigError(f"{target_key}={path!r} must take the keyword argument {needed!r} "
-                                  f"(longctx-train calls instantiate(cfg.{key}, {needed}=...))")
-        if var_kwargs or node.get("_partial_", False):
-            continue
-        for arg in node:
-            arg = str(arg)
-            if arg in _HYDRA_KEYS or arg in names:
-                continue
-            close = difflib.get_close_matches(arg, sorted(names), n=1)
-            hint = f"; did you mean {key}.{close[0]}?" if close else f"; it takes {sorted(names)}"
-            raise ConfigError(f"{key}.{arg}: {path} takes no argument {arg!r}{hint}")
-
-
-def check_task(cfg: DictConfig) -> None:
-    """The task node as the CLI and the planner read it: the planner keys at its top level, ``module`` and
-    ``data`` ``_target_`` nodes. Raises :class:`ConfigError` naming the key."""
-    task = cfg.get("task")
-    if not isinstance(task, DictConfig):
-        raise ConfigError("task: choose a task (task=needle_grpo, task=long_sft, or a yaml of your own)")
-    for key, kind in (("name", str), ("mode", str), ("seq_len", int)):
-        if OmegaConf.is_missing(task, key) or task.get(key) is None:
-            raise ConfigError(f"task.{key} is required (the planner reads it)")
-        if not isinstance(task[key], kind) or isinstance(task[key], bool):
-            raise ConfigError(f"task.{key}={task[key]!r} must be a {kind.__name__}")
-    if task.mode not in MODES:
-        raise ConfigError(f"task.mode={task.mode!r} must be one of {list(MODES)}")
-    if task.seq_len < 1:
-        raise ConfigError(f"task.seq_len={task.seq_len} must be >= 1")
-    if task.mode == "longstraw":
-        for key in ("group_size", "max_new_tokens"):
-            value = task.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"task.{key}={value!r}: a LongStraw task needs a positive int (the planner reads it)")
-        if task.get("prompt_grad", "full") not in ("full", "none"):
-            raise ConfigError(f"task.prompt_grad={task.prompt_grad!r} must be 'full' or 'none'")
-    for key in ("module", "data"):
-        node = task.get(key)
-        if not isinstance(node, DictConfig) or not node.get("_target_"):
-            raise ConfigError(f"task.{key}._target_ is required (a dotted path: task.{key} is instantiated)")
-
-
-def check_trainer_keys(trainer_cfg: DictConfig) -> None:
-    """Every ``trainer.*`` key is a ``lightning.pytorch.Trainer`` argument (checked against its signature) and not
-    one the CLI sets from another group. Raises :class:`ConfigError` naming the key."""
-    from lightning.pytorch.trainer.trainer import Trainer
-
-    names, _ = _parameters(Trainer.__init__)
-    names.discard("self")
-    for key in trainer_cfg:
-        key = str(key)
-        if key in TRAINER_RESERVED:
-            raise ConfigError(f"trainer.{key} is set by longctx-train from {TRAINER_RESERVED[key]}; set that instead")
-        if key not in names:
-            close = difflib.get_close_matches(key, sorted(names), n=1)
-            hint = f"; did you mean trainer.{close[0]}?" if close else ""
-            raise ConfigError(f"trainer.{key} is not a lightning.pytorch.Trainer argument{hint}")
-    callbacks = trainer_cfg.get("callbacks")
-    if callbacks is not None:
-        if not isinstance(callbacks, ListConfig):
-            raise ConfigError("trainer.callbacks must be a list of _target_ nodes, e.g. "
-                              "'trainer.callbacks=[{_target_: lightning.pytorch.callbacks.LearningRateMonitor}]'")
-        for index, node in enumerate(callbacks):
-            if not isinstance(node, DictConfig) or "_target_" not in node:
-                raise ConfigError(f"trainer.callbacks[{index}] must be a _target_ node, got {node!r}")
-
-
-def check_config(cfg: DictConfig) -> None:
-    """All checks that need no model and no process group: task, trainer keys, every ``_target_``."""
-    check_task(cfg)
-    check_trainer_keys(cfg.trainer)
-    check_targets(cfg)
 
 
 # ------------------------------------------------------------------------------------------------ building
