@@ -152,7 +152,7 @@ def attention_stage_rows(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
 
 
 def attention_stage_bytes_fused(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int, *,
-                                backward: bool = True, attend: bool = True) -> int:
+                                backward: bool = True, attend: bool = True, kept: bool = False) -> int:
     """One stage of :class:`~lightning_longctx.models.fused_attention.FusedAttention` (``head_stages``' stage loop:
     only this stage's full-sequence tensors exist), ``t = P tokens``, ``u = t d b``:
 
@@ -165,7 +165,8 @@ def attention_stage_bytes_fused(model: ModelShape, knobs: MemoryKnobs, sp: int, 
     - backward: the stage's output and its gradient exchanged ``2C u``, dq, dk, dv ``(C + 2m) u`` (``attend=False``:
       dk, dv back ``2m u``), the gradient of the layer input ``E b`` per local token (the first stage's becomes
       the sum), and the stage's weight rows (:func:`attention_stage_rows`); eager kernels with ``C > m`` also
-      expand K/V and their gradients ``4C u``.
+      expand K/V and their gradients ``4C u``. ``kept`` (the grouped backward with ``keep_attention_output``):
+      the stage's output is the prefill's head-sharded one, not exchanged again (``C u`` less).
     """
     c, m, _, md = stage_projection(model, sp, knobs.head_chunk_size)
     b, d, e = knobs.dtype_bytes, model.head_dim, model.hidden_size
@@ -177,7 +178,7 @@ def attention_stage_bytes_fused(model: ModelShape, knobs: MemoryKnobs, sp: int, 
         return max(tokens * (c * sp + 2 * md) * d * b + norms + c * u, exchanged + (c * u if attend else 0) + expand)
     project = tokens * (c * sp + 2 * md) * d * b + c * u + 2 * m * u + _qk_norm_saved(model, knobs, sp, tokens)
     expand = 4 * c * u if knobs.attention_backend == "eager" and c > m and attend else 0
-    grads = (3 * c + 2 * m) * u if attend else 2 * m * u
+    grads = ((2 if kept else 3) * c + 2 * m) * u if attend else 2 * m * u
     return project + exchanged + grads + expand + tokens * e * b + attention_stage_rows(model, knobs, sp)
 
 
@@ -221,7 +222,15 @@ def attention_state_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens
             + attention_stage_bytes_fused(model, knobs, sp, tokens, attend=False))
 
 
-def attention_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int) -> int:
+def attention_output_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, cached: int) -> int:
+    """What ``keep_attention_output`` keeps of one attention layer (not the prompt's last) from the prefill to its
+    grouped backward, on one rank: each stage's head-sharded output over the cached prompt and its LSE,
+    ``S' (H/P) (d b + a)`` (``a`` = 4, 8 for a float64 model: the LSE is float32 at least), about ``H / H_kv``
+    times the layer's K cache (``longstraw.prefix.attention_output_bytes`` counts the same from a live model)."""
+    return cached * (model.num_attention_heads // sp) * (model.head_dim * knobs.dtype_bytes + max(A, knobs.dtype_bytes))
+
+
+def attention_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int, kept: bool = False) -> int:
     """Peak of one attention layer's grouped backward (``_attention_layer_backward``: the layer recomputed over
     the prompt with autograd, the summed K/V gradients added to each stage's in FusedAttention's backward)
     beyond its input and the seed gradient, the larger of:
@@ -231,14 +240,19 @@ def attention_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, to
     - a stage's backward: the input norm, FusedAttention's output and LSE, the layer's output, the gradient of
       the attention output ``H d b``, of the residual ``E b`` and (gated) of the normed input from the gate
       ``E b``, plus :func:`attention_stage_bytes_fused`.
+
+    ``kept`` (``keep_attention_output``): the forward rebuilds its output from the prefill's stage outputs
+    without attending, and the LSEs it would save are the kept ones (counted with the prompt state,
+    :func:`attention_output_bytes`), so neither FusedAttention's LSE nor the stage's output exchange is here.
     """
     b, d, e, h = knobs.dtype_bytes, model.head_dim, model.hidden_size, model.num_attention_heads
     gate_rows = h * d * e * b if model.attn_output_gate else 0
-    saved = attention_saved_bytes(model, knobs, sp, tokens) + tokens * (residual_mlp(model, knobs, tokens) + e * b)
+    lse = 0 if kept else (h // sp) * sp * tokens * A
+    saved = (attention_saved_bytes(model, knobs, sp, tokens) - (h // sp) * sp * tokens * A + lse
+             + tokens * (residual_mlp(model, knobs, tokens) + e * b))
     top = _backward_top(model, knobs, tokens, saved) + gate_rows
-    lse = (h // sp) * sp * tokens * A
     stage = (tokens * (_norm(model, b) + 2 * h * d * b + e * b * (3 if model.attn_output_gate else 2)) + lse
-             + attention_stage_bytes_fused(model, knobs, sp, tokens))
+             + attention_stage_bytes_fused(model, knobs, sp, tokens, kept=kept))
     return max(top, stage)
 
 
@@ -277,16 +291,15 @@ def linear_replay_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: 
 
 def linear_prefill_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int, top: bool = False) -> int:
     """One Gated DeltaNet layer's no-grad forward in the prefill, beyond its input: the normed input and the
-    larger of (a) the stage loop: per finished stage its output ``c d_v s b`` and its conv tail, which
-    ``GatedDeltaNet.conv_tail`` slices off a full-length concatenation (the view keeps ``ch s b`` alive until
-    the layer's state is assembled); the current stage's projection, all-to-all buffers, padded conv input,
+    larger of (a) the stage loop: per finished stage its output ``c d_v s b`` (its conv tail is ``K-1`` rows,
+    a copy, negligible); the current stage's projection, all-to-all buffers, padded conv input,
     conv and silu outputs ``(6 ch + 4 c) s b`` and its scan output; (b) ``finish``: the scan output, ``z`` and
     the gated norm's no-grad temporaries, float32 ``5 V a``, half ``V (4b + 2a)`` (not for the prompt's last
     layer, ``top``: only its state is computed)."""
     c, _, ch, stages = linear_stage_layout(model, sp, knobs.head_chunk_size)
     b, e, v, dv = knobs.dtype_bytes, model.hidden_size, model.linear_v_dim, model.linear_value_head_dim
     s = sp * tokens
-    loop = (stages - 1) * s * (ch + c * dv) * b + s * ((6 * ch + 4 * c) * b + c * dv * b)
+    loop = (stages - 1) * s * c * dv * b + s * ((6 * ch + 4 * c) * b + c * dv * b)
     finish = tokens * v * (4 * b + 2 * A if _half(b) else 5 * A) if not top else 0
     return tokens * e * b + max(loop, finish)
 
@@ -346,6 +359,7 @@ def _branch_logits(model: ModelShape, knobs: MemoryKnobs, tokens: int, autocast_
 
 
 __all__ = [
+    "attention_output_bytes",
     "attention_prefill_bytes",
     "attention_recompute_bytes",
     "attention_replay_bytes",

@@ -262,7 +262,9 @@ class GatedDeltaNet(nn.Module):
         """The last ``K-1`` pre-conv rows of ``[conv_tail; pre]`` (zero rows before the sequence start)."""
         k = self.kernel_size - 1
         before = pre.new_zeros(pre.shape[0], k, pre.shape[2]) if conv_tail is None else conv_tail.to(pre.dtype)
-        return torch.cat((before, pre), dim=1)[:, -k:] if k else pre[:, :0]
+        # Concatenate only the last k rows: a view of the full-length [before; pre] would keep the whole
+        # stage's pre-conv input alive for as long as the prompt state lives (GiBs per stage at 27B).
+        return torch.cat((before, pre[:, -k:]), dim=1)[:, -k:] if k else pre[:, :0]
 
     def _stage(self, hidden, st: LinearStage, initial=None, conv_tail=None, return_state=False, state_every=None):
         """One stage: ``o [b, s_l, P*c, Dv]`` on the local tokens (heads ``st.out_heads``), and its state."""
