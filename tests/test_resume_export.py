@@ -1,11 +1,11 @@
 """Resume and export, end to end through the console scripts (subprocesses with timeouts, CPU, gloo).
 
-- ``ckpt_path=last`` resumes exactly: 2 processes with FSDP2 sharding (dp2: two sampling generators, one per
-  DP rank), the needle GRPO task with sampling. A run of 4 steps writes sharded checkpoints at steps 2 and 4; a
-  second run whose ``last.ckpt`` points at that step-2 checkpoint (what a run stopped after 2 steps leaves)
-  resumes with ``ckpt_path=last`` and ends with the same parameters, bitwise (same sha256 over the shards), as
-  the 4 uninterrupted steps: parameters, AdamW and LR-scheduler state, the step, the sampling generators and
-  the data position all came back.
+- ``ckpt_path=last`` resumes an interrupted job exactly: 2 processes with FSDP2 sharding (dp2: two sampling
+  generators, one per DP rank), the needle GRPO task (LongStraw) with sampling. Job 1 is a ``longctx-train``
+  of ``trainer.max_steps=2``; job 2, a separate ``longctx-train`` (new processes, new process group) in the
+  same run directory with ``ckpt_path=last trainer.max_steps=4``, ends with the same parameters, bitwise (same
+  sha256 over the shards), as 4 uninterrupted steps: parameters, AdamW and LR-scheduler state, the step, the
+  sampling generators and the data position all came back.
 - ``longctx-export`` output loads in transformers and gives the trained model's logits, for a sharded FSDP2
   checkpoint (reference: torch's ``dcp_to_torch_save``), a full one-file checkpoint and a LoRA
   checkpoint (merged; and ``adapter_only=true`` loaded by PEFT over the base), with the tokenizer copied along.
@@ -91,7 +91,7 @@ def fsdp_run(tmp_path_factory) -> tuple[Path, str]:
 
 
 @pytest.mark.timeout(900)
-def test_ckpt_path_last_resumes_a_sharded_run_exactly(fsdp_run, tmp_path):
+def test_ckpt_path_last_resumes_an_interrupted_job_exactly(fsdp_run, tmp_path):
     run, uninterrupted = fsdp_run
     step2 = run / "checkpoints" / "step_00000002.ckpt"
     assert (step2 / "meta.pt").is_file() and (step2 / ".metadata").is_file()  # a sharded (DCP) directory
@@ -102,13 +102,16 @@ def test_ckpt_path_last_resumes_a_sharded_run_exactly(fsdp_run, tmp_path):
     assert sorted(rng) == [0, 1] and not torch.equal(rng[0], rng[1])
     assert meta["global_step"] == 2 and meta["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"batches": 2}]
 
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    os.symlink(step2, resumed / "checkpoints" / "last.ckpt")  # what a run stopped after 2 steps leaves
-    out = train(resumed, "cluster.sp_size=1", "trainer.max_steps=4", "checkpoint.every_n_steps=2", "ckpt_path=last")
-    assert "global step 4" in out, out
-    assert digest(out) == uninterrupted  # parameters, optimizer, scheduler, RNG and data position all restored
-    assert os.readlink(resumed / "checkpoints" / "last.ckpt") == "step_00000004.ckpt"
+    job = tmp_path / "job"  # one run directory, two separate longctx-train jobs (each its own process group)
+    first = train(job, "cluster.sp_size=1", "trainer.max_steps=2", "checkpoint.every_n_steps=2")
+    assert "global step 2" in first, first
+    assert os.readlink(job / "checkpoints" / "last.ckpt") == "step_00000002.ckpt"
+    assert digest(first) != uninterrupted
+    second = train(job, "cluster.sp_size=1", "trainer.max_steps=4", "checkpoint.every_n_steps=2", "ckpt_path=last")
+    assert "global step 4" in second, second
+    assert digest(second) == uninterrupted  # parameters, optimizer, scheduler, RNG and data position all restored
+    assert os.readlink(job / "checkpoints" / "last.ckpt") == "step_00000004.ckpt"
+    assert (job / "checkpoints" / "step_00000002.ckpt").is_dir()  # keep=1 never prunes what job 2 resumed from
 
 
 @pytest.mark.timeout(600)

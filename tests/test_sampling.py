@@ -4,7 +4,8 @@ References (``sampling_workers``): the model's ordinary ``forward`` over ``cat(p
 process (argmax for greedy; for sampling, its softmax restricted by top-k then top-p, recomputed with Python
 loops). float64 models, so argmax ties cannot flip. One process and 2 and 4 gloo SP ranks (prompt lengths
 leave a tail of 2..4 tokens), G = 1, 3, 8, for a GQA Qwen3-shaped model, the Qwen3.5-shaped hybrid and the
-hybrid with LoRA adapters; EOS, bad input, prompt-state reuse, and a cost check by counting (no timing).
+hybrid with LoRA adapters; EOS, several stop ids (against a reference decode loop in this file), bad input,
+prompt-state reuse, and a cost check by counting (no timing).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from sampling_workers import (
     check_step_probs,
     greedy_reference,
     make_prompt,
+    next_logits,
+    restriction_reference,
 )
 
 
@@ -103,6 +106,67 @@ def test_eos_stops_one_response_and_the_others_continue():
     check_step_probs(model, prompt, got, records, 1.0, 0, 0.95)  # the surviving rows kept their own caches
 
 
+@torch.no_grad()
+def reference_decode(model, prompt, g, max_new_tokens, temperature, top_k, top_p, stops, generator):
+    """What ``sample`` must return, by plain full forwards: every live row's next distribution from the model's
+    ordinary forward over ``cat(prompt, its tokens)`` (restricted by the loop reference), one batched draw over
+    the live rows with ``generator`` (as ``sample`` draws), and a row leaves the batch once it drew any of
+    ``stops``."""
+    out, live = [[] for _ in range(g)], list(range(g))
+    for _ in range(max_new_tokens):
+        probs = torch.stack([restriction_reference(next_logits(model, torch.cat([prompt, torch.tensor(
+            out[row], dtype=prompt.dtype)])), temperature, top_k, top_p) for row in live])
+        drawn = torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+        for row, token in zip(live, drawn):
+            out[row].append(token)
+        live = [row for row, token in zip(live, drawn) if token not in stops]
+        if not live:
+            break
+    return out
+
+
+def test_several_stop_ids_end_each_response_at_the_first_one_drawn():
+    """eos_token_id=[a, b] (a chat model's <|im_end|> and <|endoftext|>): a and b are tokens two different rows
+    draw at step 1 (no row draws either at step 0, and some rows neither), so both end a response there while
+    the others run on; the responses equal the reference loop's, and an int equals the one-id list."""
+    model, prompt = build_model("plain"), make_prompt(16, seed=5)
+    kwargs = dict(max_new_tokens=7, temperature=1.0, top_k=0, top_p=0.95)
+    free = torch.stack(sample(model, prompt, 8, **kwargs, generator=torch.Generator().manual_seed(4)))
+    step0, step1 = set(free[:, 0].tolist()), free[:, 1].tolist()
+    candidates = [t for t in dict.fromkeys(step1) if t not in step0]
+    a, b = candidates[:2]
+    assert sum(t in (a, b) for t in step1) < 8, step1  # some rows draw neither: they continue
+    for stops in ([a, b], (b, a), torch.tensor([a, b]), [a, b, a]):
+        got = [r.tolist() for r in sample(model, prompt, 8, **kwargs, eos_token_id=stops,
+                                          generator=torch.Generator().manual_seed(4))]
+        want = reference_decode(model, prompt, 8, 7, 1.0, 0, 0.95, {a, b}, torch.Generator().manual_seed(4))
+        assert got == want, (stops, got, want)
+        for tokens in got:  # each ends at its first stop id, or runs to max_new_tokens without one
+            hits = [i for i, t in enumerate(tokens) if t in (a, b)]
+            assert hits == [len(tokens) - 1] if hits else len(tokens) == 7, tokens
+        ends = [tokens[-1] for tokens in got if len(tokens) == 2]
+        assert a in ends and b in ends and any(len(tokens) > 2 for tokens in got), got
+    only_a = [r.tolist() for r in sample(model, prompt, 8, **kwargs, eos_token_id=a,
+                                         generator=torch.Generator().manual_seed(4))]
+    assert only_a == [r.tolist() for r in sample(model, prompt, 8, **kwargs, eos_token_id=[a],
+                                                 generator=torch.Generator().manual_seed(4))]
+    assert only_a == reference_decode(model, prompt, 8, 7, 1.0, 0, 0.95, {a}, torch.Generator().manual_seed(4))
+
+
+def test_stop_ids_reach_sampling_through_the_module_and_are_checked_there():
+    from lightning_longctx import LongStrawModule
+
+    model = build_model("plain")
+    assert LongStrawModule(model, eos_token_id=[7, 3, 7]).sample_kwargs["eos_token_id"] == (7, 3)
+    assert LongStrawModule(model, eos_token_id=5).stop_token_ids == (5,)
+    assert LongStrawModule(model).sample_kwargs["eos_token_id"] is None
+    with pytest.raises(ValueError, match=rf"eos_token_id=\[3, {VOCAB}\]: token ids \[{VOCAB}\] lie outside the "
+                                         rf"vocabulary \[0, {VOCAB}\)"):
+        LongStrawModule(model, eos_token_id=[3, VOCAB])
+    with pytest.raises(ValueError, match=r"eos_token_id=\[\] must list at least one token id"):
+        LongStrawModule(model, eos_token_id=[])
+
+
 def test_prompt_state_is_reused_and_left_unchanged():
     model, prompt = build_model("hybrid"), make_prompt(21, seed=4)
     state = prefill(model, prompt, None, keep_checkpoints=False, cache_requires_grad=False)
@@ -123,6 +187,10 @@ def test_prompt_state_is_reused_and_left_unchanged():
     (dict(num_responses=0), "num_responses=0"),
     (dict(temperature=-0.5), "temperature=-0.5"),
     (dict(eos_token_id=VOCAB), f"eos_token_id={VOCAB}"),
+    (dict(eos_token_id=[2, VOCAB, -1]), rf"eos_token_id=\[2, {VOCAB}, -1\]: token ids \[{VOCAB}, -1\] lie outside"),
+    (dict(eos_token_id=[]), r"eos_token_id=\[\] must list at least one token id"),
+    (dict(eos_token_id=[3, 1.5, True]), r"\[1\.5, True\] are not integer token ids"),
+    (dict(eos_token_id="2"), r"eos_token_id='2' must be None, a token id or a list of token ids"),
     (dict(prompt_ids=torch.tensor([1, VOCAB])), "outside the vocabulary"),
     (dict(prompt_ids=torch.tensor([], dtype=torch.long)), "non-empty 1-D"),
 ])

@@ -298,7 +298,7 @@ def test_reward_gets_decoded_completions_the_prompt_and_the_columns(hf_dir, toke
     module = TextGRPOModule(DecoderLM.from_pretrained(hf_dir), tokenizer_path=str(hf_dir),
                             reward_funcs=["recording_rewards.record", "recording_rewards.starts_with_answer"],
                             reward_weights=[1.0, 3.0], group_size=2)
-    assert module.sample_kwargs["eos_token_id"] == tokenizer.eos_token_id
+    assert module.sample_kwargs["eos_token_id"] == (tokenizer.eos_token_id,)  # the stop ids, a tuple
     eos = tokenizer.eos_token_id
     responses = [torch.tensor(tokenizer.convert_tokens_to_ids(["falcon", "<|im_end|>"])),
                  torch.tensor(tokenizer.convert_tokens_to_ids(["the", "otter", "river"]))]

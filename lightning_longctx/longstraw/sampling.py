@@ -13,8 +13,10 @@ one batch of rows, each with its own growing state, over that one prompt state:
    step and one delta-rule step per head. Cost per step: one read of the prompt cache per layer plus
    ``O(G * t)`` for the rows' own caches, so a response of ``T`` tokens costs ``T`` steps, not the ``O(T^2)``
    re-runs of replaying the whole branch per token.
-3. Responses that draw ``eos_token_id`` stop; the finished rows are dropped from the batch (their caches
-   too), so they cost nothing afterwards and nothing later changes their output.
+3. Responses that draw a stop id stop (``eos_token_id``: one id or several, e.g. a chat model's
+   ``<|im_end|>`` and ``<|endoftext|>``, HF's ``generation_config.eos_token_id`` list; :func:`stop_token_ids`);
+   the finished rows are dropped from the batch (their caches too), so they cost nothing afterwards and
+   nothing later changes their output.
 
 Under sequence parallelism over ``group`` (``P`` ranks, the prompt cache head-sharded) every rank holds the
 new tokens' hidden states (``[G, 1, E]``: replicated, tiny), computes q/k/v of its own heads only and attends
@@ -32,7 +34,8 @@ and vLLM. ``temperature=0`` is greedy (argmax). Draws use ``generator`` (a CPU g
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,38 @@ from ..parallel import gather_ints, group_size, set_sequence_parallel_group
 from .prefix import PromptState, check_prompt_state, prefill, prompt_weights
 
 StepHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+StopIds = int | Sequence[int] | None
+
+
+def stop_token_ids(eos_token_id: StopIds, vocab: int | None = None) -> tuple[int, ...]:
+    """The token ids that end a response, in order and without repeats: ``()`` for None, ``(id,)`` for one id,
+    the distinct ids of a sequence (list, tuple, ListConfig, 1-D tensor).
+
+    Raises:
+        ValueError: naming the values: an empty sequence (None means no stop id), an entry that is not an
+            integer (bools and strings included), an id outside ``[0, vocab)`` (when ``vocab`` is given).
+    """
+    if eos_token_id is None:
+        return ()
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    if isinstance(eos_token_id, numbers.Integral) and not isinstance(eos_token_id, bool):
+        ids = [eos_token_id]
+    elif isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, (str, bytes, bool)):
+        ids = list(eos_token_id)
+    else:
+        raise ValueError(f"eos_token_id={eos_token_id!r} must be None, a token id or a list of token ids")
+    if not ids:
+        raise ValueError("eos_token_id=[] must list at least one token id (None = no stop id: every response runs to "
+                         "max_new_tokens)")
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
+    if bad:
+        raise ValueError(f"eos_token_id={ids!r}: {bad!r} are not integer token ids")
+    outside = [int(i) for i in ids if vocab is not None and not 0 <= i < vocab]
+    if outside:
+        shown = ids[0] if len(ids) == 1 else [int(i) for i in ids]
+        raise ValueError(f"eos_token_id={shown}: token ids {outside} lie outside the vocabulary [0, {vocab})")
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def validate_sampling(model, prompt_ids, num_responses, *, max_new_tokens, temperature, top_p, top_k,
@@ -58,8 +93,7 @@ def validate_sampling(model, prompt_ids, num_responses, *, max_new_tokens, tempe
         raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise ValueError(f"top_k={top_k!r} must be None or an int >= 0 (0 = off)")
-    if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < vocab):
-        raise ValueError(f"eos_token_id={eos_token_id!r} must be None or a token id in [0, {vocab})")
+    stop_token_ids(eos_token_id, vocab)
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
         shape = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
         raise ValueError(f"prompt_ids must be a non-empty 1-D tensor of token ids, got {shape}")
@@ -139,7 +173,7 @@ def _step(model, state: PromptState, caches, token_ids, start: int) -> torch.Ten
 @torch.no_grad()
 def sample(
     model, prompt_ids: torch.Tensor, num_responses: int, *, max_new_tokens: int, temperature: float = 1.0,
-    top_p: float = 1.0, top_k: int | None = 0, eos_token_id: int | None = None, group=None,
+    top_p: float = 1.0, top_k: int | None = 0, eos_token_id: StopIds = None, group=None,
     generator: torch.Generator | None = None, prompt_state: PromptState | None = None,
     on_step: StepHook | None = None,
 ) -> list[torch.Tensor]:
@@ -153,7 +187,8 @@ def sample(
         temperature: ``0`` = greedy; else logits are divided by it.
         top_p: nucleus mass in ``(0, 1]`` (1 = off), applied after top-k.
         top_k: keep the ``k`` most likely tokens (0 or None = off).
-        eos_token_id: a response that draws it stops there (the EOS token is its last token).
+        eos_token_id: the stop id(s): one id or a sequence of them; a response that draws any of them stops
+            there (that token is its last). None = none (every response runs to ``max_new_tokens``).
         group: the sequence-parallel group (None = one process); every rank gets the same responses.
         generator: CPU generator for the draws (seed it identically on every rank; the first rank's draws
             are broadcast anyway).
@@ -169,6 +204,7 @@ def sample(
     """
     validate_sampling(model, prompt_ids, num_responses, max_new_tokens=max_new_tokens, temperature=temperature,
                       top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, group=group, prompt_state=prompt_state)
+    stops = frozenset(stop_token_ids(eos_token_id))
     set_sequence_parallel_group(model, group)
     _check_group_agrees(prompt_ids, num_responses, max_new_tokens, group)
     state = prompt_state
@@ -194,7 +230,7 @@ def sample(
         live = []
         for i, (row, token) in enumerate(zip(rows.tolist(), drawn.tolist())):
             tokens_out[row].append(token)
-            if token != eos_token_id:
+            if token not in stops:
                 live.append(i)
         if step == max_new_tokens - 1 or not live:
             break
@@ -209,4 +245,4 @@ def sample(
     return [torch.tensor(t, dtype=prompt_ids.dtype, device=device) for t in tokens_out]
 
 
-__all__ = ["draw_tokens", "restricted_probs", "sample", "validate_sampling"]
+__all__ = ["StopIds", "draw_tokens", "restricted_probs", "sample", "stop_token_ids", "validate_sampling"]

@@ -17,6 +17,7 @@ without one. Every rank tokenizes the whole data set (the prompts are needed in 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -91,6 +92,46 @@ def load_tokenizer(tokenizer: Any = None, *, what: str = "tokenizer.path"):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()))
+
+
+def _as_ids(value: Any, source: str) -> list[int]:
+    if value is None:
+        return []
+    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"{source}: eos_token_id={value!r} must be a token id or a list of token ids")
+    return ids
+
+
+def checkpoint_eos_ids(checkpoint: str | os.PathLike | None) -> list[int]:
+    """The stop ids a checkpoint declares, as transformers' ``generate`` reads them: ``eos_token_id`` of
+    ``<checkpoint>/generation_config.json`` (an int or a list, e.g. ``[<|im_end|>, <|endoftext|>]``), else of its
+    ``config.json``; ``[]`` when neither has one, or ``checkpoint`` is None. ``checkpoint`` may also be the
+    ``generation_config.json`` file itself. Raises FileNotFoundError for a path that does not exist, ValueError
+    naming the file for JSON that does not parse or an ``eos_token_id`` that is not ids."""
+    if checkpoint is None:
+        return []
+    path = Path(checkpoint).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"generation_config_path={str(checkpoint)!r} does not exist (a checkpoint directory or "
+                                "its generation_config.json)")
+    files = [path] if path.is_file() else [path / "generation_config.json", path / "config.json"]
+    for file in files:
+        if file.is_file():
+            try:
+                fields = json.loads(file.read_text())
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{file} is not valid JSON ({err})") from err
+            if isinstance(fields, dict) and fields.get("eos_token_id") is not None:
+                return _as_ids(fields["eos_token_id"], str(file))
+    return []
+
+
+def stop_ids(tokenizer, checkpoint: str | os.PathLike | None = None) -> list[int]:
+    """Every id that ends a sampled response: the tokenizer's ``eos_token_id`` first, then those of
+    :func:`checkpoint_eos_ids` (a chat model's ``<|im_end|>`` and ``<|endoftext|>``), without repeats."""
+    ids = _as_ids(getattr(tokenizer, "eos_token_id", None), "the tokenizer") + checkpoint_eos_ids(checkpoint)
+    return list(dict.fromkeys(ids))
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from ..lightning.longstraw_module import LongStrawModule
+from ..longstraw.sampling import StopIds
 from .rewards import RewardFunctionError, RewardFunctions
-from .text_data import is_conversation, load_tokenizer
+from .text_data import is_conversation, load_tokenizer, stop_ids
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +47,31 @@ class TextGRPOModule(LongStrawModule):
         tokenizer_path / tokenizer: the HF tokenizer (a local directory, or the tokenizer itself).
         reward_funcs: dotted paths, Hydra ``_target_`` nodes or callables (:class:`~.rewards.RewardFunctions`).
         reward_weights: one weight per function (None = all 1).
-        eos_token_id: ends a sampled response; None = the tokenizer's ``eos_token_id``.
+        eos_token_id: the id(s) that end a sampled response (one id or a list); None = every stop id known:
+            the tokenizer's ``eos_token_id`` and those of the checkpoint's ``generation_config.json`` (else its
+            ``config.json``) at ``generation_config_path`` (:func:`~.text_data.stop_ids`).
+        generation_config_path: the checkpoint directory (``task=text_grpo``: ``model.pretrained``) or its
+            ``generation_config.json``; None = the tokenizer's EOS alone.
         check_rewards: the dry call of the reward functions before the first prefill (see the module docstring).
         **kwargs: :class:`~lightning_longctx.LongStrawModule`'s (``group_size``, ``max_new_tokens``, ``lr``, ...).
     """
 
     def __init__(self, model: torch.nn.Module, *, tokenizer_path: str | None = None, tokenizer: Any = None,
-                 reward_funcs: Any = None, reward_weights: Any = None, eos_token_id: int | None = None,
-                 check_rewards: bool = True, **kwargs: Any) -> None:
+                 reward_funcs: Any = None, reward_weights: Any = None, eos_token_id: StopIds = None,
+                 generation_config_path: str | None = None, check_rewards: bool = True, **kwargs: Any) -> None:
         tok = load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path, what="tokenizer_path")
         rewards = RewardFunctions(reward_funcs, reward_weights)  # import errors before any model work
         if eos_token_id is None:
-            eos_token_id = tok.eos_token_id
+            eos_token_id = stop_ids(tok, generation_config_path) or None
             if eos_token_id is None:
-                log.warning("the tokenizer has no eos_token_id: every response runs to max_new_tokens")
+                log.warning("neither the tokenizer nor the checkpoint names an eos_token_id: every response runs to "
+                            "max_new_tokens")
         if "clip_eps" in kwargs:
             kwargs["clip_eps"] = tuple(float(x) for x in kwargs["clip_eps"])
         super().__init__(model, eos_token_id=eos_token_id, **kwargs)
         self.tokenizer, self.rewards, self.check_rewards = tok, rewards, check_rewards
-        self.eos_token_id = eos_token_id
+        # the dry call's empty completion ends with the first stop id (the tokenizer's EOS when it has one)
+        self.eos_token_id = self.stop_token_ids[0] if self.stop_token_ids else None
         self.last_reward_metrics: dict[str, float] = {}
         self._rewards_checked = not check_rewards
 
