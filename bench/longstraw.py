@@ -12,6 +12,12 @@ Peak memory is the peak live tensor bytes of the step (CPU: the live-tensor trac
 qk norm, partial RoPE 0.25 and zero-centred norms; CPU-sized: hidden 128, 4 layers, attention 4 heads / 2 K/V
 heads of 32, linear 2 key / 4 value heads of 32, conv 4) instead of the attention-only default.
 
+``--model mla``: a DeepSeek-V3-shaped model (multi-head latent attention: the prompt cache is one
+``kv_lora + rope``-wide latent per token and layer; a mixture of experts after the first dense layer; CPU-sized:
+hidden 128, 4 heads, kv_lora 32, q_lora 48, rope 16, nope 16, v 32, 8 experts top-2 in 4 groups of which 2 are
+kept, 1 shared). Every run prints the prompt cache bytes per token (all layers, the compute dtype), to compare
+with ``--model attention`` at the same width.
+
 ``--sharded``: also the per-rank memory of the exact step on dp1 x sp2 (two processes) with replicated vs
 FSDP2-sharded parameters vs FSDP2 + LoRA at the same prompt and model (``bench/longstraw_sharded.py``: held
 parameter bytes + the step's peak, and the planner's prediction of it); ``--no-step --sharded`` runs only those.
@@ -44,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_longctx.longstraw import longstraw_step, policy_token_terms, response_weights  # noqa: E402
 from lightning_longctx.longstraw.prefix import prefill  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
-from lightning_longctx.models.config import FULL_ATTENTION, LINEAR_ATTENTION  # noqa: E402
+from lightning_longctx.models.config import FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION  # noqa: E402
 from lightning_longctx.ops import chunked_token_logprobs, track_memory  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,6 +66,12 @@ def build_config(args) -> DecoderConfig:
                   head_dim=args.hidden // args.heads)
     if args.model == "attention":
         return DecoderConfig(**common)
+    if args.model == "mla":
+        common.update(num_key_value_heads=args.heads, head_dim=None)
+        return DecoderConfig(**common, kv_lora_rank=args.kv_lora, q_lora_rank=args.q_lora, qk_rope_head_dim=16,
+                             qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+                             n_group=4, topk_group=2, moe_intermediate_size=args.hidden, first_k_dense_replace=1,
+                             routed_scaling_factor=2.5)
     types = [FULL_ATTENTION if (i + 1) % args.linear_every == 0 else LINEAR_ATTENTION for i in range(args.layers)]
     return DecoderConfig(**common, qk_norm=True, attn_output_gate=True, zero_centered_norms=True,
                          partial_rotary_factor=0.25, layer_types=types, linear_num_key_heads=args.linear_key_heads,
@@ -125,6 +137,8 @@ def _mixer(layer, hidden, pos, state_every):
     normed = layer.input_layernorm(hidden)
     if layer.layer_type == LINEAR_ATTENTION:
         return layer.linear_attn(normed, return_state=True, state_every=state_every)
+    if layer.layer_type == MLA_ATTENTION:
+        return layer.self_attn(normed, pos, return_state=True)
     return layer.self_attn(normed, pos, return_kv=True)
 
 
@@ -161,7 +175,7 @@ def prefill_bench(model, args, gen):
         prompt = torch.randint(0, args.vocab, (length,), generator=gen).to(device)
         layers, total = prefill_per_layer(model, prompt, args.state_segment, args.repeats)
         totals[length] = total
-        for kind in (LINEAR_ATTENTION, FULL_ATTENTION):
+        for kind in (LINEAR_ATTENTION, FULL_ATTENTION, MLA_ATTENTION):
             mine = [r for r in layers if r["type"] == kind]
             if not mine:
                 continue
@@ -196,6 +210,14 @@ def print_prefill(result, lengths):
     print("  whole prefill() s: " + ", ".join(f"{k}: {v:.3f}" for k, v in result["prefill_s"].items()))
 
 
+@torch.no_grad()
+def prompt_cache_bytes_per_token(model, prompt) -> int:
+    """Bytes of the prefill's per-layer state (K/V, recurrent state, latent) per cached prompt token."""
+    state = prefill(model, prompt, None, keep_checkpoints=False, cache_requires_grad=False)
+    tensors = [t for cache in state.caches for t in cache if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors) // state.cached_length
+
+
 def sharded_rows(args) -> list:
     """``bench/longstraw_sharded.py``'s rows for this run's model and prompt (G = the largest of ``--groups``)."""
     sharded = argparse.Namespace(**vars(args))
@@ -209,7 +231,7 @@ def sharded_rows(args) -> list:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["attention", "hybrid"], default="attention")
+    parser.add_argument("--model", choices=["attention", "hybrid", "mla"], default="attention")
     parser.add_argument("--prompt", type=int, default=16384)
     parser.add_argument("--response", type=int, default=32, help="longest response; lengths vary down to 1/2")
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4, 8])
@@ -218,6 +240,8 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=None, help="default 2 (attention), 4 (hybrid)")
+    parser.add_argument("--kv-lora", type=int, default=32, help="mla: the latent's kv_lora_rank")
+    parser.add_argument("--q-lora", type=int, default=48, help="mla: q_lora_rank")
     parser.add_argument("--linear-every", type=int, default=4, help="hybrid: every n-th layer is full attention")
     parser.add_argument("--linear-key-heads", type=int, default=2)
     parser.add_argument("--linear-value-heads", type=int, default=4)
@@ -257,6 +281,10 @@ def main(argv=None):
     all_advantages = torch.randn(max(args.groups), generator=gen).to(args.device)
 
     shape = f"{args.heads} heads ({args.kv_heads} kv) of {config.head_dim}"
+    if args.model == "mla":
+        shape = (f"MLA {args.heads} heads, latent {config.kv_lora_rank} + rope {config.qk_rope_head_dim}, q_lora "
+                 f"{config.q_lora_rank}, nope {config.qk_nope_head_dim}, v {config.v_head_dim}; MoE after 1 dense "
+                 f"layer: {config.n_routed_experts} experts top-{config.num_experts_per_tok}, 1 shared")
     if args.model == "hybrid":
         pattern = "".join("L" if t == LINEAR_ATTENTION else "A" for t in config.layer_types)
         shape += (f", partial rotary 0.25; linear {args.linear_key_heads} key / {args.linear_value_heads} value "
@@ -266,6 +294,10 @@ def main(argv=None):
           f"{torch.get_num_threads()} threads")
     report = dict(model=args.model, layer_types=config.layer_types, args=vars(args),
                   parameters=sum(p.numel() for p in model.parameters()), torch=torch.__version__, step=[], ratios={})
+    cache = prompt_cache_bytes_per_token(model, prompt[:1024])
+    report["prompt_cache_bytes_per_token"] = cache
+    print(f"prompt cache (prefill state at 1024 prompt tokens): {cache} bytes per token, {cache // args.layers} "
+          f"per layer, in {args.dtype}")
     results = {}
     if not args.no_step:
         print(f"{'mode':>9} {'G':>3} {'peak MiB':>10} {'time s':>8}")
@@ -287,10 +319,10 @@ def main(argv=None):
         g_lo, g_hi = min(args.groups), max(args.groups)
         print("\nratios (same run):")
         print(f"  exact peak G={g_hi}/G={g_lo}:      {ratio(('exact', g_hi), ('exact', g_lo), 0):.3f}   (goal <= 1.02)")
-        print(f"  naive/exact peak at G={g_hi}:     {ratio(('naive', g_hi), ('exact', g_hi), 0):.2f}   (goal >= 3)")
+        print(f"  naive/exact peak at G={g_hi}:     {ratio(('naive', g_hi), ('exact', g_hi), 0):.2f}   (goal >= 10)")
         print(f"  exact/naive time at G={g_hi}:     {ratio(('exact', g_hi), ('naive', g_hi), 1):.3f}   (goal <= 0.5)")
         print(f"  exact/detached time at G={g_hi}:  {ratio(('exact', g_hi), ('detached', g_hi), 1):.2f}"
-              "   (goal <= 1.7)")
+              "   (goal <= 1.6)")
         print(f"  peak G={g_hi}/G={g_lo} per mode:    " + ", ".join(
             f"{mode} {ratio((mode, g_hi), (mode, g_lo), 0):.3f}" for mode in args.modes))
         report["ratios"] = {

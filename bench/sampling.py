@@ -72,7 +72,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("attention", "hybrid"), default="attention")
     parser.add_argument("--prompt", type=int, default=4096)
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-rerun", action="store_true", help="time only the batched sampler")
     parser.add_argument("--json", type=Path, default=None, help="write every number to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = build_model(args)
@@ -126,6 +126,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(dict(config=vars(args) | dict(json=str(args.json)), prefill_s=prefill_s,
                                              rows=rows), indent=2) + "\n")
+    return dict(prefill_s=prefill_s, rows=rows)
 
 
 if __name__ == "__main__":

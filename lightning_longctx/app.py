@@ -75,12 +75,32 @@ def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
     ${memory.offload_checkpoints}``). The model of a LongStraw task then gets ``offload_checkpoints`` only
     together with ``activation_checkpointing`` (its own checkpoints, used by any plain forward with autograd), so
     ``memory.offload_checkpoints=true`` alone is valid there, not an error.
+
+    ``memory.keep_attention_output`` (LongStraw): ``auto`` becomes what the planner chooses for this config's
+    step (``device`` when it fits the budget, else ``off``: ``memory.longstraw.choose_keep_attention_output``,
+    the same choice ``longctx-plan`` plans with); SFT tasks never keep them (``off``).
     """
     knobs = {k: cfg.memory[k] for k in ("head_chunk_size", "activation_checkpointing", "offload_checkpoints",
                                         "mlp_chunk_size", "logits_chunk_size")}
+    keep = str(cfg.memory.get("keep_attention_output") or "auto")
     if cfg.task.mode == "longstraw":
         knobs["offload_checkpoints"] = bool(knobs["offload_checkpoints"] and knobs["activation_checkpointing"])
+        knobs["keep_attention_output"] = _planned_keep_attention_output(cfg) if keep == "auto" else keep
+    else:
+        knobs["keep_attention_output"] = "off" if keep == "auto" else keep
     return knobs
+
+
+def _planned_keep_attention_output(cfg: DictConfig) -> str:
+    """The planner's choice for ``keep_attention_output=auto`` at the task's prompt, G and response length."""
+    from .cli import model_shape, plan_request  # the planner's view of the config (cli imports this module)
+    from .memory import ClusterShape, MemoryKnobs
+    from .memory.longstraw import choose_keep_attention_output
+
+    request = plan_request(cfg, mode="longstraw")
+    return choose_keep_attention_output(
+        model_shape(cfg), ClusterShape.from_config(cfg.cluster), MemoryKnobs.from_config(cfg.memory),
+        request["seq_len"], request["group_size"], request["response_len"], request["prompt_grad"])
 
 
 def _attach_lora(model, lora) -> None:

@@ -52,6 +52,8 @@ from .memory import (
     max_context,
 )
 from .memory import plan as make_plan
+from .memory.pretrained import describe_model
+from .memory.shapes import PRESET
 
 log = logging.getLogger("lightning_longctx.cli")
 
@@ -59,8 +61,22 @@ log = logging.getLogger("lightning_longctx.cli")
 def trainer_precision(memory_cfg: DictConfig) -> str:
     """``Trainer(precision=...)``: ``memory.precision`` as it is (Lightning's string: ``bf16-mixed`` = fp32 master
     weights, gradients and AdamW states with bf16 autocast; ``bf16-true``; ``32-true``; ``64-true``). Raises
-    ValueError naming the allowed values for anything else, and for the removed ``memory.dtype``."""
-    return check_precision(memory_cfg.get("precision"), memory_cfg.get("dtype"))
+    ConfigError (a ValueError) naming the allowed values for anything else, and for the removed ``memory.dtype``."""
+    try:
+        return check_precision(memory_cfg.get("precision"), memory_cfg.get("dtype"))
+    except ValueError as err:  # a config error: longctx-train prints the message alone
+        raise ConfigError(str(err)) from err
+
+
+def collective_timeout(cluster_cfg: DictConfig):
+    """``cluster.collective_timeout_s`` as the process groups' ``timedelta``; ConfigError naming a bad value."""
+    from datetime import timedelta
+
+    seconds = cluster_cfg.get("collective_timeout_s")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+        raise ConfigError(f"cluster.collective_timeout_s={seconds!r} must be a positive number of seconds (e.g. 1800 "
+                          "on GPUs, 120 on CPU)")
+    return timedelta(seconds=float(seconds))
 
 
 def _is_rank_zero() -> bool:
@@ -72,55 +88,92 @@ def plan_request(cfg: DictConfig, *, mode: str | None = None, seq_len: int | Non
     """The planner's keyword arguments for ``cfg``: the task's mode and context unless overridden by
     ``plan.*`` or the arguments; LongStraw takes the task's G and ``max_new_tokens`` as the response length."""
     task = cfg.task
+    plan = cfg.get("plan") or {}  # longctx-export's config has no plan node
     mode = mode or task.mode
-    request: dict[str, Any] = {"mode": mode, "seq_len": seq_len or cfg.plan.seq_len or task.seq_len}
+    request: dict[str, Any] = {"mode": mode, "seq_len": seq_len or plan.get("seq_len") or task.seq_len}
     if mode == "longstraw":
-        request["group_size"] = cfg.plan.group_size or task.get("group_size", 8)
-        request["response_len"] = cfg.plan.response_len or task.get("max_new_tokens", 1024)
+        request["group_size"] = plan.get("group_size") or task.get("group_size", 8)
+        request["response_len"] = plan.get("response_len") or task.get("max_new_tokens", 1024)
         request["prompt_grad"] = task.get("prompt_grad", "full")
     return request
 
 
-def check_plan(cfg: DictConfig) -> Plan:
-    """Run the planner for ``cfg`` and raise :class:`PlanError` (what to change) when it is over budget."""
-    return check_budget(cfg.model, cfg.cluster, cfg.memory, **plan_request(cfg))
+def explicit_model_fields(overrides: list[str] | None = None) -> tuple[str, ...]:
+    """The ``model`` fields the command line sets (``overrides``; None = this Hydra run's, none outside one):
+    ``model.<field>=...`` gives ``<field>``, ``model=<preset>`` gives :data:`~.memory.shapes.PRESET`."""
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return ()
+        overrides = list(HydraConfig.get().overrides.task)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    names = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.key_or_group
+        if override.is_delete() or override.package not in (None, "", "model"):
+            continue
+        if key == "model":
+            names.append(PRESET)
+        elif key.startswith("model."):
+            names.append(key.split(".")[1])
+    return tuple(names)
+
+
+def model_shape(cfg: DictConfig, overrides: list[str] | None = None) -> ModelShape:
+    """The shape the planner plans: the preset's fields, or with ``model.pretrained`` the checkpoint's
+    ``config.json`` (what ``build_model`` builds). A command-line architecture override (or ``model=<preset>``)
+    that contradicts the checkpoint, or a missing / unreadable config.json, raises :class:`ConfigError`
+    naming the values and the path, before any work."""
+    try:
+        return ModelShape.from_config(cfg.model, explicit=explicit_model_fields(overrides))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def check_plan(cfg: DictConfig, model: ModelShape | None = None) -> Plan:
+    """Run the planner for ``cfg`` (``model``: its :func:`model_shape`, computed when None) and raise
+    :class:`PlanError` (what to change) when it is over budget."""
+    return check_budget(model or model_shape(cfg), cfg.cluster, cfg.memory, **plan_request(cfg))
 
 
 def format_plan(cfg: DictConfig) -> str:
-    """What ``longctx-plan`` prints: the layout, the plan at the task's context, and the longest contexts."""
-    model, knobs = ModelShape.from_config(cfg.model), MemoryKnobs.from_config(cfg.memory)
+    """What ``longctx-plan`` prints: where the model's shape comes from (the preset, or ``model.pretrained``'s
+    config.json), the layout, the plan at the task's context, and the longest contexts."""
+    model, knobs = model_shape(cfg), MemoryKnobs.from_config(cfg.memory)
+    ClusterShape.from_config(cfg.cluster).validate()  # devices >= 1, sp_size divides them: before any arithmetic
     cluster = cfg.cluster
     world = cluster.devices * cluster.num_nodes
     sp = cluster.sp_size or cluster.devices
     kv_token = kv_cache_bytes(model, knobs, 1, 1)
     knob_names = ("head_chunk_size", "activation_checkpointing", "offload_checkpoints", "mlp_chunk_size",
-                  "logits_chunk_size", "attention_backend")
+                  "logits_chunk_size", "attention_backend", "keep_attention_output")
     lines = [
-        f"model {cfg.model.name}: {model.num_parameters() / 1e9:.2f}B parameters, {model.num_hidden_layers} layers "
-        f"({model.full_layers} full attention, {model.linear_layers} linear attention), KV "
-        f"{kv_token / 1024:g} KiB/token in {knobs.compute_dtype}",
+        f"model: {describe_model(cfg.model, model)}",  # the preset, or model.pretrained's config.json
+        f"  {model.num_parameters() / 1e9:.2f}B parameters, KV {kv_token / 1024:g} KiB/token in {knobs.compute_dtype}",
         f"cluster {cluster.name}: {cluster.devices} devices x {cluster.num_nodes} nodes = {world} ranks, "
         f"sp={sp} x dp={world // sp}, sharding={cluster.sharding}",
         f"memory {cfg.memory.name}: budget {knobs.budget_gib:g} GiB/rank (reserve {knobs.reserve_gib:g}), "
         f"precision={knobs.precision}, "
         + ", ".join(f"{k}={cfg.memory[k]}" for k in knob_names),
         "",
-        make_plan(cfg.model, cfg.cluster, cfg.memory, **plan_request(cfg)).table(),
+        make_plan(model, cfg.cluster, cfg.memory, **plan_request(cfg)).table(),
         "",
         "longest context that fits (per sequence, all ranks of an SP group together):",
     ]
-    sft = max_context(cfg.model, cfg.cluster, cfg.memory, mode="sft")
+    sft = max_context(model, cfg.cluster, cfg.memory, mode="sft")
     lines.append(f"  SFT:       {sft:>14,} tokens")
     request = plan_request(cfg, mode="longstraw")
     request.pop("mode"), request.pop("seq_len")
-    ls = max_context(cfg.model, cfg.cluster, cfg.memory, mode="longstraw", **request)
+    ls = max_context(model, cfg.cluster, cfg.memory, mode="longstraw", **request)
     held = longstraw_sharding(model, ClusterShape.from_config(cfg.cluster)) if world > 1 else "replicate"
     how = f"FSDP-sharded over the {world} ranks" if held == "fsdp" else "replicated"
     lines.append(f"  LongStraw: {ls:>14,} prompt tokens (G={request['group_size']}, responses of "
                  f"{request['response_len']:,} tokens, prompt_grad={request['prompt_grad']}; parameters, "
                  f"gradients and optimizer states {how}, as LongStrawModule runs)")
     if world > 1 and held != "fsdp":
-        sharded = max_context(cfg.model, cfg.cluster, cfg.memory, mode="longstraw", param_sharding="fsdp", **request)
+        sharded = max_context(model, cfg.cluster, cfg.memory, mode="longstraw", param_sharding="fsdp", **request)
         lines.append(f"  LongStraw: {sharded:>14,} prompt tokens if those states were FSDP-sharded over the "
                      f"{world} ranks")
     return "\n".join(lines)
@@ -131,7 +184,11 @@ def run_train(cfg: DictConfig) -> Any:
     Trainer."""
     precision = trainer_precision(cfg.memory)  # an unknown precision fails before any work
     check_config(cfg)  # task keys, trainer keys, every _target_ (imported, arguments checked)
-    plan_obj = check_plan(cfg) if cfg.plan.check else None  # before any process group or model exists
+    shape = model_shape(cfg)  # model.pretrained: its config.json, checked against the command line, always
+    try:
+        plan_obj = check_plan(cfg, shape) if cfg.plan.check else None  # before any process group or model exists
+    except ValueError as err:  # a layout the planner refuses (sp_size, heads): the message alone, as for ConfigError
+        raise ConfigError(str(err)) from err
     if plan_obj is not None and _is_rank_zero():
         log.info("memory plan: %.3f GiB/rank peak (%s) <= budget %.1f GiB", plan_obj.total_bytes / GIB,
                  plan_obj.peak_phase, plan_obj.budget_bytes / GIB)
@@ -139,6 +196,16 @@ def run_train(cfg: DictConfig) -> Any:
 
     import lightning_longctx  # noqa: F401  (registers strategy="ulysses")
     from lightning_longctx import UlyssesStrategy
+
+    from .lightning.nonfinite import check_policy
+    from .lightning.processes import bind_to_launcher, kill_launched_ranks
+
+    timeout = collective_timeout(cfg.cluster)  # bad values fail before any work
+    try:
+        check_policy(cfg.on_nonfinite)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    bind_to_launcher()  # a rank Lightning started dies with rank 0; rank 0 records itself for them
 
     from .lightning.checkpoint import AtomicCheckpoint, resolve_ckpt_path
     from .lightning.progress import PhaseProgress
@@ -161,15 +228,20 @@ def run_train(cfg: DictConfig) -> Any:
         module.progress = PhaseProgress(mode="log", min_interval_s=30.0)
     cluster = cfg.cluster
     strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
-                               sharding=cluster.sharding, process_group_backend=cluster.process_group_backend)
+                               sharding=cluster.sharding, process_group_backend=cluster.process_group_backend,
+                               timeout=timeout, on_nonfinite=cfg.on_nonfinite)
     trainer = pl.Trainer(
         strategy=strategy, accelerator=cluster.accelerator, devices=cluster.devices, num_nodes=cluster.num_nodes,
         precision=precision, logger=build_logger(cfg), **kwargs,
     )
-    if isinstance(data, pl.LightningDataModule):
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    else:
-        trainer.fit(module, data, ckpt_path=ckpt_path)
+    try:
+        if isinstance(data, pl.LightningDataModule):
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        else:
+            trainer.fit(module, data, ckpt_path=ckpt_path)
+    except BaseException:
+        kill_launched_ranks(trainer)  # the other ranks would wait for this one until the timeout
+        raise
     if summary.text:
         last = getattr(trainer.checkpoint_callback, "last_model_path", "") if trainer.is_global_zero else ""
         if last:  # written after the summary's on_train_end: the final checkpoint
@@ -270,7 +342,11 @@ def train() -> None:
 @hydra.main(version_base="1.3", config_path="conf", config_name="plan")
 def plan(cfg: DictConfig) -> None:
     """``longctx-plan``: print the per-rank memory plan and the longest contexts for this config."""
-    print(format_plan(cfg))
+    try:
+        text = format_plan(cfg)
+    except ValueError as err:  # ConfigError, or a value the planner refuses (naming it): the message alone
+        _fail_cleanly(err)
+    print(text)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="export")
@@ -295,6 +371,7 @@ if __name__ == "__main__":
 
 
 __all__ = ["PlanError", "SlurmLayoutCheck", "build_model", "build_task", "check_launch", "check_plan",
-           "check_slurm_layout", "decoder_config", "export", "format_plan", "model_memory_knobs",
+           "check_slurm_layout", "decoder_config", "explicit_model_fields", "export", "format_plan",
+           "model_memory_knobs", "model_shape",
            "parameters_digest", "plan", "plan_request", "route_lightning_deprecations", "run_train", "train",
            "trainer_precision"]

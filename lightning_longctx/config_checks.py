@@ -171,8 +171,98 @@ def check_trainer_keys(trainer_cfg: DictConfig) -> None:
                 raise ConfigError(f"trainer.callbacks[{index}] must be a _target_ node, got {node!r}")
 
 
+def check_module_arguments(cfg: DictConfig) -> None:
+    """``task.module``'s model-free argument checks, before the model is built: its target's
+    ``check_arguments(**node)`` when it has one (``LongStrawModule.check_arguments``: sampling, loss, optimizer
+    knobs). Raises :class:`ConfigError` naming the target and the value."""
+    node = cfg.task.get("module")
+    path = node.get("_target_") if isinstance(node, DictConfig) else None
+    check = getattr(locate(path, "task.module._target_"), "check_arguments", None) if isinstance(path, str) else None
+    if not callable(check):
+        return
+    try:
+        kwargs = OmegaConf.to_container(node, resolve=True)
+    except Exception:  # noqa: BLE001 - an interpolation only a Hydra run resolves: the module checks itself later
+        return
+    try:
+        check(**{str(k): v for k, v in kwargs.items() if k not in _HYDRA_KEYS})
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"task.module ({path}): {err}") from err
+
+
+_PATH_KEYS = ("path", "tokenizer_path")  # local files the built-in tasks read (tasks/text_data.py)
+
+
+def check_task_files(cfg: DictConfig) -> None:
+    """The files the built-in tasks read exist (``task.data.path``, the tokenizer directory), before the model is
+    built; a user's own ``_target_`` checks its arguments itself. Raises :class:`ConfigError` naming the key."""
+    for part in ("module", "data"):
+        node = cfg.task.get(part)
+        if not isinstance(node, DictConfig) or not str(node.get("_target_", "")).startswith("lightning_longctx."):
+            continue
+        for key in _PATH_KEYS:
+            if key not in node or OmegaConf.is_missing(node, key):
+                continue
+            try:
+                value = node[key]
+            except Exception:  # noqa: BLE001 - an interpolation only a Hydra run resolves
+                continue
+            if value is None and key == "tokenizer_path":
+                raise ConfigError(f"task.{part}.{key} is null: set tokenizer.path (or model.pretrained) to a local "
+                                  "tokenizer directory")
+            if isinstance(value, str) and not os.path.exists(value):
+                raise ConfigError(f"task.{part}.{key}={value!r} does not exist (cwd {os.getcwd()})")
+
+
+def check_run_settings(cfg: DictConfig) -> None:
+    """``cluster.accelerator`` / ``cluster.process_group_backend``, ``logger.kind``, ``checkpoint.every_n_steps``:
+    values that would otherwise fail only once the Trainer (or the process group) is being built."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    from .lightning.common import check_strategy_args
+
+    cluster = cfg.cluster
+    names = sorted(AcceleratorRegistry.available_accelerators())
+    if cluster.accelerator not in [*names, "gpu", "auto"]:
+        raise ConfigError(f"cluster.accelerator={cluster.accelerator!r} must be one of {[*names, 'gpu', 'auto']}")
+    try:
+        check_strategy_args(cluster.get("process_group_backend"))
+    except ValueError as err:
+        raise ConfigError(f"cluster.{err}") from err
+    kind = cfg.logger.get("kind") if "logger" in cfg else None
+    if kind is not None and kind not in ("tensorboard", "csv"):
+        raise ConfigError(f"logger.kind={kind!r} must be 'tensorboard' or 'csv'")
+    every = cfg.checkpoint.get("every_n_steps") if "checkpoint" in cfg else None
+    if every is not None and every < 1:
+        raise ConfigError(f"checkpoint.every_n_steps={every} must be >= 1 (or null: only at the end)")
+
+
+def check_model_fields(cfg: DictConfig) -> None:
+    """The built-in model's architecture (``DecoderConfig``'s checks, no weights) and ``model.lora.r``, before the
+    planner and the model. Raises :class:`ConfigError` naming the field."""
+    model = cfg.get("model")
+    if not isinstance(model, DictConfig):
+        return
+    if not model.get("_target_") and not model.get("pretrained"):
+        from .app import decoder_config
+
+        try:
+            decoder_config(model)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"model.{err}") from err
+    lora = model.get("lora")
+    rank = lora.get("r") if isinstance(lora, DictConfig) else None
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ConfigError(f"model.lora.r={rank!r} must be an int >= 1 (or 0 / null: no LoRA)")
+
+
 def check_config(cfg: DictConfig) -> None:
-    """All checks that need no model and no process group: task, trainer keys, every ``_target_``."""
+    """All checks that need no model and no process group: task, trainer keys, every ``_target_``, the model's
+    fields, the task module's arguments and files, the cluster / logger / checkpoint settings."""
     check_task(cfg)
     check_trainer_keys(cfg.trainer)
     check_targets(cfg)
+    check_model_fields(cfg)
+    check_module_arguments(cfg)
+    check_task_files(cfg)
+    check_run_settings(cfg)

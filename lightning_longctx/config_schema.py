@@ -88,6 +88,23 @@ class ModelConf:
     linear_key_head_dim: int | None = None
     linear_value_head_dim: int | None = None
     linear_conv_kernel_dim: int | None = None
+    # MLA + MoE (deepseek_v3 / glm4_moe_lite; see DecoderConfig): set kv_lora_rank / n_routed_experts to use them
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = True
+    n_routed_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    n_shared_experts: int = 1
+    moe_intermediate_size: int | None = None
+    first_k_dense_replace: int | None = None
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int | None = None  # Qwen3.5-MoE (qwen3_5_moe_text, with the hybrid fields)
     max_position_embeddings: int | None = None
     lora: LoRAConf | None = field(default_factory=LoRAConf)
 
@@ -98,6 +115,10 @@ class ClusterConf:
 
     ``sp_size=None`` = all devices of a node (the all-to-all stays inside NVLink). ``sharding``: ``"fsdp"``
     (ZeRO-3 over all ranks) or ``"replicate"``. ``process_group_backend``: gloo on CPU, nccl on GPU.
+    ``collective_timeout_s``: every collective's limit (the default process group and the SP / DP subgroups):
+    a dead or hung rank makes the others fail after it, naming the timeout and the phase, and the launcher
+    exits non-zero (docs/reliability.md). 1800 on the GPU presets (a checkpoint save or a long prefill on one
+    rank must fit in it), 120 on the CPU preset.
     """
 
     name: str = MISSING
@@ -107,6 +128,7 @@ class ClusterConf:
     sp_size: int | None = None
     sharding: str = "fsdp"
     process_group_backend: str | None = None
+    collective_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -123,6 +145,9 @@ class MemoryConf:
     ``bf16-true`` (explicit memory option: everything in bf16, updates below bf16's resolution are lost),
     ``32-true`` (CPU), ``64-true``. Anything else fails before any work, naming these.
     ``dtype``: removed (it could disagree with ``precision``); setting it fails naming the precision to use.
+    ``keep_attention_output`` (LongStraw's exact step, ``MemoryConfig.keep_attention_output``): ``off`` /
+    ``device`` / ``host``, or ``auto`` (default): ``device`` when the planner's step with it fits
+    ``budget_gib``, else ``off`` (``memory.longstraw.choose_keep_attention_output``; SFT tasks: ``off``).
     """
 
     name: str = MISSING
@@ -137,6 +162,7 @@ class MemoryConf:
     offload_prompt_cache: bool = False  # LongStraw: prompt K/V and their gradient sums on the host, staged per layer
     mlp_chunk_size: int | None = None
     logits_chunk_size: int | None = None
+    keep_attention_output: str = "auto"  # LongStraw: the prompt's attention outputs kept for the grouped backward
 
 
 @dataclass
@@ -276,6 +302,10 @@ class Config:
 
     ``ckpt_path``: resume from ``last`` (the newest complete checkpoint in ``checkpoint.dir``), a checkpoint path
     (file or sharded directory) or a run directory (its ``checkpoints/last.ckpt``); null = start fresh.
+    ``on_nonfinite``: a non-finite loss or gradient on any rank, found before the optimizer step: ``raise``
+    (default: stop, naming the global step and the first non-finite parameter; resume from the last checkpoint,
+    e.g. with ``on_nonfinite=skip``) or ``skip`` (no update: parameters and optimizer state untouched, counted
+    in ``train/nonfinite_skipped``).
     """
 
     model: ModelConf = MISSING
@@ -289,6 +319,7 @@ class Config:
     plan: PlanConf = field(default_factory=PlanConf)
     seed: int = 0
     ckpt_path: str | None = None
+    on_nonfinite: str = "raise"
 
 
 TASK_SCHEMAS = {"needle_grpo": NeedleGRPOConf, "long_sft": LongSFTConf}

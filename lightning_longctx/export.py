@@ -186,6 +186,8 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, adapte
     path = resolve_checkpoint(ckpt)
     config_path = Path(config) if config else find_run_config(path)
     cfg = load_run_config(config_path)
+    if cfg.get("memory") is not None and "keep_attention_output" in cfg.memory:
+        cfg.memory.keep_attention_output = "off"  # a training-time knob: no plan to run, weights unaffected
     out = Path(out)
     model = build_model(cfg)
     load_checkpoint_weights(model, path)

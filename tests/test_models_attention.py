@@ -122,6 +122,6 @@ def test_fused_block_saves_only_x_output_and_lse():
 
 def test_head_chunk_size_must_divide_the_heads():
     x, positions = _inputs()
-    attn = _module(2, False, False, 3)
     with pytest.raises(ValueError, match="head_chunk_size=3 must divide the per-rank heads"):
+        attn = _module(2, False, False, 3)  # refused when built: 3 divides the per-rank heads of no sp_size
         attn(x, positions)

@@ -444,3 +444,56 @@ def test_rollouts_charge_each_responses_own_cache_and_only_there_does_g_count():
         6 * (32 * 8200 * 128 * 4 + 3 * 128256 * 4))
     for phase in ("prefill", "replay", "grouped backward", "optimizer step"):
         assert plans[8].phases[phase] == plans[2].phases[phase], phase
+
+
+# ------------------------------------------------------------------------- keep_attention_output (LongStraw)
+@pytest.mark.parametrize("knobs", [dict(CPU_PRESET), {}], ids=["head_chunk_size=1", "all heads"])
+def test_plan_matches_the_tracker_with_kept_attention_outputs(knobs):
+    """``keep_attention_output=device`` on the tiny preset (one rank, 4096 tokens, G=4): each step's plan within
+    15% of the tracker, and what keeping adds (the kept outputs and LSEs of layer 0, ``S' H (d b + 4)`` = 4095 x 4
+    x 68 B, less the LSEs the recomputed layer no longer saves) within 2% of what the tracker sees it add."""
+    peaks, plans = {}, {}
+    for keep in ("off", "device"):
+        kn = dict(knobs, keep_attention_output=keep)
+        peaks[keep] = _longstraw_peak(0, 1, 4096, kn)
+        p = plan(TINY, ONE, dict(FP32_EAGER, **kn), seq_len=4096, mode="longstraw", group_size=4, response_len=8)
+        plans[keep] = p.total_bytes - p.breakdown["params"] - p.breakdown["optimizer"]
+        assert abs(plans[keep] - peaks[keep]) <= 0.15 * peaks[keep], (keep, plans[keep], peaks[keep])
+        assert p.breakdown["attention_outputs"] == (4095 * 4 * (16 * 4 + 4) if keep == "device" else 0)
+    measured, planned = peaks["device"] - peaks["off"], plans["device"] - plans["off"]
+    assert measured > 0 and abs(planned - measured) <= 0.02 * measured, (planned, measured)
+
+
+def test_keep_attention_output_auto_is_device_when_it_fits_and_host_is_host_memory():
+    kwargs = dict(seq_len=4096, mode="longstraw", group_size=4, response_len=8)
+    off, device = (plan(TINY, ONE, dict(FP32_EAGER, keep_attention_output=k), **kwargs) for k in ("off", "device"))
+    host = plan(TINY, ONE, dict(FP32_EAGER, keep_attention_output="host"), **kwargs)
+    assert host.breakdown["attention_outputs"] == 0 and host.host_bytes == device.breakdown["attention_outputs"]
+    assert device.phases["replay"] - off.phases["replay"] == device.breakdown["attention_outputs"] > 0
+    roomy = plan(TINY, ONE, dict(FP32_EAGER, keep_attention_output="auto"), **kwargs)
+    assert roomy.breakdown["attention_outputs"] == device.breakdown["attention_outputs"]
+    between = (max(off.phases.values()) + max(device.phases.values())) / 2
+    if between > max(off.phases.values()):  # a budget where only the plan without kept outputs fits
+        tight = plan(TINY, ONE, dict(FP32_EAGER, keep_attention_output="auto", budget_gib=between / GIB), **kwargs)
+        assert tight.breakdown["attention_outputs"] == 0 and tight.fits
+    assert plan(TINY, ONE, dict(FP32_EAGER, keep_attention_output="auto"), prompt_grad="none",
+                **kwargs).breakdown["attention_outputs"] == 0
+    with pytest.raises(ValueError, match="keep_attention_output='always'"):
+        MemoryKnobs(keep_attention_output="always")
+
+
+def test_the_app_builds_the_model_with_the_planners_choice():
+    """``memory.keep_attention_output=auto`` (the presets) reaches ``MemoryConfig`` as the planner's choice for
+    the task's step; an explicit value as it is; SFT tasks keep nothing."""
+    from hydra import compose, initialize_config_module
+
+    from lightning_longctx.app import model_memory_knobs
+
+    def knobs(*overrides):
+        with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
+            return model_memory_knobs(compose(config_name="config", overrides=list(overrides)))
+
+    assert knobs()["keep_attention_output"] == "device"  # the demo: tiny, cpu preset, needle_grpo
+    assert knobs("memory.budget_gib=0.001")["keep_attention_output"] == "off"
+    assert knobs("memory.keep_attention_output=host")["keep_attention_output"] == "host"
+    assert knobs("task=long_sft")["keep_attention_output"] == "off"

@@ -77,7 +77,16 @@ def _refuse_token_mixers_it_cannot_parallelize(model: nn.Module) -> None:
     """Linear-attention / recurrent layers (Qwen3.5's Gated DeltaNet, Mamba, ...) are not attention functions:
     the registry never sees them, so under SP they would silently scan only this rank's slice of the sequence.
     """
-    layer_types = getattr(getattr(model, "config", None), "layer_types", None) or []
+    config = getattr(model, "config", None)
+    if getattr(config, "kv_lora_rank", None) is not None:
+        raise NotImplementedError(
+            f"install_ulysses: {type(model).__name__} uses multi-head latent attention (kv_lora_rank="
+            f"{config.kv_lora_rank}, key width {getattr(config, 'qk_head_dim', '?')} != value width "
+            f"{getattr(config, 'v_head_dim', '?')}), which the attention registry would see only expanded per head; "
+            "load the checkpoint with lightning_longctx.models.DecoderLM.from_pretrained (deepseek_v3 / "
+            "glm4_moe_lite), whose MLA layers all-gather the latent and expand each rank's own heads"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
     linear = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if linear:
         raise NotImplementedError(
@@ -142,7 +151,8 @@ def install_ulysses(
     Raises:
         ValueError: if the model is already installed, uses ``"eager"``, or has no attention modules.
         NotImplementedError: for models with linear-attention / recurrent layers (Qwen3.5 hybrids): they would
-            silently run on this rank's slice only; use ``DecoderLM.from_pretrained`` for those.
+            silently run on this rank's slice only; and multi-head latent attention (DeepSeek-V3, GLM-4.x-Lite);
+            use ``DecoderLM.from_pretrained`` for those.
     """
     if id(model) in _HANDLES:
         raise ValueError("install_ulysses: this model is already installed; uninstall_ulysses(model) first")

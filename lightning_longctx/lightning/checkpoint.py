@@ -10,10 +10,15 @@ checkpoint bookkeeping work) whose writes are crash-safe:
    for files and directories alike);
 2. ``last.ckpt`` is a relative symlink, swapped for one to the new checkpoint by ``os.replace`` (atomic);
 3. only then are older step checkpoints beyond ``keep`` deleted (never the one ``last.ckpt`` points to, nor the
-   one the run resumed from).
+   one the run resumed from), each first renamed to a ``.partial`` name (atomic) and then removed, so a kill
+   mid-delete never leaves a half-deleted ``step_<N>.ckpt``.
 
-A run killed at any moment leaves ``last.ckpt`` pointing at a complete checkpoint (a ``.partial`` left behind
-is deleted when the next run starts). Lightning's ``save_last=True`` would instead write the whole state a
+Before the rename the checkpoint's files and directories are flushed to disk (``fsync``; DCP's writer syncs its
+shards itself), so the rename cannot reach the disk before the data on a node crash either. A run killed at any
+moment leaves ``last.ckpt`` pointing at a complete checkpoint (a ``.partial`` left behind, a half-written
+checkpoint or a half-deleted one, is deleted when the next run starts, before anything is loaded; resuming
+reads only what ``last.ckpt`` points to). Tests: tests/test_faults.py kills a run after the first shard file
+of a sharded save. Lightning's ``save_last=True`` would instead write the whole state a
 second time to ``last.ckpt`` in place, and its ``save_last="link"`` removes the old link before making the new
 one; both leave windows with no complete ``last``. :func:`resolve_ckpt_path` turns ``ckpt_path=last`` (or a run
 directory) into the checkpoint ``last.ckpt`` points to.
@@ -29,6 +34,8 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from ..parallel.phases import collective_guard
+
 log = logging.getLogger(__name__)
 
 LAST = "last.ckpt"
@@ -41,6 +48,30 @@ def _remove(path: Path) -> None:
         path.unlink()
     elif path.is_dir():
         shutil.rmtree(path)
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # a file system that cannot fsync a directory
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory and everything under it) to disk."""
+    if not path.is_dir():
+        _fsync(path)
+        return
+    for root, _, files in os.walk(path):
+        for name in files:
+            _fsync(Path(root) / name)
+        _fsync(Path(root))
 
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:
@@ -134,8 +165,10 @@ class AtomicCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("AtomicCheckpoint.prepare")
         # the paths as they will be once complete: they are part of the saved state (ModelCheckpoint.state_dict)
         self.best_model_path = self.last_model_path = str(final)
-        trainer.save_checkpoint(partial, self.save_weights_only)  # every rank; ends with the strategy's barrier
+        with self._guard(trainer, f"checkpoint save {final.name}"):
+            trainer.save_checkpoint(partial, self.save_weights_only)  # every rank; ends with the strategy's barrier
         if trainer.is_global_zero:
+            _fsync_tree(partial)
             os.replace(partial, final)
             link = directory / f".{LAST}{PARTIAL_SUFFIX}"
             if link.exists() or link.is_symlink():
@@ -145,6 +178,7 @@ class AtomicCheckpoint(ModelCheckpoint):
             if last.is_dir() and not last.is_symlink():
                 shutil.rmtree(last)  # a real directory cannot be replaced by a link in one step
             os.replace(link, last)
+            _fsync(directory)  # the directory entries: the rename and the link
             self._prune(trainer, directory, keep=final)
         trainer.strategy.barrier("AtomicCheckpoint.done")
         self._last_global_step_saved = trainer.global_step
@@ -167,7 +201,17 @@ class AtomicCheckpoint(ModelCheckpoint):
             protected.add(Path(trainer.ckpt_path).resolve())
         for path in steps[:-self.keep]:
             if path.resolve() not in protected:
-                _remove(path)
+                doomed = path.with_name(f".{path.name}{PARTIAL_SUFFIX}")  # atomic: never a half-deleted step_<N>
+                if doomed.exists() or doomed.is_symlink():
+                    _remove(doomed)
+                os.replace(path, doomed)
+                _remove(doomed)
+
+    @staticmethod
+    def _guard(trainer, name: str):
+        """A collective failure during the save names the timeout and the checkpoint (see parallel.phases)."""
+        timeout = getattr(trainer.strategy, "_timeout", None)
+        return collective_guard(timeout.total_seconds() if timeout is not None else None, name)
 
     def load_state_dict(self, state_dict: dict) -> None:
         # resuming into another directory (ckpt_path=<other run>): the paths recorded there are that run's

@@ -9,6 +9,7 @@ of every sequence (:mod:`.batch`).
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,6 +29,22 @@ def _check_args(sp_size: int | None, head_chunk_size: int | None, sharding: str)
         raise ValueError(f"sharding={sharding!r} must be one of {SHARDING_MODES}")
 
 
+def check_strategy_args(backend: str | None, save_distributed_checkpoint=True, timeout=None) -> None:
+    """The ``ModelParallelStrategy`` arguments Lightning stores unchecked (a bad backend would fail only in
+    ``init_process_group``, after the processes started); also run on ``cluster.*`` by ``longctx-train``."""
+    if backend is not None:
+        # "gloo", or per device "cpu:gloo,cuda:nccl"; backend_list includes backends registered by plugins
+        names = [part.split(":")[-1].strip().lower() for part in str(backend).split(",")]
+        unknown = [n for n in names if n not in dist.Backend.backend_list or n == "undefined"]
+        if not isinstance(backend, str) or unknown:
+            raise ValueError(f"process_group_backend={backend!r} is not a torch.distributed backend; choose one of "
+                             f"{[b for b in dist.Backend.backend_list if b != 'undefined']} or None (the device's)")
+    if not isinstance(save_distributed_checkpoint, bool):
+        raise TypeError(f"save_distributed_checkpoint={save_distributed_checkpoint!r} must be a bool")
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"timeout={timeout!r} must be a positive datetime.timedelta (or None)")
+
+
 class UlyssesMixin:
     """The Ulysses half of :class:`~.strategy.UlyssesStrategy` and :class:`~.fabric.UlyssesFabricStrategy`.
 
@@ -39,6 +56,8 @@ class UlyssesMixin:
 
     def _init_ulysses(self, sp_size: int | None, head_chunk_size: int | None, sharding: str) -> None:
         _check_args(sp_size, head_chunk_size, sharding)
+        check_strategy_args(getattr(self, "_process_group_backend", None),
+                            getattr(self, "_save_distributed_checkpoint", True), getattr(self, "_timeout", None))
         self._requested_sp_size = sp_size
         self.head_chunk_size = head_chunk_size
         self.sharding = sharding
@@ -67,7 +86,8 @@ class UlyssesMixin:
         dp, sp = self._resolve_layout()
         if dp * sp != self.world_size:
             raise RuntimeError(f"devices x num_nodes = {dp * sp} but the process group has {self.world_size} ranks")
-        self._device_mesh = build_dp_sp_mesh(sp, self.root_device.type)
+        # the SP / DP subgroups get the process group's timeout too (a hung peer fails as fast everywhere)
+        self._device_mesh = build_dp_sp_mesh(sp, self.root_device.type, timeout=getattr(self, "_timeout", None))
         self._sp_group = self._device_mesh.get_group("sp")
         self._sp_rank = self._device_mesh.get_local_rank("sp")
         self._layout = (dp, sp)

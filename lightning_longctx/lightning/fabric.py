@@ -6,6 +6,9 @@
 - ``setup_dataloaders`` gives a distributed sampler over dp and yields this rank's shards of dict batches of
   full sequences (:mod:`.batch`), so the loop is ``loss = model(**batch).loss; fabric.backward(loss)``.
 - ``fabric.save`` / ``fabric.load`` write and read distributed checkpoints (any dp x sp layout on reload).
+- ``timeout``: every collective's limit, the mesh's SP / DP subgroups included (the loop is yours: wrap it in
+  ``lightning_longctx.parallel.phases.collective_guard`` to get the phase-naming errors the Trainer strategy
+  raises).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch import nn
 from torch.optim import Optimizer
 
+from ..parallel.phases import collective_guard
 from .batch import ShardingLoader
 from .common import UlyssesMixin
 
@@ -51,8 +55,10 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         super(ModelParallelStrategy, self).setup_environment()  # the accelerator's device
-        self._setup_distributed()
-        self._setup_layout()
+        seconds = self._timeout.total_seconds() if self._timeout is not None else None
+        with collective_guard(seconds, "process group and device mesh setup"):
+            self._setup_distributed()
+            self._setup_layout()  # the mesh's SP / DP subgroups get ``timeout`` too
 
     def _parallelize_root(self, module: nn.Module, mesh: Any) -> nn.Module:
         return self._parallelize(module, [module])

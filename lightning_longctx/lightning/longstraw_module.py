@@ -34,7 +34,9 @@ not clip under manual optimisation. The LR schedule (:func:`lr_factor`: linear w
 then ``constant`` or ``cosine`` decay to 0 at ``max_steps``) is a ``LambdaLR`` returned from
 :meth:`~LongStrawModule.configure_optimizers`, so Lightning checkpoints and restores it with the optimizer;
 the module steps it once per optimizer step (Lightning does not under manual optimisation) and logs the LR
-that step used as ``train/lr``.
+that step used as ``train/lr``. ``optimizer.step(closure)`` hands the step's loss to the strategy's
+non-finite check (``UlyssesStrategy(on_nonfinite="raise" | "skip")``, :mod:`.nonfinite`): a non-finite loss or
+gradient on any rank stops the run, or skips the update on every rank alike.
 
 Checkpoints: besides what Lightning saves (parameters, optimizer and LR-scheduler state, loop progress), the
 sampling generator's state of every data-parallel rank is saved (``checkpoint["longstraw_sampling_rng"]``,
@@ -53,11 +55,15 @@ import torch
 import torch.distributed as dist
 
 from ..longstraw import group_advantages, longstraw_step, prefill_for_step, sample, score
-from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
-from ..longstraw.step import check_group_agrees
+from ..longstraw.checks import check_logits_chunk_size, check_step_options
+from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT, check_state_segment
+from ..longstraw.losses import LOSS_TYPES
+from ..longstraw.sampling import StopIds, check_sampling_options, stop_token_ids
+from ..longstraw.step import PROMPT_GRADS, check_group_agrees, check_temperature
 from ..models.lora import prompt_frozen
 from ..ops.memory import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
+from ..parallel.phases import phase
 
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -78,6 +84,11 @@ def lr_factor(step: int, *, warmup_steps: int = 0, schedule: str = "constant", m
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _returns(value):
+    """A closure returning ``value`` (``optimizer.step(closure=...)``: how the step's loss reaches the strategy)."""
+    return lambda: value
+
+
 class LongStrawModule(pl.LightningModule):
     """GRPO-family training with exact LongStraw group steps.
 
@@ -92,7 +103,9 @@ class LongStrawModule(pl.LightningModule):
         ref_model: frozen reference policy for the KL term (needed when ``beta > 0``, unless ``model`` has LoRA
             adapters: the reference is then the base model with the adapters disabled).
         max_new_tokens, temperature, top_p, top_k, eos_token_id: sampling (:func:`~lightning_longctx.longstraw.
-            sample`: the G responses decoded together over the one prefill the step then uses).
+            sample`: the G responses decoded together over the one prefill the step then uses). ``eos_token_id``:
+            one stop id or several (a response ends at the first it draws); checked here against the vocabulary;
+            ``self.stop_token_ids`` holds them as a tuple.
         logprob_temperature: the step's (and the KL reference's) log-probs are those of
             ``softmax(logits / logprob_temperature)``; None = the sampling ``temperature`` (TRL's convention: the
             loss sees the distribution the responses were drawn from), or 1 when sampling greedily.
@@ -114,6 +127,37 @@ class LongStrawModule(pl.LightningModule):
     # keeps full replicas reduced by the step itself.
     shards_with_fsdp = True
 
+    @staticmethod
+    def check_arguments(*, group_size=4, loss_type="token_mean", prompt_grad="full", beta=0.0, clip_eps=(0.2, 0.2),
+                        max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0, logprob_temperature=None,
+                        logits_chunk_size=None, state_segment=DEFAULT_STATE_SEGMENT, lr=1e-4, max_grad_norm=None,
+                        lr_warmup_steps=0, lr_schedule="constant", **_others) -> None:
+        """The checks of the arguments that need no model (``ValueError`` naming the value). ``longctx-train``
+        runs them on ``task.module`` before it builds the model (:func:`lightning_longctx.config_checks.
+        check_module_arguments`); a subclass extends them by overriding this (its own arguments arrive in
+        ``_others``)."""
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size={group_size!r} must be an int >= 1 (responses per prompt)")
+        check_sampling_options(group_size, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                               top_k=top_k)
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
+        if prompt_grad not in PROMPT_GRADS:
+            raise ValueError(f"unknown prompt_grad {prompt_grad!r}; choose one of {PROMPT_GRADS}")
+        check_step_options(beta=beta, clip_eps=tuple(clip_eps) if isinstance(clip_eps, list) else clip_eps)
+        check_logits_chunk_size(logits_chunk_size)
+        check_state_segment(state_segment)
+        if logprob_temperature is not None:
+            check_temperature(logprob_temperature)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+            raise ValueError(f"lr={lr!r} must be a finite number > 0")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0 (or None: no clipping)")
+        if isinstance(lr_warmup_steps, bool) or not isinstance(lr_warmup_steps, int) or lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps={lr_warmup_steps!r} must be an int >= 0")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {lr_schedule!r}; choose one of {LR_SCHEDULES}")
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -130,7 +174,7 @@ class LongStrawModule(pl.LightningModule):
         top_p: float = 1.0,
         top_k: int | None = 0,
         logprob_temperature: float | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: StopIds = None,
         max_response_length: int | None = None,
         logits_chunk_size: int | None = None,
         offload_checkpoints: bool = False,
@@ -146,15 +190,14 @@ class LongStrawModule(pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        self.check_arguments(group_size=group_size, loss_type=loss_type, prompt_grad=prompt_grad, beta=beta,
+                             clip_eps=clip_eps, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                             top_k=top_k, logprob_temperature=logprob_temperature, logits_chunk_size=logits_chunk_size,
+                             state_segment=state_segment, lr=lr, max_grad_norm=max_grad_norm,
+                             lr_warmup_steps=lr_warmup_steps, lr_schedule=lr_schedule)
         if beta > 0 and ref_model is None and not getattr(model, "has_lora", lambda: False)():
             raise ValueError(f"beta={beta} needs a ref_model for the KL term (or a model with LoRA adapters: the "
                              "reference is then the base with the adapters disabled)")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0 (or None: no clipping)")
-        if lr_warmup_steps < 0:
-            raise ValueError(f"lr_warmup_steps={lr_warmup_steps} must be >= 0")
-        if lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"unknown lr_schedule {lr_schedule!r}; choose one of {LR_SCHEDULES}")
         self.model = model
         self.ref_model = ref_model
         if ref_model is not None:
@@ -168,8 +211,10 @@ class LongStrawModule(pl.LightningModule):
             defer_grad_sync=defer_grad_sync,
             state_segment=state_segment,
         )
+        output = getattr(model, "output_weight", None)  # [vocab, E] on a DecoderLM: the stop ids must lie in it
+        self.stop_token_ids = stop_token_ids(eos_token_id, output.shape[0] if output is not None else None)
         self.sample_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  eos_token_id=eos_token_id)
+                                  eos_token_id=self.stop_token_ids or None)
         if logprob_temperature is None:
             logprob_temperature = temperature if temperature > 0 else 1.0
         if not 0 < logprob_temperature < math.inf:
@@ -348,10 +393,12 @@ class LongStrawModule(pl.LightningModule):
             if given is not None:
                 responses = [torch.as_tensor(r, device=prompt.device) for r in given[index]]
             else:
-                responses = sample(self.model, prompt, self.group_size, group=sp_group, prompt_state=state,
-                                   generator=self._sampling_generator(), **self.sample_kwargs)
+                with phase(f"sampling (group {index + 1}/{len(prompts)})"):
+                    responses = sample(self.model, prompt, self.group_size, group=sp_group, prompt_state=state,
+                                       generator=self._sampling_generator(), **self.sample_kwargs)
             fields = {k: v[index] for k, v in extra.items()}
-            rewards = self.group_rewards(prompt, responses, fields, sp_group)  # same on every SP rank
+            with phase("reward"):
+                rewards = self.group_rewards(prompt, responses, fields, sp_group)  # same on every SP rank
             advantages = group_advantages(rewards, scale_by_std=self.scale_rewards)
             rewards = rewards.cpu()
             old = None  # on-policy, unless an external engine's behaviour log-probs came with its responses
@@ -366,9 +413,12 @@ class LongStrawModule(pl.LightningModule):
                                  dp_group=dp_group, progress=self.progress, measure_memory=False, prompt_state=state,
                                  temperature=self.logprob_temperature, **self.step_kwargs)
             del state
-            grad_norm = self.clip_and_measure()  # the gradients are final: summed over SP, averaged over DP
+            with phase("gradient clipping"):
+                grad_norm = self.clip_and_measure()  # the gradients are final: summed over SP, averaged over DP
             lr = optimizer.param_groups[0]["lr"]  # the LR this step uses
-            optimizer.step()
+            # the closure hands the loss to the strategy's non-finite check (UlyssesStrategy(on_nonfinite=...)),
+            # which runs it before the update and may skip the update on every rank alike
+            optimizer.step(closure=_returns(torch.tensor(out.loss, dtype=torch.float64)))
             scheduler = self._lr_scheduler()
             if scheduler is not None:
                 scheduler.step()

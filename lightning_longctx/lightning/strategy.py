@@ -26,6 +26,14 @@ both sharding modes (each runs on FSDP2) the strategy hands FSDP2
 reduction); for a module that handles SP itself (plain replicas) Lightning's autocast does the casting.
 ``"bf16-true"`` (everything bf16, no master copy) is only an explicit memory option.
 
+Faults (docs/reliability.md): ``timeout`` is every collective's limit, on the default process group and on the
+mesh's SP / DP subgroups alike (``longctx-train``: ``cluster.collective_timeout_s``); a collective that times out
+or loses its peer inside a strategy hook (setup, batch sharding, ``training_step``, backward, optimizer step,
+barriers, checkpoint save / load) is re-raised as :class:`~lightning_longctx.parallel.phases.CollectiveError`
+naming the timeout, the phase (the innermost marked one: LongStraw marks prefill, sampling, each replay branch,
+the grouped backward's layers) and the rank. ``on_nonfinite`` (``"raise"`` / ``"skip"`` / None = no check): a
+non-finite loss or gradient on any rank is caught before ``optimizer.step()`` (:mod:`.nonfinite`).
+
 Registered as ``"ulysses"`` when ``lightning_longctx`` is imported (Lightning has no entry points for
 strategies): ``import lightning_longctx`` must come before ``Trainer(strategy="ulysses")`` (a Hydra
 ``_target_`` under ``lightning_longctx`` does it).
@@ -42,7 +50,9 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from ..parallel.phases import collective_guard, phase
 from .common import UlyssesMixin
+from .nonfinite import NonfiniteGuard
 from .parallelize import broadcast_replicas, check_attention_heads, register_prefix_state_methods
 
 if TYPE_CHECKING:
@@ -61,7 +71,12 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         sharding: ``"fsdp"`` (FSDP2 ZeRO-3 over all ``dp x sp`` ranks: parameters, gradients and optimizer
             state sharded; needed for 8B+ models at long context) or ``"replicate"`` (full replicas,
             gradients all-reduced).
-        save_distributed_checkpoint, process_group_backend, timeout: as in ``ModelParallelStrategy``.
+        save_distributed_checkpoint, process_group_backend: as in ``ModelParallelStrategy``.
+        timeout: every collective's limit (default process group and the mesh's subgroups); a collective that
+            times out (or whose peer died) raises ``CollectiveError`` naming it and the phase.
+        on_nonfinite: ``"raise"`` (default: :class:`~.nonfinite.NonFiniteError` naming the step and the first
+            non-finite parameter), ``"skip"`` (no optimizer step: parameters and optimizer state untouched,
+            ``train/nonfinite_skipped`` counts them) or None (no check); one decision for all ranks.
     """
 
     strategy_name = "ulysses"
@@ -75,21 +90,86 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        on_nonfinite: str | None = "raise",
     ) -> None:
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+            raise ValueError(f"timeout={timeout!r} must be a positive datetime.timedelta (or None)")
+        self.nonfinite = NonfiniteGuard(on_nonfinite) if on_nonfinite is not None else None
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
         self._init_ulysses(sp_size, head_chunk_size, sharding)
+        self.last_step_skipped = False  # whether the last optimizer_step was skipped (non-finite, "skip")
+
+    # ------------------------------------------------------------------------------------------------ faults
+    def _guard(self, name: str):
+        """Collective failures in the block re-raised naming the timeout, ``name`` (or a finer phase), the rank."""
+        seconds = self._timeout.total_seconds() if self._timeout is not None else None
+        return collective_guard(seconds, name)
 
     def setup_environment(self) -> None:
-        self._setup_distributed()  # accelerator device + process group (ModelParallelStrategy's)
-        self._setup_layout()
+        with self._guard("process group and device mesh setup"):
+            self._setup_distributed()  # accelerator device + process group (ModelParallelStrategy's)
+            self._setup_layout()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._guard("training_step"):
+            return super().training_step(*args, **kwargs)
+
+    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
+        with self._guard("backward"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        """The optimizer step, after the non-finite check (``on_nonfinite``): under automatic optimisation
+        the check runs right after Lightning's closure (forward + backward), before gradient clipping and the
+        update; a skipped step never calls ``optimizer.step()``."""
+        self.last_step_skipped = False
+        module = model if model is not None else self.lightning_module
+        guard = self.nonfinite
+        with self._guard("optimizer step"):
+            if guard is None:
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+            def checked_closure():
+                result = closure()
+                with phase("non-finite check"):
+                    step = module.trainer.global_step if getattr(module, "_trainer", None) is not None else 0
+                    if not guard.finite(module, result, step, device=self.root_device):
+                        raise _SkipStep
+                return result
+
+            try:
+                out = super().optimizer_step(optimizer, checked_closure, model, **kwargs)
+            except _SkipStep:
+                self.last_step_skipped = True
+                out = None
+            if getattr(module, "_current_fx_name", None) is not None:
+                module.log("train/nonfinite_skipped", float(guard.skipped), on_step=True, on_epoch=False,
+                           rank_zero_only=True, batch_size=1)
+            return out
+
+    def barrier(self, name: str | None = None) -> None:
+        with self._guard(f"barrier {name}" if name else "barrier"):
+            super().barrier(name)
+
+    def broadcast(self, obj, src: int = 0):
+        with self._guard("broadcast"):
+            return super().broadcast(obj, src)
+
+    def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean"):
+        with self._guard("reduce (metric sync)"):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
     def setup(self, trainer: pl.Trainer) -> None:
+        with self._guard("setup (parallelize, broadcast parameters, optimizers)"):
+            self._setup(trainer)
+
+    def _setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -124,7 +204,10 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return batch if self._module_handles_sp() else self.shard_batch(batch)
+        if self._module_handles_sp():
+            return batch
+        with self._guard("batch sharding"):
+            return self.shard_batch(batch)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     # A parallelized module: distributed checkpoints (ModelParallelStrategy's; any dp x sp layout on resume).
@@ -143,16 +226,20 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         return self._checkpointing().optimizer_state(optimizer)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        self._checkpointing().load_model_state_dict(checkpoint, strict=strict)
+        with self._guard("checkpoint load (model)"):
+            self._checkpointing().load_model_state_dict(checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        self._checkpointing().load_optimizer_state_dict(checkpoint)
+        with self._guard("checkpoint load (optimizer)"):
+            self._checkpointing().load_optimizer_state_dict(checkpoint)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
-        self._checkpointing().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        with self._guard("checkpoint save"):
+            self._checkpointing().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._checkpointing().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        with self._guard("checkpoint load"):
+            return self._checkpointing().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def _replicas_of_a_self_sharding_module(self) -> bool:
         """A module that handles SP itself keeps plain replicas, unless it declares ``shards_with_fsdp = True``
@@ -169,3 +256,7 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         """A LightningModule with ``handles_sequence_parallel = True`` gets the mesh (``self.device_mesh``,
         dims ``"dp"``/``"sp"``) and the dp sampler only: no batch sharding, no FSDP, no gradient reduction."""
         return bool(getattr(self.lightning_module, "handles_sequence_parallel", False))
+
+
+class _SkipStep(Exception):
+    """Raised by the checked closure to leave ``optimizer.step()`` before it updates anything."""

@@ -26,12 +26,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 from ..models.fused_attention import PromptPass
 from ..models.gated_deltanet import LinearState
 from ..models.lora import adapters_disabled, adapters_from_position, lora_on_prompt
+from ..models.mla import MLAState
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
+from .latent import mla_layer_backward
 from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
 from .offload import HostStager
 from .state import PromptState, _to_host
@@ -253,6 +256,8 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
                 last = lambda layer=layer: layer_grad_sync(layer, True)  # noqa: E731
             grad_in = linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads,
                                             state.caches[index].boundaries, state.state_segment, last)
+        elif isinstance(state.caches[index], MLAState):  # the latent's summed gradient (:mod:`.latent`)
+            grad_in = mla_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads[0])
         else:
             kept = state.attention_outputs[index] if index < len(state.attention_outputs) else None
             if kept is not None:
@@ -290,5 +295,9 @@ def _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads, k
     # the layer's own forward (FSDP2 gathers its parameters around it), its attention told by the PromptPass to
     # reuse the kept outputs and to add the K/V seeds in its backward
     hidden_out = layer(hidden_in, pos, prefix_state=PromptPass(saved=kept, kv_grads=seeds))
-    torch.autograd.backward(hidden_out, grad_hidden)
+    # back-propagate from the output's gradient edge, not the tensor: nothing in the backward reads the layer's
+    # output (a residual sum), so its [1, s_l, E] buffer is freed before the backward instead of after it
+    edge = get_gradient_edge(hidden_out)
+    del hidden_out
+    torch.autograd.backward(edge, grad_hidden)
     return hidden_in.grad

@@ -83,16 +83,8 @@ def validate_sampling(model, prompt_ids, num_responses, *, max_new_tokens, tempe
                       eos_token_id, group=None, prompt_state=None) -> None:
     """Every input check of :func:`sample`; raises ``ValueError`` naming the values, before any work."""
     vocab = model.output_weight.shape[0]
-    if isinstance(num_responses, bool) or not isinstance(num_responses, int) or num_responses < 1:
-        raise ValueError(f"num_responses={num_responses!r} must be an int >= 1")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-    if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
-        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"top_k={top_k!r} must be None or an int >= 0 (0 = off)")
+    check_sampling_options(num_responses, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           top_k=top_k)
     stop_token_ids(eos_token_id, vocab)
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
         shape = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
@@ -107,6 +99,21 @@ def validate_sampling(model, prompt_ids, num_responses, *, max_new_tokens, tempe
                          "prompt state needs a static RoPE type (default, linear, llama3, yarn)")
     if prompt_state is not None:  # same prompt and group, parameters unchanged since its prefill
         check_prompt_state(prompt_state, model, prompt_ids, group)
+
+
+def check_sampling_options(num_responses, *, max_new_tokens, temperature, top_p, top_k) -> None:
+    """The model-free checks of :func:`sample`'s options (``LongStrawModule.check_arguments`` runs them on a
+    task's config before the model is built); raises ``ValueError`` naming the value."""
+    if isinstance(num_responses, bool) or not isinstance(num_responses, int) or num_responses < 1:
+        raise ValueError(f"num_responses={num_responses!r} must be an int >= 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
+    if isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k={top_k!r} must be None or an int >= 0 (0 = off)")
 
 
 def restricted_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
@@ -204,6 +211,12 @@ def sample(
     """
     validate_sampling(model, prompt_ids, num_responses, max_new_tokens=max_new_tokens, temperature=temperature,
                       top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, group=group, prompt_state=prompt_state)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator (CPU) or None, got {type(generator).__name__}")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step must be callable (step, rows, probs) or None, got {type(on_step).__name__}")
+    if prompt_ids.is_floating_point() or prompt_ids.is_complex():
+        raise ValueError(f"prompt_ids must hold integer token ids, got {prompt_ids.dtype}")
     stops = frozenset(stop_token_ids(eos_token_id))
     set_sequence_parallel_group(model, group)
     _check_group_agrees(prompt_ids, num_responses, max_new_tokens, group)
@@ -245,4 +258,5 @@ def sample(
     return [torch.tensor(t, dtype=prompt_ids.dtype, device=device) for t in tokens_out]
 
 
-__all__ = ["StopIds", "draw_tokens", "restricted_probs", "sample", "stop_token_ids", "validate_sampling"]
+__all__ = ["StopIds", "check_sampling_options", "draw_tokens", "restricted_probs", "sample", "stop_token_ids",
+           "validate_sampling"]

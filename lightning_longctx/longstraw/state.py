@@ -10,9 +10,13 @@ import torch.distributed as dist
 
 from ..models.fused_attention import PrefixCache
 from ..models.gated_deltanet import LinearState
+from ..models.mla import MLAState
 from ..parallel import group_rank, group_size, shard_sequence
 from .grads import CacheGradSink, move_grad_into
+from .latent import latent_grad, latent_leaf
 from .offload import HostStager
+
+_LEAF_STATES = (LinearState, MLAState)  # kept as leaves on the device (not a PrefixCache with a sink)
 
 
 @dataclass
@@ -58,6 +62,9 @@ class PromptState:
         ``boundaries`` stay graph-free, on the host with ``offload``)."""
         layer = len(self.caches)
         self.cache_requires_grad = requires_grad
+        if isinstance(cache, MLAState):  # the latent, sequence-sharded, on the device (:mod:`.latent`)
+            self.caches.append(latent_leaf(self, layer, cache, requires_grad))
+            return
         if not isinstance(cache, LinearState):
             move = self.stager.to_host if self.stager is not None else lambda t: t
             self.caches.append(tuple(move(t.detach()) for t in cache))
@@ -76,6 +83,8 @@ class PromptState:
     def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
         """The gradient summed over the group so far of layer ``layer``'s state tensor ``which`` (attention:
         0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail); on the host when offloaded."""
+        if isinstance(self.caches[layer], MLAState):
+            return latent_grad(self, layer, which)
         if (layer, which) in self.grads:
             return self.grads[(layer, which)]
         cache = self.caches[layer]
@@ -89,7 +98,7 @@ class PromptState:
         if not self.caches:
             return None
         cache = self.caches[layer]
-        if self.stager is None or isinstance(cache, LinearState):
+        if self.stager is None or isinstance(cache, _LEAF_STATES):
             return cache
         return self._fetch(layer, +1)
 
@@ -101,7 +110,7 @@ class PromptState:
         if not self.caches:
             return None
         cache = self.caches[layer]
-        if isinstance(cache, LinearState):
+        if isinstance(cache, _LEAF_STATES):
             return cache
         sink = None
         if self.cache_requires_grad:
@@ -123,7 +132,7 @@ class PromptState:
         """Layer ``layer``'s summed state gradients on ``device`` (for the grouped backward); offloaded ones come
         from the host, and the previous offloaded layer's start copying on the side stream."""
         grads = [self.cache_grad(layer, which) for which in (0, 1)]
-        if self.stager is None or isinstance(self.caches[layer], LinearState):
+        if self.stager is None or isinstance(self.caches[layer], _LEAF_STATES):
             return grads
         prev = self._staged_neighbour(layer, -1)
         pending = [] if prev is None else [self.grads.get((prev, w)) for w in (0, 1)]
@@ -137,7 +146,7 @@ class PromptState:
         """The next (``step=1``) or previous (``-1``) layer whose K/V are staged from the host, or None."""
         index = layer + step
         while 0 <= index < len(self.caches):
-            if not isinstance(self.caches[index], LinearState):
+            if not isinstance(self.caches[index], _LEAF_STATES):
                 return index
             index += step
         return None

@@ -40,6 +40,8 @@ import torch.distributed as dist
 from ..models.lora import prompt_frozen
 from ..ops.memory import track_memory
 from ..parallel import gather_ints, group_size, set_sequence_parallel_group
+from ..parallel.phases import mark, phase, progress_marker
+from .checks import check_logits_chunk_size, check_step_options, check_token_tensors
 from .grads import GroupGradients, accumulation_dtype
 from .linear_backward import DEFAULT_STATE_SEGMENT, check_state_segment
 from .losses import LOSS_TYPES, policy_token_terms, response_weights
@@ -76,7 +78,14 @@ def validate_group(
     model, prompt_ids, responses, advantages=None, *, loss_type="token_mean", prompt_grad="full",
     old_logprobs=None, ref_logprobs=None, max_response_length=None,
 ) -> None:
-    """Every input check of :func:`longstraw_step`; raises ``ValueError`` before any work."""
+    """Every input check of :func:`longstraw_step`; raises ``ValueError`` (``TypeError`` for a wrong kind of
+    argument) before any work."""
+    if not isinstance(getattr(model, "output_weight", None), torch.Tensor):
+        raise TypeError(f"model must be a DecoderLM (or implement its prefix-state API: output_weight, embed, layers, "
+                        f"...), got {type(model).__name__}")
+    check_token_tensors(prompt_ids, responses)
+    if advantages is not None and not isinstance(advantages, torch.Tensor):
+        raise TypeError(f"advantages must be a [G] tensor, got {type(advantages).__name__}")
     vocab = model.output_weight.shape[0]
     dynamic = [i for i, layer in enumerate(getattr(model, "layers", [])) if getattr(
         getattr(getattr(layer, "self_attn", None), "rotary", None), "is_dynamic", False)]
@@ -101,7 +110,8 @@ def validate_group(
             raise ValueError(f"{name} has token ids in [{low}, {high}], outside the vocabulary [0, {vocab})")
     if advantages is not None:
         if advantages.dim() != 1 or advantages.numel() != len(responses):
-            raise ValueError(f"advantages has {advantages.numel()} entries for G={len(responses)} responses")
+            raise ValueError(f"advantages has {advantages.numel()} entries for G={len(responses)} responses "
+                             f"(shape {tuple(advantages.shape)}; one per response: [G])")
         if not bool(torch.isfinite(advantages).all()):
             raise ValueError(f"advantages must be finite, got {advantages.tolist()}")
     for name, per_response in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
@@ -228,10 +238,11 @@ def prefill_for_step(
     set_sequence_parallel_group(model, group)
     full = _needs_grouped_backward(model, prompt_grad)
     grad_dtype = accumulation_dtype([p for p in model.parameters() if p.requires_grad], accumulate_dtype)
-    return prefill(model, prompt_ids, group, keep_checkpoints=full, cache_requires_grad=full,
-                   offload_checkpoints=offload_checkpoints, progress=progress, grad_dtype=grad_dtype,
-                   state_segment=state_segment, offload_prompt_cache=offload_prompt_cache,
-                   keep_attention_output=keep if full else "off")
+    with phase("prefill"):  # a collective failure names the phase and the last layer done
+        return prefill(model, prompt_ids, group, keep_checkpoints=full, cache_requires_grad=full,
+                       offload_checkpoints=offload_checkpoints, progress=progress_marker(progress),
+                       grad_dtype=grad_dtype, state_segment=state_segment, offload_prompt_cache=offload_prompt_cache,
+                       keep_attention_output=keep if full else "off")
 
 
 def _memory_knob(model, name: str, default):
@@ -333,6 +344,10 @@ def longstraw_step(
                    old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, max_response_length=max_response_length)
     check_state_segment(state_segment)
     check_temperature(temperature)
+    check_logits_chunk_size(logits_chunk_size)
+    check_step_options(beta=beta, clip_eps=clip_eps, accumulate_dtype=accumulate_dtype, group=group,
+                       dp_group=dp_group, prompt_state=prompt_state, replay_checkpointing=replay_checkpointing,
+                       defer_grad_sync=defer_grad_sync)
     if keep_attention_output is not None:
         check_keep_attention_output(keep_attention_output)
     if replay_checkpointing is None:
@@ -363,7 +378,7 @@ def longstraw_step(
     totals = torch.zeros(4, dtype=torch.float64, device=prompt_ids.device)  # loss, KL, clipped, entropy sums
     logprobs_out = []
     tracker = track_memory(prompt_ids.device) if measure_memory else contextlib.nullcontext()
-    with tracker as memory, step_grads:
+    with tracker as memory, step_grads, phase("replay"):
         state = prompt_state
         if state is None:
             state = prefill_for_step(model, prompt_ids, group=group, prompt_grad=prompt_grad,
@@ -371,6 +386,7 @@ def longstraw_step(
                                      offload_prompt_cache=offload_prompt_cache, accumulate_dtype=accumulate_dtype,
                                      progress=progress, keep_attention_output=keep_attention_output)
         for i, response in enumerate(responses):
+            mark(f"replay branch {i + 1}/{len(responses)}")
             branch = make_branch(state, response)
             logp_l, entropy_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size,
                                                 entropy=True, temperature=temperature,
@@ -400,12 +416,13 @@ def longstraw_step(
         if full:
             if sharded:
                 _set_grad_sync(model, True)  # each layer's one grouped backward reduce-scatters its summed grads
-            with prompt_weights(model):  # on_prompt=False adapters with a trainable base: the prompt on the base
-                grouped_backward(model, state, progress=progress,
+            with prompt_weights(model), phase("grouped backward"):  # on_prompt=False adapters: the prompt on the base
+                grouped_backward(model, state, progress=progress_marker(progress),
                                  layer_grad_sync=_set_layer_grad_sync if sharded and defer else None)
         del state, prompt_state
     if not sharded:
-        step_grads.finish(group, dp_group)  # accumulate_dtype: sum over SP, mean over DP, one collective per bucket
+        with phase("gradient reduction"):  # accumulate_dtype: sum over SP, mean over DP, one collective per bucket
+            step_grads.finish(group, dp_group)
     else:  # FSDP2's root keeps its gathered parameters after a forward no backward reaches (frozen embedding)
         _reshard(model)
     tokens = sum(lengths)
@@ -429,6 +446,7 @@ def score(model, prompt_ids, responses, *, group=None, logits_chunk_size=None, p
     """
     validate_group(model, prompt_ids, responses)
     check_temperature(temperature)
+    check_logits_chunk_size(logits_chunk_size)
     set_sequence_parallel_group(model, group)
     if prompt_state is not None:
         check_prompt_state(prompt_state, model, prompt_ids, group)

@@ -166,7 +166,7 @@ def attention_stage_bytes_fused(model: ModelShape, knobs: MemoryKnobs, sp: int, 
       dk, dv back ``2m u``), the gradient of the layer input ``E b`` per local token (the first stage's becomes
       the sum), and the stage's weight rows (:func:`attention_stage_rows`); eager kernels with ``C > m`` also
       expand K/V and their gradients ``4C u``. ``kept`` (the grouped backward with ``keep_attention_output``):
-      the stage's output is the prefill's head-sharded one, not exchanged again (``C u`` less).
+      the stage's output is the prefill's head-sharded one, not exchanged again (``C u`` less under SP).
     """
     c, m, _, md = stage_projection(model, sp, knobs.head_chunk_size)
     b, d, e = knobs.dtype_bytes, model.head_dim, model.hidden_size
@@ -178,7 +178,8 @@ def attention_stage_bytes_fused(model: ModelShape, knobs: MemoryKnobs, sp: int, 
         return max(tokens * (c * sp + 2 * md) * d * b + norms + c * u, exchanged + (c * u if attend else 0) + expand)
     project = tokens * (c * sp + 2 * md) * d * b + c * u + 2 * m * u + _qk_norm_saved(model, knobs, sp, tokens)
     expand = 4 * c * u if knobs.attention_backend == "eager" and c > m and attend else 0
-    grads = ((2 if kept else 3) * c + 2 * m) * u if attend else 2 * m * u
+    # kept, the output is not exchanged again (under SP a copy; on one rank the exchange is a view anyway)
+    grads = ((2 if kept and sp > 1 else 3) * c + 2 * m) * u if attend else 2 * m * u
     return project + exchanged + grads + expand + tokens * e * b + attention_stage_rows(model, knobs, sp)
 
 
@@ -236,10 +237,11 @@ def attention_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, to
     beyond its input and the seed gradient, the larger of:
 
     - the top of its backward (:func:`_backward_top`) with everything saved: :func:`attention_saved_bytes`, the
-      residual / MLP part, the layer's output ``E b``, the gate rows;
-    - a stage's backward: the input norm, FusedAttention's output and LSE, the layer's output, the gradient of
-      the attention output ``H d b``, of the residual ``E b`` and (gated) of the normed input from the gate
-      ``E b``, plus :func:`attention_stage_bytes_fused`.
+      residual / MLP part, the gate rows (not the layer's output: the backward starts from its gradient edge,
+      the output itself is freed first);
+    - a stage's backward: the input norm, FusedAttention's output and LSE, the gradient of the attention output
+      ``H d b``, of the residual ``E b`` and (gated) of the normed input from the gate ``E b``, plus
+      :func:`attention_stage_bytes_fused`.
 
     ``kept`` (``keep_attention_output``): the forward rebuilds its output from the prefill's stage outputs
     without attending, and the LSEs it would save are the kept ones (counted with the prompt state,
@@ -249,9 +251,9 @@ def attention_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, to
     gate_rows = h * d * e * b if model.attn_output_gate else 0
     lse = 0 if kept else (h // sp) * sp * tokens * A
     saved = (attention_saved_bytes(model, knobs, sp, tokens) - (h // sp) * sp * tokens * A + lse
-             + tokens * (residual_mlp(model, knobs, tokens) + e * b))
+             + tokens * residual_mlp(model, knobs, tokens))
     top = _backward_top(model, knobs, tokens, saved) + gate_rows
-    stage = (tokens * (_norm(model, b) + 2 * h * d * b + e * b * (3 if model.attn_output_gate else 2)) + lse
+    stage = (tokens * (_norm(model, b) + 2 * h * d * b + e * b * (2 if model.attn_output_gate else 1)) + lse
              + attention_stage_bytes_fused(model, knobs, sp, tokens, kept=kept))
     return max(top, stage)
 

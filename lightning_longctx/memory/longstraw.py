@@ -8,6 +8,7 @@ Legend and how the counts were checked: :mod:`.layers` (the per-layer terms thes
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from .layers import (
     A,
@@ -17,6 +18,7 @@ from .layers import (
     _norm,
     _norm_backward,
     _replay_cache,
+    attention_output_bytes,
     attention_prefill_bytes,
     attention_recompute_bytes,
     attention_replay_bytes,
@@ -39,7 +41,24 @@ from .phases import (
     static_bytes,
     weight_copies_bytes,
 )
-from .shapes import FULL_ATTENTION, INT64, LINEAR_ATTENTION, ClusterShape, MemoryKnobs, ModelShape
+from .shapes import FULL_ATTENTION, GIB, INT64, LINEAR_ATTENTION, ClusterShape, MemoryKnobs, ModelShape
+
+
+def choose_keep_attention_output(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int,
+                                 group_size: int, response_len: int, prompt_grad: str = "full") -> str:
+    """What ``memory.keep_attention_output=auto`` runs as: ``"device"`` when the step's plan with the prompt's
+    attention outputs kept on the device fits ``budget_gib`` (peak phase + ``reserve_gib``), else ``"off"``
+    (the grouped backward then attends over the prompt again: slower, exact). ``"host"`` is never chosen: it
+    trades PCIe traffic and host memory for device memory, an explicit setting. Without the grouped backward
+    (``prompt_grad="none"``) nothing is kept: ``"off"``. An explicit setting is returned as it is."""
+    if knobs.keep_attention_output != "auto":
+        return knobs.keep_attention_output
+    if prompt_grad != "full" or not model.full_layers:
+        return "off"
+    _, phases, _ = longstraw_phases(model, cluster, replace(knobs, keep_attention_output="device"), seq_len,
+                                    group_size, response_len, prompt_grad)
+    fits = max(phases.values()) + int(knobs.reserve_gib * GIB) <= int(knobs.budget_gib * GIB)
+    return "device" if fits else "off"
 
 
 def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int, group_size: int,
@@ -71,7 +90,17 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
       decoded together over the same prefill), the one phase where G counts.
 
     Otherwise G never appears: nothing of a branch outlives its replay.
+
+    ``keep_attention_output`` (``"auto"``: :func:`choose_keep_attention_output`; the component
+    ``attention_outputs`` says what it kept on the device): ``"device"`` keeps, from each attention layer's
+    prefill (not the prompt's last layer) to its grouped backward, its stage outputs and LSEs
+    (:func:`.layers.attention_output_bytes`), and that layer's grouped backward recomputes no attention
+    (``attention_recompute_bytes(kept=True)``); ``"host"`` keeps them in host memory and the device holds the
+    layer being back-propagated's copy.
     """
+    keep = choose_keep_attention_output(model, cluster, knobs, seq_len, group_size, response_len, prompt_grad)
+    if keep != knobs.keep_attention_output:
+        knobs = replace(knobs, keep_attention_output=keep)
     sp = cluster.sp
     cached = sp * ((seq_len - 1) // sp)
     s_l = max(cached // sp, 1)
@@ -96,8 +125,15 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
         kv, acc = min(kv, 2 * kv // layers), (min(kv_acc, 2 * kv_acc // layers) + state if full else 0)
     comp = dict(static, weight_copies=copies)
     comp.update(kv_cache=kv, recurrent_state=state, checkpoints=ckpt_dev, longstraw_accumulators=acc)
-    persistent = base + kv + state + ckpt_dev
     last = model.num_hidden_layers - 1
+    # keep_attention_output: per layer, the attention outputs its prefill keeps for its grouped backward (not
+    # the prompt's last layer: it does not attend), persistent until then
+    kept = keep != "off" and full
+    out_layer = [attention_output_bytes(model, knobs, sp, cached) if kept and k == FULL_ATTENTION and i < last
+                 else 0 for i, k in enumerate(model.layer_types)]
+    out_dev = out_layer if keep == "device" else [0] * len(out_layer)
+    host += sum(out_layer) if keep == "host" else 0
+    persistent = base + kv + state + ckpt_dev + sum(out_dev)
     # what the layers 0..i hold of the prompt state on the device, per phase: their checkpoints (+ segment
     # states), the linear layers' states (and, in the grouped backward, their gradients), the attention
     # layers' K/V and, in the grouped backward, their float32 sums. Offloaded (``offload_prompt_cache``): no
@@ -113,7 +149,7 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
         ckpt_layer = [c + (seg if k == LINEAR_ATTENTION else 0) for c, k in zip(ckpt_layer, model.layer_types)]
 
     def prompt_state(upto: int, grouped: bool) -> int:
-        total = sum(ckpt_layer[: upto + 1])
+        total = sum(ckpt_layer[: upto + 1]) + sum(out_dev[: upto + 1])
         kinds_below = model.layer_types[: upto + 1]
         attention = sum(k == FULL_ATTENTION for k in kinds_below)
         total += (len(kinds_below) - attention) * layer_state * (2 if grouped and full else 1)
@@ -144,7 +180,8 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     gathered = 2 * model.largest_layer_parameters() * b if sharded else 0
     reduce_input = model.largest_layer_parameters() * knobs.param_bytes if sharded and not model.lora_r else 0
     nograd = base - static["grads"] - (static["fsdp_buffers"] - gathered)  # gradients are None until a backward
-    prefill = [(prompt_state(i - 1, False) if i else 0) + ckpt_layer[i] + prefill_layer(i) for i in range(last + 1)]
+    prefill = [(prompt_state(i - 1, False) if i else 0) + ckpt_layer[i] + out_dev[i] + prefill_layer(i)
+               for i in range(last + 1)]
     comp["prefill_layer"] = max(prefill_layer(i) for i in range(last + 1))
 
     # replay: the branch's graph through every layer, then its backward; with activation checkpointing
@@ -179,7 +216,9 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
         if model.layer_types[i] == FULL_ATTENTION:
             if i == last:
                 return attention_state_bytes(model, knobs, sp, s_l)
-            return attention_recompute_bytes(model, knobs, sp, s_l)
+            # "host": the layer's kept outputs come to the device for its backward
+            fetched = out_layer[i] if keep == "host" else 0
+            return attention_recompute_bytes(model, knobs, sp, s_l, kept=out_layer[i] > 0) + fetched
         return linear_recompute_bytes(model, knobs, sp, s_l)
 
     seed = s_l * e * b * (2 if knobs.offload_checkpoints else 1)
@@ -192,7 +231,8 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     rows = group_size
     response_caches = rows * (kv_cache_bytes(model, knobs, sp, response_len + sp) + state)
     comp["response_caches"] = response_caches
-    rollout = nograd + kv + state + ckpt_dev + response_caches + 3 * rows * model.vocab_size * A
+    comp["attention_outputs"] = sum(out_dev)
+    rollout = nograd + kv + state + ckpt_dev + sum(out_dev) + response_caches + 3 * rows * model.vocab_size * A
     phases = {
         "prefill": nograd + max(prefill),
         "rollouts": rollout,
@@ -205,4 +245,4 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     return comp, phases, host
 
 
-__all__ = ["STATE_SEGMENT", "longstraw_phases"]
+__all__ = ["STATE_SEGMENT", "choose_keep_attention_output", "longstraw_phases"]

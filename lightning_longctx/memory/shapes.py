@@ -7,7 +7,7 @@ states are held in, and the bytes of the compute dtype (see :mod:`.phases`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,8 @@ BACKENDS = ("eager", "flash")
 MODES = ("sft", "longstraw")
 SHARDINGS = ("fsdp", "replicate")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
-
+KEEP_ATTENTION_OUTPUT = ("auto", "off", "device", "host")  # MemoryKnobs.keep_attention_output
+PRESET = "*"  # in ModelShape.from_config's ``explicit``: the model preset itself was chosen (model=<name>)
 
 
 def check_precision(precision: Any, legacy_dtype: Any = None) -> str:
@@ -90,9 +91,31 @@ class ModelShape:
     linear_conv_kernel_dim: int = 4
     lora_r: int | None = None
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    attention_out_bias: bool | None = None  # o_proj's bias; None = attention_bias (Qwen2: q/k/v only)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> ModelShape:
+    def from_config(cls, cfg: Any, explicit: Iterable[str] = ()) -> ModelShape:
+        """The shape of ``cfg`` (a model preset / ``DecoderConfig`` / dict), or, when ``cfg.pretrained`` names
+        a checkpoint directory, of its ``config.json``, read by the same mapping ``DecoderLM.from_pretrained``
+        builds from (:func:`.pretrained.pretrained_decoder_config`): the preset's architecture fields are then
+        ignored, as the build ignores them; only ``cfg.lora`` is taken from ``cfg``.
+
+        ``explicit``: the fields the user set (``longctx-*``: the command line's ``model.<field>=`` overrides,
+        and :data:`PRESET` for ``model=<preset>``). With a checkpoint, any of them that contradicts its
+        ``config.json`` raises ValueError naming both values (the preset: every architecture field).
+        """
+        pretrained = _get(cfg, "pretrained", None)
+        if not pretrained:
+            return cls._from_fields(cfg, _get(cfg, "lora", None))
+        from .pretrained import check_explicit, config_json, pretrained_decoder_config  # (imports this module)
+
+        arch = pretrained_decoder_config(pretrained)
+        shape = cls._from_fields(arch, _get(cfg, "lora", None))
+        check_explicit(cfg, arch, shape, tuple(explicit), config_json(pretrained))
+        return shape
+
+    @classmethod
+    def _from_fields(cls, cfg: Any, lora: Any) -> ModelShape:
         heads = int(_get(cfg, "num_attention_heads"))
         hidden = int(_get(cfg, "hidden_size"))
         layers = int(_get(cfg, "num_hidden_layers"))
@@ -102,8 +125,18 @@ class ModelShape:
         unknown = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
         if unknown:
             raise ValueError(f"unknown layer_types {unknown}; use {FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}")
+        mla_moe = {f: _get(cfg, f) for f in ("kv_lora_rank", "n_routed_experts") if _get(cfg, f) is not None}
+        if mla_moe:  # planned as a dense GQA model its numbers would be silently wrong
+            latent = ""
+            if "kv_lora_rank" in mla_moe:  # what is known without the planner: the latent cache per token
+                width = int(mla_moe["kv_lora_rank"]) + int(_get(cfg, "qk_rope_head_dim", 64))
+                latent = (f"; its LongStraw prompt cache is one {width}-wide latent per token and layer: "
+                          f"{layers} x {width} x 2 = {layers * width * 2:,} bytes per token in bf16")
+            raise ValueError(f"the memory planner does not model multi-head latent attention / mixture-of-experts "
+                             f"layers yet ({mla_moe}){latent}; DecoderLM trains them, but no plan can be made for "
+                             "this model")
         defaults = {f: cls.__dataclass_fields__[f].default for f in cls.__dataclass_fields__}
-        lora = _get(cfg, "lora", None)
+        out_bias = _get(cfg, "attention_out_bias", None)
         lora_r = _get(lora, "r", None) if lora is not None else None
         targets = tuple(_get(lora, "target_modules", None) or LORA_TARGETS) if lora_r else LORA_TARGETS
         unknown_targets = sorted(set(targets) - set(LORA_TARGETS))
@@ -124,7 +157,21 @@ class ModelShape:
                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                 "linear_conv_kernel_dim")},
             lora_r=None if not lora_r else int(lora_r), lora_targets=targets,
+            attention_out_bias=None if out_bias is None else bool(out_bias),
         )
+
+    def describe(self) -> str:
+        """``2 layers (2 full attention), hidden 64, 4 heads / 2 KV heads x head_dim 16, intermediate 128, vocab
+        64`` (+ the linear-attention heads of a hybrid)."""
+        kinds = f"{self.full_layers} full attention" + (f", {self.linear_layers} linear attention"
+                                                        if self.linear_layers else "")
+        text = (f"{self.num_hidden_layers} layers ({kinds}), hidden {self.hidden_size}, {self.num_attention_heads} "
+                f"heads / {self.num_key_value_heads} KV heads x head_dim {self.head_dim}, intermediate "
+                f"{self.intermediate_size}, vocab {self.vocab_size}")
+        if self.linear_layers:
+            text += (f", linear {self.linear_num_key_heads} key / {self.linear_num_value_heads} value heads x "
+                     f"{self.linear_key_head_dim}/{self.linear_value_head_dim}")
+        return text
 
     @property
     def full_layers(self) -> int:
@@ -146,7 +193,9 @@ class ModelShape:
     def full_layer_parameters(self) -> int:
         e, h, kv, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
         q = e * h * d * (2 if self.attn_output_gate else 1)
-        bias = (h * d * (2 if self.attn_output_gate else 1) + 2 * kv * d + e) if self.attention_bias else 0
+        out_bias = self.attention_bias if self.attention_out_bias is None else self.attention_out_bias
+        bias = (h * d * (2 if self.attn_output_gate else 1) + 2 * kv * d) if self.attention_bias else 0
+        bias += e if out_bias else 0
         return q + 2 * e * kv * d + h * d * e + bias + (2 * d if self.qk_norm else 0)
 
     def linear_layer_parameters(self) -> int:
@@ -232,6 +281,11 @@ class MemoryKnobs:
     ``reserve_gib``: what the runtime holds outside tensors (CUDA context, allocator fragmentation, NCCL).
     ``precision``: one of :data:`PRECISIONS` (Lightning's precision string; ``bf16-mixed`` by default).
     ``offload_prompt_cache``: LongStraw's prompt K/V and their gradient sums in host memory, staged per layer.
+    ``keep_attention_output``: LongStraw's exact step keeps each attention layer's prompt attention output and
+    LSE from the prefill (``"device"`` / ``"host"``, see :func:`.longstraw.attention_output_bytes`) so the grouped
+    backward does not attend again; ``"off"`` (the default, as ``MemoryConfig``'s) recomputes; ``"auto"`` (the
+    app's default, ``memory.keep_attention_output``): ``"device"`` when that plan fits the budget, else ``"off"``
+    (:func:`.longstraw.choose_keep_attention_output`).
     """
 
     budget_gib: float = 80.0
@@ -243,6 +297,7 @@ class MemoryKnobs:
     mlp_chunk_size: int | None = None
     logits_chunk_size: int | None = None
     attention_backend: str = "flash"
+    keep_attention_output: str = "off"
     reserve_gib: float = 0.0
     optimizer_states: int = 2
 
@@ -262,10 +317,14 @@ class MemoryKnobs:
             mlp_chunk_size=opt_int("mlp_chunk_size"), logits_chunk_size=opt_int("logits_chunk_size"),
             attention_backend=str(_get(cfg, "attention_backend", "flash")),
             reserve_gib=float(_get(cfg, "reserve_gib", 0.0)), optimizer_states=int(_get(cfg, "optimizer_states", 2)),
+            keep_attention_output=str(_get(cfg, "keep_attention_output", "off")),
         )
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
+        if self.keep_attention_output not in KEEP_ATTENTION_OUTPUT:
+            raise ValueError(f"memory.keep_attention_output={self.keep_attention_output!r} must be one of "
+                             f"{list(KEEP_ATTENTION_OUTPUT)}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -298,5 +357,6 @@ __all__ = [
     "ClusterShape",
     "MemoryKnobs",
     "ModelShape",
+    "PRESET",
     "check_precision",
 ]

@@ -1,5 +1,7 @@
-"""The decoder family we own: Llama / Qwen2 / Qwen3 shapes and the Qwen3.5 hybrids (Gated DeltaNet linear
-layers, :mod:`.gated_deltanet`, between gated full-attention layers), built for long context.
+"""The decoder family we own: Llama / Qwen2 / Qwen3 shapes, the Qwen3.5 hybrids (Gated DeltaNet linear
+layers, :mod:`.gated_deltanet`, between gated full-attention layers; Qwen3.5-MoE with experts in every layer) and
+DeepSeek-V3 / GLM-4.x-MoE-Lite (multi-head latent attention, :mod:`.mla`, and mixture-of-experts MLPs,
+:mod:`.moe`), built for long context.
 
 Main API: :class:`DecoderLM` (``forward(input_ids, position_ids, labels, shift_labels) -> DecoderOutput``,
 ``from_pretrained`` / ``save_pretrained`` for local HF directories) configured by :class:`DecoderConfig`
@@ -18,6 +20,8 @@ from .decoder import DecoderLayer, DecoderLM, DecoderMLP, DecoderOutput, default
 from .gated_deltanet import GatedDeltaNet, LinearState
 from .hf_io import config_from_hf, config_to_hf
 from .lora import LoRALinear
+from .mla import MLAState, MLAttention
+from .moe import MoE, QwenMoE
 from .norm import RMSNorm
 
 __all__ = [
@@ -31,7 +35,11 @@ __all__ = [
     "GatedDeltaNet",
     "LinearState",
     "LoRALinear",
+    "MLAState",
+    "MLAttention",
     "MemoryConfig",
+    "MoE",
+    "QwenMoE",
     "RMSNorm",
     "config_from_hf",
     "config_to_hf",

@@ -69,6 +69,7 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps, config.zero_centered_norms) if config.qk_norm else None
         self.rotary = RotaryEmbedding(config)
         self.sp_group: dist.ProcessGroup | None = None
+        check_head_layout(h, h_kv, 1, head_chunk_size)  # one rank's layout: a chunk that fits no sp_size fails now
         self.head_chunk_size = head_chunk_size
         self.backend = "auto"
 

@@ -6,23 +6,22 @@ Both are dataclasses validated in ``__post_init__``; every error names the offen
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from .config_moe import MLP_LAYER_TYPES, MLAMoEFields, _positive
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
-LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
-
-
-def _positive(name: str, value, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
+MLA_ATTENTION = "mla_attention"  # multi-head latent attention (DeepSeek-V3); every layer of an MLA model
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5_moe_text", *MLA_MODEL_TYPES)
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION)
 
 
 @dataclass
-class DecoderConfig:
+class DecoderConfig(MLAMoEFields):
     """A Llama / Qwen2 / Qwen3-shaped causal decoder, with transformers' field names.
 
     Args:
@@ -48,7 +47,8 @@ class DecoderConfig:
         tie_word_embeddings: ``lm_head.weight`` is ``embed_tokens.weight``.
         attention_bias: bias on q/k/v projections (and on o_proj unless ``attention_out_bias`` says otherwise).
         qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
-        layer_types: one entry per layer, ``"full_attention"`` or ``"linear_attention"`` (Gated DeltaNet).
+        layer_types: one entry per layer, ``"full_attention"``, ``"linear_attention"`` (Gated DeltaNet) or
+            ``"mla_attention"`` (every layer of an MLA model; the default when ``kv_lora_rank`` is set).
         attention_out_bias: bias on o_proj; None = ``attention_bias`` (Llama, Qwen3). Qwen2 is
             ``attention_bias=True, attention_out_bias=False``.
         pad_token_id: as HF's ``nn.Embedding(padding_idx=...)``: that row gets no gradient.
@@ -57,6 +57,16 @@ class DecoderConfig:
             qk_norm -> qwen3, q/k/v bias without o_proj bias -> qwen2, else llama).
         initializer_range, max_position_embeddings, bos_token_id, eos_token_id: metadata kept for HF round
             trips (``max_position_embeddings`` does not limit the sequence length; default RoPE ignores it).
+        q_lora_rank, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, rope_interleave: multi-head
+            latent attention (:mod:`.mla`; set ``kv_lora_rank`` to use it), as transformers' ``deepseek_v3``;
+            ``head_dim`` is then ``qk_rope_head_dim`` (what RoPE rotates), as there.
+        n_routed_experts, num_experts_per_tok, n_shared_experts, moe_intermediate_size, routed_scaling_factor,
+            n_group, topk_group, norm_topk_prob: the mixture of experts (:mod:`.moe`; set ``n_routed_experts``),
+            as ``deepseek_v3``. ``first_k_dense_replace`` (DeepSeek) or ``mlp_layer_types`` (GLM, ``"dense"`` /
+            ``"sparse"`` per layer) say which layers keep the dense MLP (``intermediate_size``).
+        shared_expert_intermediate_size: Qwen3.5-MoE's experts instead (``qwen3_5_moe_text``, with the hybrid's
+            fields): a softmax router whose top-k is always renormalised and one shared expert of this width
+            scaled by ``sigmoid(shared_expert_gate(x))`` (``n_routed_experts`` is transformers' ``num_experts``).
     """
 
     vocab_size: int
@@ -88,6 +98,23 @@ class DecoderConfig:
     linear_key_head_dim: int | None = None
     linear_value_head_dim: int | None = None
     linear_conv_kernel_dim: int | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = True
+    n_routed_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    n_shared_experts: int = 1
+    moe_intermediate_size: int | None = None
+    first_k_dense_replace: int | None = None
+    mlp_layer_types: list[str] | None = None
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -95,6 +122,7 @@ class DecoderConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         _positive("num_key_value_heads", self.num_key_value_heads)
+        self._check_mla()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -110,6 +138,16 @@ class DecoderConfig:
         _positive("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range", "partial_rotary_factor"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a number")
+        for f in dataclasses.fields(self):  # a string such as "false" would silently count as True
+            value = getattr(self, f.name)
+            allowed = isinstance(value, bool) or (value is None and f.type == "bool | None")
+            if f.type in ("bool", "bool | None") and not allowed:
+                raise TypeError(f"{f.name}={value!r} must be a bool")
+        if not 0 <= self.initializer_range < float("inf"):
+            raise ValueError(f"initializer_range={self.initializer_range} must be a finite number >= 0")
         if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
             raise ValueError(f"rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be positive")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
@@ -118,6 +156,7 @@ class DecoderConfig:
             self.attention_out_bias = self.attention_bias
         self._check_rope()
         self._check_layer_types()
+        self._check_moe()
         self._check_model_type()
 
     def _check_rope(self) -> None:
@@ -127,6 +166,8 @@ class DecoderConfig:
             raise ValueError(f"head_dim={self.head_dim} x partial_rotary_factor={self.partial_rotary_factor} = "
                              f"{self.rotary_dim} rotary dims must be even")
         if self.rope_parameters is not None:
+            if not isinstance(self.rope_parameters, Mapping):
+                raise TypeError(f"rope_parameters={self.rope_parameters!r} must be a dict (HF's) or None")
             self.rope_parameters = dict(self.rope_parameters)
             # a default type may still carry metadata to write back (Qwen3.5's mrope_section: with text-only
             # positions mRoPE is plain partial RoPE); without any, it is simply the default
@@ -145,7 +186,7 @@ class DecoderConfig:
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
-            self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
+            self.layer_types = [MLA_ATTENTION if self.is_mla else FULL_ATTENTION] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
@@ -154,6 +195,9 @@ class DecoderConfig:
         for i, kind in enumerate(self.layer_types):
             if kind not in LAYER_TYPES:
                 raise ValueError(f"layer_types[{i}]={kind!r} is unknown; choose from {LAYER_TYPES}")
+            if (kind == MLA_ATTENTION) != self.is_mla:
+                raise ValueError(f"layer_types[{i}]={kind!r}: an MLA model (kv_lora_rank={self.kv_lora_rank}) has "
+                                 f"only {MLA_ATTENTION!r} layers, and only it has them")
         if not self.has_linear_layers:
             return
         defaults = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
@@ -172,12 +216,22 @@ class DecoderConfig:
             raise ValueError(
                 f"no supported HF architecture has qk_norm={self.qk_norm}, attention_bias={self.attention_bias}, "
                 f"attention_out_bias={self.attention_out_bias}, attn_output_gate={self.attn_output_gate}, "
-                f"zero_centered_norms={self.zero_centered_norms}, linear layers={self.has_linear_layers}"
+                f"zero_centered_norms={self.zero_centered_norms}, linear layers={self.has_linear_layers}, "
+                f"mixture of experts={self.has_moe} (without MLA)"
             )
         if self.model_type is None:
             return
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type={self.model_type!r} is not one of {MODEL_TYPES}")
+        if self.is_mla or self.model_type in MLA_MODEL_TYPES:
+            if not self.is_mla or (self.model_type == "deepseek_v3" and self.dense_prefix() is None):
+                raise ValueError(f"model_type={self.model_type!r} needs MLA and MoE fields (kv_lora_rank="
+                                 f"{self.kv_lora_rank}); deepseek_v3 needs dense MLP layers first, then MoE "
+                                 f"(mlp_layer_types={self.mlp_layer_types})")
+            return
+        if self.has_moe != (self.model_type == "qwen3_5_moe_text"):
+            raise ValueError(f"model_type={self.model_type!r} {'has no' if self.has_moe else 'needs a'} mixture of "
+                             f"experts (n_routed_experts={self.n_routed_experts})")
         qwen3_5 = self.qk_norm and self.attn_output_gate and self.zero_centered_norms
         plain = not (self.attn_output_gate or self.zero_centered_norms or self.has_linear_layers)
         compatible = {
@@ -185,6 +239,8 @@ class DecoderConfig:
             "qwen2": plain and not self.qk_norm and self.attention_bias and not self.attention_out_bias,
             "qwen3": plain and self.qk_norm and self.attention_out_bias == self.attention_bias,
             "qwen3_5_text": qwen3_5 and self.attention_out_bias == self.attention_bias,
+            "qwen3_5_moe_text": (qwen3_5 and self.attention_out_bias == self.attention_bias
+                                 and self.moe_style == "qwen"),
         }[self.model_type]
         if not compatible:
             raise ValueError(
@@ -198,10 +254,16 @@ class DecoderConfig:
         """The HF ``model_type`` this shape saves as: ``model_type`` if set, else inferred (None: none fits)."""
         if self.model_type is not None:
             return self.model_type
+        if self.is_mla:
+            return "deepseek_v3" if self.dense_prefix() is not None else "glm4_moe_lite"
+        if self.moe_style == "deepseek":
+            return None  # DeepSeek's experts without MLA: no architecture DecoderLM implements
+        if self.has_moe and not (self.attn_output_gate or self.zero_centered_norms or self.has_linear_layers):
+            return None  # Qwen3.5's experts in a plain decoder (Qwen3-MoE): not implemented
         if self.attn_output_gate or self.zero_centered_norms or self.has_linear_layers:
             fits = (self.qk_norm and self.attn_output_gate and self.zero_centered_norms
                     and self.attention_out_bias == self.attention_bias)
-            return "qwen3_5_text" if fits else None
+            return ("qwen3_5_moe_text" if self.has_moe else "qwen3_5_text") if fits else None
         if self.qk_norm:
             return "qwen3" if self.attention_out_bias == self.attention_bias else None
         if self.attention_bias and not self.attention_out_bias:
@@ -248,4 +310,5 @@ class MemoryConfig:
             )
 
 
-__all__ = ["FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION", "MODEL_TYPES", "DecoderConfig", "MemoryConfig"]
+__all__ = ["FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION", "MLA_ATTENTION", "MLA_MODEL_TYPES", "MLP_LAYER_TYPES",
+           "MODEL_TYPES", "DecoderConfig", "MemoryConfig"]

@@ -1,7 +1,8 @@
-"""``DecoderLM``: a Llama / Qwen2 / Qwen3 / Qwen3.5-hybrid-shaped causal LM built for long context.
+"""``DecoderLM``: a Llama / Qwen2 / Qwen3 / Qwen3.5-hybrid / DeepSeek-V3-shaped causal LM built for long context.
 
 Token-wise work (embeddings, norms, MLP, lm_head) runs on this rank's slice of the sequence; attention is
-the fused head-chunked block of :mod:`.attention`, a linear layer the Gated DeltaNet of :mod:`.gated_deltanet`.
+the fused head-chunked block of :mod:`.attention`, a linear layer the Gated DeltaNet of :mod:`.gated_deltanet`, an
+MLA layer the latent attention of :mod:`.mla` (MoE MLPs: :mod:`.moe`); one layer is :mod:`.layer`'s.
 Parameter names mirror transformers'
 (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, ..., ``model.norm``, ``lm_head``), so HF
 checkpoints map one to one (:mod:`.hf_io`).
@@ -25,13 +26,12 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.losses import IGNORE_INDEX, chunked_cross_entropy, chunked_token_logprobs
-from ..ops.mlp import tiled_mlp
 from ..parallel import group_rank, group_size
 from ..parallel import shift_labels as shift_hf_labels
-from .attention import DecoderAttention
-from .config import FULL_ATTENTION, LINEAR_ATTENTION, DecoderConfig, MemoryConfig
+from .config import DecoderConfig, MemoryConfig
 from .gated_deltanet import GatedDeltaNet
-from .lora import masked_linear
+from .layer import DecoderLayer, DecoderMLP  # noqa: F401  (re-exported: the layer lives in layer.py)
+from .moe import Experts, SoftmaxRouter, TopKRouter
 from .norm import RMSNorm
 
 
@@ -62,141 +62,13 @@ def default_position_ids(input_ids: torch.Tensor, group: dist.ProcessGroup | Non
     return torch.arange(start, start + s_l, device=input_ids.device).expand(input_ids.shape[0], s_l)
 
 
-class DecoderMLP(nn.Module):
-    """SwiGLU MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
-
-    def __init__(self, config: DecoderConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [..., tokens, E]``; ``lora_mask [..., tokens]``: the tokens LoRA adapters act on (None: all)."""
-        act = F.silu(masked_linear(self.gate_proj, x, lora_mask)) * masked_linear(self.up_proj, x, lora_mask)
-        return masked_linear(self.down_proj, act, lora_mask)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h + mixer(norm(h))``, then ``h + mlp(norm(h))``.
-
-    The mixer is the layer type's: ``self_attn`` (:class:`DecoderAttention`, ``"full_attention"``) or
-    ``linear_attn`` (:class:`GatedDeltaNet`, ``"linear_attention"``), named as in transformers.
-
-    ``adapter_start``: with prefix-frozen LoRA adapters, the first global position they act on (None: all;
-    set by :func:`.lora.adapters_from_position`); :meth:`adapter_mask` turns ``position_ids`` into the mask.
-    """
-
-    def __init__(self, config: DecoderConfig, memory: MemoryConfig, layer_type: str = FULL_ATTENTION) -> None:
-        super().__init__()
-        eps, zero = config.rms_norm_eps, config.zero_centered_norms
-        self.layer_type = layer_type
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero)
-        if layer_type == LINEAR_ATTENTION:
-            self.linear_attn = GatedDeltaNet(config, memory.head_chunk_size)
-        else:
-            self.self_attn = DecoderAttention(config, memory.head_chunk_size)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero)
-        self.mlp = DecoderMLP(config)
-        self.mlp_chunk_size = memory.mlp_chunk_size
-        self.adapter_start: int | None = None
-
-    @property
-    def mixer(self) -> nn.Module:
-        """The token mixer: ``self_attn`` or ``linear_attn``."""
-        return self.linear_attn if self.layer_type == LINEAR_ATTENTION else self.self_attn
-
-    def adapter_mask(self, position_ids: torch.Tensor) -> torch.Tensor | None:
-        """``[b, s_l]`` bool, ``position_ids >= adapter_start``: the tokens the LoRA adapters act on (None: all)."""
-        return None if self.adapter_start is None else position_ids >= self.adapter_start
-
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, prefix_state=None,
-                return_state: bool = False, state_every: int | None = None, lora_mask: torch.Tensor | None = None):
-        """``hidden [b, s_l, E]`` at global ``position_ids [b, s_l]`` -> ``[b, s_l, E]``.
-
-        Prompt state (LongStraw, generation): with ``prefix_state`` the tokens continue earlier ones, with
-        ``return_state`` the layer also returns what later tokens need of this call, both differentiable.
-        Attention layers: ``(k_cache, v_cache)`` in cache layout (every token attends to the whole cache and
-        causally to itself, see :mod:`.attention`). Linear layers: a :class:`LinearState` (the recurrent state
-        and the conv tail; ``state_every=N`` adds graph-free states every N tokens, see :mod:`.gated_deltanet`).
-        ``lora_mask``: ``[b, s_l]`` bool, the tokens LoRA adapters act on; default :meth:`adapter_mask`
-        (activation checkpointing passes it, so the recomputation does not read ``adapter_start`` again).
-        """
-        lora_mask = self.adapter_mask(position_ids) if lora_mask is None else lora_mask
-        normed = self.input_layernorm(hidden)
-        if self.layer_type == LINEAR_ATTENTION:
-            mixed = self.linear_attn(normed, prefix_state=prefix_state, return_state=return_state,
-                                     state_every=state_every)
-        else:
-            mixed = self.self_attn(normed, position_ids, prefix_kv=prefix_state, return_kv=return_state,
-                                   lora_mask=lora_mask)
-        mixed, state = mixed if return_state else (mixed, None)
-        hidden = self.residual_mlp(hidden, mixed, lora_mask)
-        return (hidden, state) if return_state else hidden
-
-    def residual_mlp(self, hidden: torch.Tensor, mixed: torch.Tensor,
-                     lora_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``h = hidden + mixed``, then ``h + mlp(norm(h))``: the layer after its token mixer (``lora_mask
-        [b, s_l]``: where LoRA adapters act, None: everywhere; it follows the tiled MLP's tiles)."""
-        hidden = hidden + mixed
-        return hidden + tiled_mlp(self.mlp, self.post_attention_layernorm(hidden), self.mlp_chunk_size,
-                                  token_mask=lora_mask)
-
-    def prompt_state(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, state_every: int | None = None):
-        """Only this layer's state for ``hidden``, as ``forward(..., return_state=True)`` returns it, without the
-        MLP (attention: without attending either). LongStraw needs no more of the prompt's last layer: no
-        later token reads that layer's output at prompt positions."""
-        normed = self.input_layernorm(hidden)
-        if self.layer_type == LINEAR_ATTENTION:
-            return self.linear_attn.core(normed, return_state=True, state_every=state_every)[1]
-        return self.self_attn.key_values(normed, position_ids, lora_mask=self.adapter_mask(position_ids))
-
-    def decode_step(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache, prompt_state=None):
-        """One decoding step for ``B`` rows (:mod:`.decode`): ``hidden [B, T, E]`` of the new tokens, the same
-        on every SP rank, at global ``position_ids [B, T]`` -> ``[B, T, E]`` (the same on every rank).
-
-        ``cache``: the rows' own state (:func:`.decode.new_decode_cache`), advanced in place past these tokens.
-        ``prompt_state``: this layer's prompt K/V (attention, head-sharded; read, never written) or None; a
-        Gated DeltaNet layer's prompt state is already the start of ``cache``. One method so FSDP2 can gather
-        the layer's parameters around it (``register_fsdp_forward_method``)."""
-        from .decode import attention_decode, linear_decode
-
-        normed = self.input_layernorm(hidden)
-        if self.layer_type == LINEAR_ATTENTION:
-            mixed = linear_decode(self.linear_attn, normed, cache)
-        else:
-            mixed = attention_decode(self.self_attn, normed, position_ids, prompt_state, cache)
-        return self.residual_mlp(hidden, mixed)
-
-    # The pieces of a Gated DeltaNet layer's grouped backward over the prompt
-    # (:func:`lightning_longctx.longstraw.linear_backward.linear_layer_backward`), each a forward of its own: under
-    # FSDP2 they are registered forward methods, so FSDP gathers the layer's parameters around each piece and its
-    # backward (reduce-scattering the gradients) as it does around ``forward``.
-    def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``input_layernorm(hidden [b, s_l, E])``."""
-        return self.input_layernorm(hidden)
-
-    def linear_scan_output(self, normed: torch.Tensor) -> torch.Tensor:
-        """The scan output ``o [b, s_l, Hv, Dv]`` of the normed input (see :meth:`GatedDeltaNet.core`)."""
-        return self.linear_attn.core(normed)[0]
-
-    def linear_output_side(self, hidden: torch.Tensor, o: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        """The layer's output ``[b, s_l, E]`` from its input, scan output and normed input: gated norm,
-        ``out_proj``, residual, MLP."""
-        return self.residual_mlp(hidden, self.linear_attn.finish(o, normed))
-
-    def linear_stage_inputs(self, normed: torch.Tensor, stage):
-        """One head stage's scan inputs over the full sequence (:meth:`GatedDeltaNet.stage_inputs`)."""
-        return self.linear_attn.stage_inputs(normed, stage)
-
-
 class DecoderModel(nn.Module):
     """The backbone's parameters (HF's ``model.``): ``embed_tokens``, ``layers``, ``norm``."""
 
     def __init__(self, config: DecoderConfig, memory: MemoryConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config, memory, kind) for kind in config.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(config, memory, kind, i) for i, kind in enumerate(config.layer_types))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norms)
 
 
@@ -213,6 +85,10 @@ class DecoderLM(nn.Module):
     """
 
     def __init__(self, config: DecoderConfig, memory: MemoryConfig | None = None) -> None:
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
+        if memory is not None and not isinstance(memory, MemoryConfig):
+            raise TypeError(f"memory must be a MemoryConfig or None, got {type(memory).__name__}")
         super().__init__()
         self.config = config
         self.memory = memory or MemoryConfig()
@@ -236,7 +112,7 @@ class DecoderLM(nn.Module):
                     module.weight[module.padding_idx].zero_()
         elif isinstance(module, nn.Conv1d):  # the linear layers' depthwise conv, as transformers initialises it
             nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, GatedDeltaNet):
+        elif isinstance(module, (GatedDeltaNet, TopKRouter, SoftmaxRouter, Experts)):  # as transformers does
             module.reset_parameters()
 
     def tie_weights(self) -> None:
@@ -330,6 +206,11 @@ class DecoderLM(nn.Module):
             ValueError: for ``labels`` under SP, or both ``labels`` and ``shift_labels``. (Whether the SP ranks
                 hold equally shaped shards is checked once per step by the strategy, not here.)
         """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError(f"input_ids must be an integer [batch, seq_local] tensor, got "
+                             f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
+        if position_ids is not None and tuple(position_ids.shape[-1:]) != tuple(input_ids.shape[-1:]):
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
         world = group_size(self.sp_group)
         if labels is not None and shift_labels is not None:
             raise ValueError("pass either labels (HF-style, unshifted) or shift_labels, not both")
@@ -372,7 +253,8 @@ class DecoderLM(nn.Module):
     # ------------------------------------------------------------------------------------- checkpoints
     @classmethod
     def from_pretrained(cls, path, memory: MemoryConfig | None = None, *, dtype: torch.dtype | None = None):
-        """Load a local HF directory (llama, qwen2, qwen3, qwen3_5_text, and a qwen3_5 checkpoint's text tower); see
+        """Load a local HF directory (llama, qwen2, qwen3, qwen3_5_text / qwen3_5_moe_text and a qwen3_5 / qwen3_5_moe
+        checkpoint's text tower, deepseek_v3, glm4_moe_lite); see
         :func:`.hf_io.load_pretrained`."""
         from .hf_io import load_pretrained
 

@@ -1,11 +1,14 @@
 """HF checkpoints both ways: local ``config.json`` + safetensors (single file or sharded with an index).
 
 Supported ``model_type``: ``llama``, ``qwen2``, ``qwen3`` (SiLU MLP without bias, no sliding window) and the
-hybrid ``qwen3_5_text`` (Gated DeltaNet + gated full attention), also as the text tower of a multimodal
-``qwen3_5`` checkpoint. RoPE may be default or any of transformers' scaled types (:mod:`.rope`). Anything that
-would change the numbers and that ``DecoderLM`` does not implement is an error naming the field, never a
-silent mismatch. Parameter names are identical on both sides (see :mod:`.decoder`); a tied ``lm_head.weight``
-is absent from the files, as transformers writes it. transformers itself is needed only for scaled RoPE.
+hybrid ``qwen3_5_text`` (Gated DeltaNet + gated full attention) and its MoE form ``qwen3_5_moe_text``, also as
+the text tower of a multimodal ``qwen3_5`` / ``qwen3_5_moe`` checkpoint, and the MLA + MoE family
+``deepseek_v3`` / ``glm4_moe_lite`` (:mod:`.hf_moe`, which also converts the experts between one module each on
+disk and two 3-D weights in the model). RoPE may be default or any of transformers' scaled types
+(:mod:`.rope`). Anything that would change the numbers and that ``DecoderLM`` does not implement is an error
+naming the field, never a silent mismatch. Parameter names are identical on both sides (see :mod:`.decoder`); a
+tied ``lm_head.weight`` is absent from the files, as transformers writes it. transformers itself is needed only
+for scaled RoPE.
 """
 
 from __future__ import annotations
@@ -15,21 +18,26 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import LINEAR_ATTENTION, MODEL_TYPES, DecoderConfig
+from . import hf_moe
+from .config import LINEAR_ATTENTION, MLA_MODEL_TYPES, MODEL_TYPES, DecoderConfig
 from .rope import rope_fields_from_hf, rope_fields_to_hf
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_5_text": "Qwen3_5ForCausalLM"}
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                 **hf_moe.ARCHITECTURES}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints contain
 # Weights of a Qwen3.5 checkpoint outside the text decoder (transformers' Qwen3_5ForCausalLM ignores them too).
-_SKIPPED_PREFIXES = {"qwen3_5_text": ("mtp.", "model.visual."), "qwen3_5": ("mtp.", "model.visual.")}
+_SKIPPED_PREFIXES = {t: ("mtp.", "model.visual.")
+                     for t in ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")}
+_MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # checkpoint -> its text tower
+_HYBRIDS = ("qwen3_5_text", "qwen3_5_moe_text")
 _TEXT_TOWER_PREFIX = "model.language_model."  # the multimodal qwen3_5 checkpoint's decoder
 # transformers' class defaults where they differ from the generic ones (applied when config.json omits them).
 _QWEN3_5_DEFAULTS = dict(head_dim=256, num_key_value_heads=4, partial_rotary_factor=0.25,
@@ -39,8 +47,6 @@ _REFUSED = {
     "qwen3_next": "its MLPs are mixture-of-experts (num_experts={num_experts}, num_experts_per_tok="
                   "{num_experts_per_tok}), which DecoderLM does not implement yet, and its linear-attention "
                   "weights use the fused per-key-head in_proj_qkvz / in_proj_ba layout",
-    "qwen3_5_moe": "its MLPs are mixture-of-experts, which DecoderLM does not implement yet",
-    "qwen3_5_moe_text": "its MLPs are mixture-of-experts, which DecoderLM does not implement yet",
 }
 
 
@@ -50,17 +56,17 @@ def _unsupported(model_type: str, field: str, value, why: str) -> ValueError:
 
 def text_config(hf: dict) -> dict:
     """The decoder's config dict: ``hf`` itself, or a multimodal ``qwen3_5`` checkpoint's ``text_config``."""
-    if hf.get("model_type") != "qwen3_5":
+    if hf.get("model_type") not in _MULTIMODAL:
         return hf
     text = dict(hf.get("text_config") or {})
-    text.setdefault("model_type", "qwen3_5_text")
+    text.setdefault("model_type", _MULTIMODAL[hf["model_type"]])
     if "tie_word_embeddings" in hf:  # the multimodal model ties by its own top-level flag
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     return text
 
 
 def _layer_types(hf: dict, model_type: str, layers: int) -> list[str]:
-    if model_type != "qwen3_5_text":
+    if model_type not in _HYBRIDS:
         layer_types = hf.get("layer_types") or ["full_attention"] * layers
         for i, kind in enumerate(layer_types):
             if kind != "full_attention":
@@ -84,13 +90,16 @@ def config_from_hf(hf: dict) -> DecoderConfig:
     if hf.get("model_type") in _REFUSED:
         reason = _REFUSED[hf["model_type"]].format_map({k: hf.get(k) for k in ("num_experts", "num_experts_per_tok")})
         raise ValueError(f"model_type={hf['model_type']!r} is not supported: {reason}")
+    if hf.get("model_type") in (*MLA_MODEL_TYPES, *hf_moe.REFUSED):
+        return DecoderConfig(**hf_moe.config_fields_from_hf(hf))
     hf = text_config(hf)
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r} is not supported; DecoderLM loads {MODEL_TYPES} and qwen3_5")
-    hybrid = model_type == "qwen3_5_text"
+    hybrid = model_type in _HYBRIDS
+    moe = hf_moe.qwen_moe_fields_from_hf(hf) if model_type == "qwen3_5_moe_text" else {}
     if hybrid:
-        hf = {**_QWEN3_5_DEFAULTS, **hf}
+        hf = {**_QWEN3_5_DEFAULTS, **(hf_moe.QWEN3_5_MOE_DEFAULTS if moe else {}), **hf}
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise _unsupported(model_type, "hidden_act", act, "the MLP is SwiGLU with silu")
@@ -116,7 +125,7 @@ def config_from_hf(hf: dict) -> DecoderConfig:
     return DecoderConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
+        intermediate_size=moe.pop("intermediate_size", None) or hf["intermediate_size"],
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
@@ -126,11 +135,12 @@ def config_from_hf(hf: dict) -> DecoderConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         attention_out_bias=out_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_5_text"),
+        qk_norm=model_type in ("qwen3", *_HYBRIDS),
         attn_output_gate=hybrid,
         zero_centered_norms=hybrid,
         layer_types=_layer_types(hf, model_type, layers),
         **linear,
+        **moe,
         pad_token_id=hf.get("pad_token_id"),
         model_type=model_type,
         initializer_range=hf.get("initializer_range", 0.02),
@@ -146,8 +156,10 @@ def config_to_hf(config: DecoderConfig, dtype: torch.dtype) -> dict:
     Raises:
         ValueError: partial RoPE on an architecture whose transformers class rotates all of head_dim.
     """
+    if config.is_mla:
+        return hf_moe.config_to_hf(config, dtype)
     model_type = config.shape_model_type()
-    if model_type != "qwen3_5_text" and config.partial_rotary_factor != 1.0:
+    if model_type not in _HYBRIDS and config.partial_rotary_factor != 1.0:
         raise ValueError(f"partial_rotary_factor={config.partial_rotary_factor} cannot be saved as {model_type}: "
                          "transformers' class rotates all of head_dim")
     hf = {
@@ -162,7 +174,7 @@ def config_to_hf(config: DecoderConfig, dtype: torch.dtype) -> dict:
         "head_dim": config.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
-        **rope_fields_to_hf(config, with_partial=model_type == "qwen3_5_text"),
+        **rope_fields_to_hf(config, with_partial=model_type in _HYBRIDS),
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_dropout": 0.0,
         "initializer_range": config.initializer_range,
@@ -174,12 +186,14 @@ def config_to_hf(config: DecoderConfig, dtype: torch.dtype) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if model_type in ("llama", "qwen3", "qwen3_5_text"):
+    if model_type in ("llama", "qwen3", *_HYBRIDS):
         hf["attention_bias"] = config.attention_bias
     if model_type == "llama":
         hf["mlp_bias"] = False
-    elif model_type == "qwen3_5_text":
+    elif model_type in _HYBRIDS:
         hf["layer_types"] = list(config.layer_types)
+        if config.has_moe:
+            hf.update(hf_moe.qwen_moe_fields_to_hf(config))
         hf.update({name: getattr(config, name) for name in (
             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
             "linear_conv_kernel_dim") if getattr(config, name) is not None})
@@ -198,9 +212,28 @@ def checkpoint_key(hf: dict, key: str) -> str | None:
     model_type = hf.get("model_type")
     if key.endswith(_IGNORED_KEYS) or key.startswith(_SKIPPED_PREFIXES.get(model_type, ())):
         return None
-    if model_type == "qwen3_5" and key.startswith(_TEXT_TOWER_PREFIX):
+    if hf_moe.skipped_key(hf, key):  # deepseek_v3 / glm4_moe_lite multi-token-prediction layers
+        return None
+    if model_type in _MULTIMODAL and key.startswith(_TEXT_TOWER_PREFIX):
         return "model." + key.removeprefix(_TEXT_TOWER_PREFIX)
     return key
+
+
+def _read_json(file: Path) -> dict:
+    """A JSON object from ``file``; ValueError naming the file when it is not one."""
+    try:
+        value = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON ({err})") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object, got a {type(value).__name__}")
+    return value
+
+
+def _check_safetensors_header(file: Path) -> None:
+    """Open ``file``'s header (its tensor table) without reading the tensors: a corrupt file fails here."""
+    with safe_open(str(file), framework="pt") as f:
+        f.keys()
 
 
 def _read_tensors(path: Path, hf: dict) -> dict[str, torch.Tensor]:
@@ -208,12 +241,21 @@ def _read_tensors(path: Path, hf: dict) -> dict[str, torch.Tensor]:
     if (path / SINGLE_FILE).exists():
         files = [path / SINGLE_FILE]
     elif (path / INDEX_FILE).exists():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        weight_map = _read_json(path / INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{path / INDEX_FILE} has no 'weight_map' object (tensor name -> shard file)")
         files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:  # before reading any shard
+            raise FileNotFoundError(f"{path / INDEX_FILE} names shard files that do not exist: {absent}")
     else:
         raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors is read)")
     tensors, skipped = {}, []
     for file in files:
+        try:
+            _check_safetensors_header(file)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{file} is not a readable safetensors file ({err})") from err
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 name = checkpoint_key(hf, key)
@@ -241,9 +283,19 @@ def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None)
             match the architecture (missing, unexpected or wrongly shaped tensors, named).
     """
     path = Path(path)
-    hf = json.loads((path / "config.json").read_text())
-    config = config_from_hf(hf)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r} must be a torch.dtype (e.g. torch.bfloat16) or None")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model path {str(path)!r} is not a checkpoint directory: no config.json in it")
+    hf = _read_json(path / "config.json")
+    try:
+        config = config_from_hf(hf)
+    except KeyError as err:
+        raise ValueError(f"{path / 'config.json'} has no field {err.args[0]!r}, which model_type="
+                         f"{hf.get('model_type')!r} needs") from err
     tensors = _read_tensors(path, hf)
+    if config.has_moe:  # one module per expert on disk, two 3-D weights per layer in the model
+        tensors = hf_moe.merge_experts(tensors, config.n_routed_experts)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied: the embedding matrix is the output matrix
     with torch.device("meta"):
@@ -279,7 +331,9 @@ def save_pretrained(model, path, *, max_shard_size: int | None = None) -> None:
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight")
-    dtype = next(iter(state.values())).dtype
+    dtype = model.lm_head.weight.dtype  # (not a buffer's: the router's score bias stays float32)
+    if config.has_moe:
+        state = hf_moe.split_experts(state)
     (path / "config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

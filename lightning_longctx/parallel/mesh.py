@@ -3,9 +3,16 @@
 Ranks ``[k * sp, (k + 1) * sp)`` form SP group ``k`` (they share one sample, each holding a slice of its
 sequence; contiguous so the all-to-all stays inside a node), and ranks with equal ``rank % sp`` form a DP
 group (they hold different samples).
+
+Timeouts: a mesh dimension spanning the whole world is the default process group (its timeout is the one
+``init_process_group`` got); the smaller SP and DP subgroups are new groups, which torch would create with its
+default timeout (30 min for gloo, 10 for NCCL) whatever the default group's is: :func:`build_dp_sp_mesh`
+passes ``timeout`` to them, so a dead or hung peer fails every collective after the same configured time.
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch import nn
@@ -17,11 +24,32 @@ def check_sp_size(world_size: int, sp_size: int) -> None:
         raise ValueError(f"world size {world_size} (devices x nodes) must be divisible by sp_size={sp_size}")
 
 
-def build_dp_sp_mesh(sp_size: int, device_type: str = "cpu") -> DeviceMesh:
-    """A ``("dp", "sp")`` mesh of shape ``(world / sp_size, sp_size)`` over the default process group."""
+def _subgroup_options(timeout: timedelta):
+    """``(backend, options)`` carrying ``timeout`` for a new subgroup of the default group's backend (None for a
+    backend with no options class: torch's default timeout then)."""
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return backend, options
+
+
+def build_dp_sp_mesh(sp_size: int, device_type: str = "cpu", timeout: timedelta | None = None) -> DeviceMesh:
+    """A ``("dp", "sp")`` mesh of shape ``(world / sp_size, sp_size)`` over the default process group; its
+    subgroups (dims smaller than the world) get ``timeout`` (None = torch's default for new groups)."""
     world = dist.get_world_size()
     check_sp_size(world, sp_size)
-    return init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    shape = (world // sp_size, sp_size)
+    override = {}
+    options = _subgroup_options(timeout) if timeout is not None else None
+    if options is not None:
+        # a dim of the whole world stays the default group (an override would create a second communicator)
+        override = {name: options for name, size in zip(("dp", "sp"), shape) if 1 < size < world}
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "sp"), backend_override=override or None)
 
 
 def set_sequence_parallel_group(module: nn.Module, group: dist.ProcessGroup | None) -> int:

@@ -47,6 +47,27 @@ def shard_sequence(x: torch.Tensor, sp_rank: int, sp_size: int, *, dim: int = 1)
     return x.narrow(dim, sp_rank * local, local)
 
 
+def _check_shard_args(input_ids, labels, attention_mask, loss_mask, sp_rank, sp_size) -> None:
+    """:func:`shard_batch`'s input checks; raises ``TypeError`` / ``ValueError`` naming the values."""
+    for name, value in (("sp_size", sp_size), ("sp_rank", sp_rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}={value!r} must be an int")
+    if sp_size < 1 or not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank={sp_rank} must lie in [0, sp_size={sp_size}) with sp_size >= 1")
+    for name, t in (("input_ids", input_ids), ("labels", labels), ("attention_mask", attention_mask),
+                    ("loss_mask", loss_mask)):
+        if t is None and name != "input_ids":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if name == "input_ids" and t.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(t.shape)}")
+        if name in ("input_ids", "labels") and (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"{name} must hold integer token ids, got {t.dtype}")
+        if t.shape != input_ids.shape:
+            raise ValueError(f"{name} {tuple(t.shape)} must match input_ids {tuple(input_ids.shape)}")
+
+
 def shard_batch(
     input_ids: torch.Tensor,
     labels: torch.Tensor | None = None,
@@ -72,11 +93,8 @@ def shard_batch(
         ``[batch, s]`` (every SP rank's share together), a 0-dim int64 tensor on the batch's device (a loss
         normaliser, as transformers names it; a data-parallel caller sums it over its DP group).
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    _check_shard_args(input_ids, labels, attention_mask, loss_mask, sp_rank, sp_size)
     labels = input_ids if labels is None else labels
-    if labels.shape != input_ids.shape:
-        raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
     targets = labels.clone()
     for mask in (attention_mask, loss_mask):
         if mask is not None:

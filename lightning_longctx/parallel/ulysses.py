@@ -31,6 +31,9 @@ from .head_stages import StageAttention, run_backward, run_forward, stage_plan
 
 def _validate_local(query, key, value, world: int, head_chunk_size: int | None) -> int:
     """Check shapes on this rank; returns the effective head_chunk_size. Raises before any communication."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"ulysses_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
             "ulysses_attention expects [batch, seq_local, heads, head_dim]; got query "
@@ -44,7 +47,24 @@ def _validate_local(query, key, value, world: int, head_chunk_size: int | None) 
         )
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError(f"dtype mismatch: query {query.dtype}, key {key.dtype}, value {value.dtype}")
+    if not query.is_floating_point():
+        raise ValueError(f"ulysses_attention needs floating-point query/key/value, got {query.dtype}")
+    if not (query.device == key.device == value.device):
+        raise ValueError(f"device mismatch: query {query.device}, key {key.device}, value {value.device}")
+    if head_chunk_size is not None and (isinstance(head_chunk_size, bool) or not isinstance(head_chunk_size, int)):
+        raise TypeError(f"head_chunk_size={head_chunk_size!r} must be an int or None")
     return check_head_layout(query.shape[2], key.shape[2], world, head_chunk_size)
+
+
+def _check_options(group, causal, softmax_scale) -> None:
+    """The non-tensor arguments of :func:`ulysses_attention`; raises naming the value."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal={causal!r} must be a bool")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not 0 < softmax_scale < float("inf")):
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite number > 0 or None (head_dim ** -0.5)")
 
 
 def check_head_layout(heads: int, kv_heads: int, world: int, head_chunk_size: int | None) -> int:
@@ -177,5 +197,6 @@ def ulysses_attention(
             a host sync per attention call): check it once per step with :func:`check_group_shapes`, as the
             Ulysses strategy and ``longstraw_step`` do.
     """
+    _check_options(group, causal, softmax_scale)
     chunk = _validate_local(query, key, value, group_size(group), head_chunk_size)
     return _UlyssesAttention.apply(query, key, value, group, causal, chunk, softmax_scale, backend)

@@ -1,0 +1,295 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3 and GLM-4.x-MoE-Lite) under Ulysses, in head chunks.
+
+Dimension legend (as :mod:`.attention`):
+    ``P``   ranks in the sequence-parallel group       ``s_l`` local tokens, ``s = P * s_l``
+    ``E``   hidden size      ``H`` query heads, ``H_l = H / P`` per rank      ``C`` heads per rank and stage
+    ``R``   ``kv_lora_rank`` (512)     ``r`` ``qk_rope_head_dim`` (64)     ``n`` ``qk_nope_head_dim`` (128)
+    ``dq = n + r`` query/key width (192)     ``dv`` ``v_head_dim`` (128)     ``S'`` cached prompt tokens
+
+Parameters are transformers' ``DeepseekV3Attention``'s: ``q_proj [H dq, E]`` or ``q_a_proj [q_lora, E]`` +
+``q_a_layernorm`` + ``q_b_proj [H dq, q_lora]``; ``kv_a_proj_with_mqa [R + r, E]``, ``kv_a_layernorm [R]``,
+``kv_b_proj [H (n + dv), R]`` (per head ``[k_nope | v]``), ``o_proj [E, H dv]``. Both low-rank norms use
+eps 1e-6, as transformers builds them. Each head's query is ``[q_nope | rope(q_rot)]``; the key is
+``[k_nope_h | rope(k_rot)]`` with one ``k_rot`` shared by all heads; softmax scale ``dq^-0.5``, times
+``mscale^2`` for a yarn RoPE with ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``). RoPE runs on the
+``r`` rotary dims only, interleaved (``rope_interleave``, the pairs ``(x0, x1), (x2, x3), ...``, in transformers'
+output layout) or rotate-half.
+
+The latent. Per token, ``kv_a_proj_with_mqa`` gives ``R + r`` values: the first ``R`` go through
+``kv_a_layernorm``, the last ``r`` get RoPE at the token's global position; ``[normed | roped]`` is the latent
+``c [b, s_l, R + r]`` (576 wide at DeepSeek-V3's size): the whole K/V of the token for every head, which is
+what transformers caches and what LongStraw keeps (:class:`MLAState`).
+
+Ulysses (HYBRID.md 4.2, "latent_kv_head"): the queries go by all-to-all to head slices as in
+:mod:`.attention`; the latent is *all-gathered* (``s (R + r)`` values per rank instead of an all-to-all of
+``s/P * H (dq + dv)`` expanded K/V), and each rank expands only its own heads with its rows of ``kv_b_proj``.
+The gather's backward sums every rank's latent gradient into the owner's tokens (an all-to-all and a sum);
+``kv_b_proj``'s rows get gradients only on the rank that owns their heads and ``q_b_proj``'s from every rank's
+tokens, so the usual SP sum of parameter gradients is the single-device gradient. Head chunks
+(``head_chunk_size = C``) split each rank's ``H_l`` heads into stages; with more than one stage (or a prompt
+latent to expand) each stage runs under ``torch.utils.checkpoint`` while autograd records, so one stage's
+full-sequence q / expanded K/V are alive at a time, in forward and in backward. Over a prompt latent (a LongStraw
+replay) the gathers run under a checkpoint too: between a layer's forward and its backward only this rank's
+shards are kept, and the backward gathers the prompt again. The attention kernels need
+equal q/k and v widths: the narrower side is zero-padded (exact; the padding's share of the output is dropped).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..ops.attention import attention
+from ..ops.merge import prefix_attention
+from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size
+from ..parallel.ulysses import check_head_layout
+from .norm import RMSNorm
+from .rope import RotaryEmbedding, apply_rope
+
+LOW_RANK_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default
+
+
+class MLAState(NamedTuple):
+    """What later tokens need of an MLA layer: the latent ``[b, s_l, R + r]`` of this rank's tokens
+    (sequence-sharded under SP; ``kv_a_layernorm``-ed part, then the roped ``k_rot``)."""
+
+    latent: torch.Tensor
+
+
+def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _reduce_scatter_seq(grad: torch.Tensor, group) -> torch.Tensor:
+    """``sum_p grad_p[:, rank's tokens]``: one all-to-all of the sequence chunks, then a sum (gloo has no
+    reduce-scatter)."""
+    world = group_size(group)
+    b, s, d = grad.shape
+    send = grad.reshape(b, world, s // world, d).transpose(0, 1).contiguous()  # [P, b, s_l, d]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.sum(0)
+
+
+class GatherSequence(torch.autograd.Function):
+    """``[b, s_l, D]`` -> ``[b, P s_l, D]`` (all ranks' tokens in rank order); backward: the summed gradient of
+    this rank's tokens."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """:class:`GatherSequence` (the identity without SP)."""
+    return x if group_size(group) == 1 else GatherSequence.apply(x, group)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb_interleave`` on ``x [b, s, h, r]`` with ``cos, sin [b, s, r]``
+    (``cat(freqs, freqs)`` layout): pairs ``(x[2i], x[2i+1])`` rotated by frequency ``i``, output
+    ``[rotated evens | rotated odds]``."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def mla_softmax_scale(config) -> float:
+    """``(n + r)^-0.5``, times ``mscale^2`` with ``mscale = 0.1 mscale_all_dim ln(factor) + 1`` for a scaled RoPE
+    that sets ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = config.rope_parameters or {}
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+@dataclass(frozen=True)
+class MLAStage:
+    """One head stage seen from one rank: ``q_heads [C P]`` the heads whose queries it projects (destination
+    rank by destination rank, the order its output comes back in), ``kv_heads [C]`` its own heads."""
+
+    q_heads: torch.Tensor
+    kv_heads: torch.Tensor
+
+
+_PLANS: dict[tuple, tuple[tuple[MLAStage, ...], torch.Tensor | None]] = {}
+
+
+def mla_stage_plan(heads: int, world: int, rank: int, chunk: int | None, device):
+    """``(stages, inverse)``: the stage plan and the index putting the stages' concatenated outputs back in head
+    order (None: already in order). Validated by :func:`~lightning_longctx.parallel.ulysses.check_head_layout`
+    (the latent is one shared K/V head)."""
+    c = check_head_layout(heads, 1, world, chunk)
+    key = (heads, world, rank, c, str(device))
+    if key not in _PLANS:
+        local = heads // world
+        as_index = lambda ints: torch.tensor(ints, dtype=torch.long, device=device)  # noqa: E731
+        stages, order = [], []
+        for start in range(0, local, c):
+            q_heads = [p * local + start + j for p in range(world) for j in range(c)]
+            stages.append(MLAStage(as_index(q_heads), as_index([rank * local + start + j for j in range(c)])))
+            order += q_heads
+        inverse = None
+        if order != sorted(order):
+            inverse = torch.empty(heads, dtype=torch.long)
+            inverse[torch.tensor(order)] = torch.arange(heads)
+            inverse = inverse.to(device)
+        _PLANS[key] = (tuple(stages), inverse)
+    return _PLANS[key]
+
+
+class MLAttention(nn.Module):
+    """MLA of one decoder layer over the normed hidden ``[b, s_l, E]`` (see the module docstring).
+
+    ``sp_group``, ``head_chunk_size`` (query heads per rank and stage) and ``backend`` as for
+    :class:`~lightning_longctx.models.DecoderAttention`. ``num_heads`` / ``num_kv_heads`` (1: the latent) are
+    what the strategy's head-layout check reads.
+    """
+
+    def __init__(self, config, head_chunk_size: int | None = None) -> None:
+        super().__init__()
+        e, h = config.hidden_size, config.num_attention_heads
+        self.num_heads, self.num_kv_heads = h, 1
+        self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.qk_dim = self.nope + self.rope_dim
+        bias = config.attention_bias
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(e, h * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(e, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LOW_RANK_NORM_EPS)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, h * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(e, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LOW_RANK_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, e, bias=bias)
+        self.rotary = RotaryEmbedding(config)
+        self.rope_interleave = config.rope_interleave
+        self.scaling = mla_softmax_scale(config)
+        self.sp_group: dist.ProcessGroup | None = None
+        self.head_chunk_size = head_chunk_size
+        self.backend = "auto"
+
+    def stages(self, device):
+        """The stage plan and output order for the current SP group, rank and head_chunk_size."""
+        return mla_stage_plan(self.num_heads, group_size(self.sp_group), group_rank(self.sp_group),
+                              self.head_chunk_size, device)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rope_interleaved(x, cos, sin) if self.rope_interleave else apply_rope(x, cos, sin)
+
+    # ------------------------------------------------------------------------------ token-wise parts
+    def query_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the per-head query rows multiply: ``q_a_layernorm(q_a_proj(hidden))`` ``[b, s_l, q_lora]``, or
+        ``hidden`` itself without a query low rank."""
+        return hidden if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden))
+
+    def latent(self, hidden: torch.Tensor, position_ids: torch.Tensor, cos_sin=None) -> torch.Tensor:
+        """The latent ``[b, s_l, R + r]`` of this rank's tokens at their global ``position_ids [b, s_l]``
+        (``cos_sin``: their RoPE tables, if already at hand)."""
+        cos, sin = cos_sin or self.rotary(position_ids, hidden.dtype, group=self.sp_group)
+        kv, k_rot = self.kv_a_proj_with_mqa(hidden).split((self.kv_lora_rank, self.rope_dim), dim=-1)
+        k_rot = self._rope(k_rot.unsqueeze(2), cos, sin).squeeze(2)
+        # in the projection's dtype (bf16 under autocast, as transformers' kv_b_proj and cache then see it)
+        return torch.cat((self.kv_a_layernorm(kv).to(kv.dtype), k_rot.to(kv.dtype)), dim=-1)
+
+    # ------------------------------------------------------------------------------------- one stage
+    def _width(self) -> int:
+        return max(self.qk_dim, self.v_dim)
+
+    def expand(self, latent: torch.Tensor, st: MLAStage) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stage's own heads' ``k, v [b, t, C, w]`` (``w = max(dq, dv)``, zero-padded) from a gathered
+        ``latent [b, t, R + r]``, with this rank's rows of ``kv_b_proj``."""
+        b, t, _ = latent.shape
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, -1).index_select(0, st.kv_heads)
+        kv = F.linear(latent[..., :self.kv_lora_rank], w.flatten(0, 1)).view(b, t, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
+        k_rot = latent[..., self.kv_lora_rank:].unsqueeze(2).expand(b, t, k_nope.shape[2], self.rope_dim)
+        k = torch.cat((k_nope, k_rot.to(k_nope.dtype)), dim=-1)
+        width = self._width()
+        return F.pad(k, (0, width - self.qk_dim)), F.pad(v, (0, width - self.v_dim))
+
+    def _stage(self, q_in, latent, prefix, cos, sin, st: MLAStage) -> torch.Tensor:
+        """One stage: ``[b, s_l, C P, dv]`` on the local tokens (heads ``st.q_heads``)."""
+        b, s_l, _ = q_in.shape
+        proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+        wq = proj.weight.view(self.num_heads, self.qk_dim, -1).index_select(0, st.q_heads).flatten(0, 1)
+        q = F.linear(q_in, wq).view(b, s_l, -1, self.qk_dim)
+        q_nope, q_rot = q.split((self.nope, self.rope_dim), dim=-1)
+        q = torch.cat((q_nope, self._rope(q_rot, cos, sin).to(q.dtype)), dim=-1)
+        q = SeqToHead.apply(F.pad(q, (0, self._width() - self.qk_dim)), self.sp_group)  # [b, s, C, w]
+        k, v = self.expand(latent, st)
+        opts = dict(softmax_scale=self.scaling, backend=self.backend)
+        if prefix is None:
+            out = attention(q, k, v, causal=True, **opts)
+        else:  # a prompt's latent before these tokens: full attention over it, causal over the new tokens
+            k_p, v_p = self.expand(prefix, st)
+            out = prefix_attention(q, k_p, v_p, k, v, **opts)[0]
+        return HeadToSeq.apply(out[..., :self.v_dim].contiguous(), self.sp_group)
+
+    # ----------------------------------------------------------------------------------------- layer
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, prefix_state: MLAState | None = None,
+                return_state: bool = False):
+        """``hidden [b, s_l, E]`` at global ``position_ids [b, s_l]`` -> ``[b, s_l, E]``.
+
+        ``prefix_state``: the :class:`MLAState` of earlier tokens (this rank's shard of their latent, e.g. a
+        LongStraw prompt): every token attends to all of them and causally to the new ones; its gradient flows
+        through autograd. ``return_state``: also return this call's :class:`MLAState` (differentiable)."""
+        cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
+        latent = self.latent(hidden, position_ids, (cos, sin))
+        prefix = None
+        if prefix_state is not None and prefix_state.latent.shape[1] > 0:
+            prefix = prefix_state.latent.to(hidden.dtype)
+        q_in = self.query_input(hidden)
+        if prefix is not None and torch.is_grad_enabled():
+            # a replay over a prompt latent: keep only this rank's shards, gather the prompt again in backward,
+            # so no layer holds the gathered [S', R + r] prompt between its forward and its backward
+            out = checkpoint(self._attend, q_in, latent, prefix, cos, sin, use_reentrant=False)
+        else:
+            out = self._attend(q_in, latent, prefix, cos, sin)
+        out = self.o_proj(out.flatten(2))
+        return (out, MLAState(latent)) if return_state else out
+
+    def _attend(self, q_in, latent, prefix, cos, sin) -> torch.Tensor:
+        """The attention output ``[b, s_l, H, dv]`` from the query input, this rank's latent ``[b, s_l, R + r]``
+        and (optionally) its shard of a prompt latent ``[b, S'/P, R + r]``: one all-gather of each, then the
+        head stages."""
+        full = gather_sequence(latent, self.sp_group)  # [b, s, R + r]: one all-gather per layer
+        prefix = None if prefix is None else gather_sequence(prefix, self.sp_group)
+        stages, inverse = self.stages(q_in.device)
+        staged = torch.is_grad_enabled() and (len(stages) > 1 or prefix is not None)
+        outs = []
+        for st in stages:
+            if staged:  # only this stage's full-sequence q and expanded K/V alive, in forward and in backward
+                outs.append(checkpoint(self._stage, q_in, full, prefix, cos, sin, st, use_reentrant=False))
+            else:
+                outs.append(self._stage(q_in, full, prefix, cos, sin, st))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [b, s_l, H, dv] in stage order
+        return out if inverse is None else out.index_select(2, inverse)
+
+    def prompt_state(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> MLAState:
+        """Only the :class:`MLAState` of ``hidden [b, s_l, E]`` (no attention)."""
+        return MLAState(self.latent(hidden, position_ids))
+
+
+__all__ = ["GatherSequence", "MLAState", "MLAStage", "MLAttention", "gather_sequence", "mla_softmax_scale",
+           "mla_stage_plan", "rope_interleaved"]
