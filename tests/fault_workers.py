@@ -171,3 +171,43 @@ def nonfinite_cases(rank: int, world: int, cases: list[tuple[str, ...]], bad_ste
 def run_nonfinite(cases: list[tuple[str, ...]], *, bad_step: int = 1, steps: int = 3) -> list[list[dict]]:
     """Per rank, per case, the record of :func:`nonfinite_fit`."""
     return run_distributed(nonfinite_cases, 2, cases, bad_step, steps, timeout=400, init_group=False)
+
+
+def nonfinite_fabric(rank: int, world: int, policy: str, bad_step: int, steps: int) -> dict:
+    """A Fabric loop (``Fabric(strategy=UlyssesFabricStrategy(sp_size=2, on_nonfinite=policy))``, AdamW) of
+    ``steps`` optimizer steps; at ``bad_step`` rank 1 alone puts an ``inf`` into its local shard of one gradient.
+    Returns per step whether parameters and optimizer state were unchanged, the skip counter and the error."""
+    from lightning.fabric import Fabric
+
+    from lightning_longctx.lightning.fabric import UlyssesFabricStrategy
+
+    fabric = Fabric(strategy=UlyssesFabricStrategy(sp_size=2, on_nonfinite=policy), accelerator="cpu",
+                    devices=world)
+    fabric.launch()
+    model = fabric.setup_module(_model())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    target = "model.layers.1.mlp.up_proj.weight"
+    generator = torch.Generator().manual_seed(0)
+    record = {"unchanged": [], "error": None}
+    for step in range(steps):
+        ids = torch.randint(0, VOCAB, (1, 24), generator=generator)
+        batch = fabric.strategy.shard_batch({"input_ids": ids, "labels": ids.clone()})
+        before = _snapshot(model.module, optimizer.optimizer)
+        fabric.backward(model(**batch).loss)
+        if step == bad_step and rank == 1:
+            grad = dict(model.module.named_parameters())[target].grad
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.inf
+        try:
+            optimizer.step()
+        except Exception as exc:  # noqa: BLE001 - the raise policy's error is the result
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            break
+        optimizer.zero_grad()
+        after = _snapshot(model.module, optimizer.optimizer)
+        record["unchanged"].append(_same(before["params"], after["params"]) and _same(before["optim"], after["optim"]))
+    record["skipped"] = fabric.strategy.nonfinite.skipped
+    return record
+
+
+def run_nonfinite_fabric(policy: str, *, bad_step: int = 1, steps: int = 3) -> list[dict]:
+    return run_distributed(nonfinite_fabric, 2, policy, bad_step, steps, timeout=300, init_group=False)

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fault_workers import run_nonfinite
+from fault_workers import run_nonfinite, run_nonfinite_fabric
 from runs import SFT, TINY, Run, digest, train
 
 CPU_TIMEOUT_S = 120  # conf/cluster/cpu_2proc.yaml
@@ -205,6 +205,22 @@ def test_a_nonfinite_step_never_reaches_the_weights(nonfinite_records, case):
                 assert "non-finite loss inf on rank 1" in error, error
     if policy == "skip":
         assert records[0]["logged"] == 1.0  # train/nonfinite_skipped
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_nonfinite_gradient_never_reaches_the_weights_under_fabric(policy):
+    """Fabric: an inf in one gradient shard of rank 1 alone, at step 1 of 3 (AdamW, FSDP2, sp=2)."""
+    records = run_nonfinite_fabric(policy, bad_step=1, steps=3)
+    for rank, rec in enumerate(records):
+        if policy == "skip":
+            assert rec["error"] is None and rec["skipped"] == 1, rec
+            assert rec["unchanged"] == [False, True, False], (rank, rec["unchanged"])
+        else:
+            assert rec["unchanged"] == [False], rec
+            error = rec["error"] or ""
+            assert error.startswith("NonFiniteError: global step 1: non-finite gradient of model.layers.1.mlp"), error
+            assert "rank(s) [1]" in error, error
 
 
 def test_presets_set_the_collective_timeout_and_the_nonfinite_policy():

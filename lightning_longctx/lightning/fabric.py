@@ -9,6 +9,10 @@
 - ``timeout``: every collective's limit, the mesh's SP / DP subgroups included (the loop is yours: wrap it in
   ``lightning_longctx.parallel.phases.collective_guard`` to get the phase-naming errors the Trainer strategy
   raises).
+- ``on_nonfinite``: as the Trainer strategy's, on the gradients (Fabric's ``optimizer.step()`` sees no loss):
+  ``"raise"`` (default) stops naming the first non-finite parameter, ``"skip"`` leaves parameters and
+  optimizer state untouched (``strategy.nonfinite.skipped`` counts the skips; ``optimizer.step()`` returns
+  None), None checks nothing. One all-reduced flag, so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -22,16 +26,17 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch import nn
 from torch.optim import Optimizer
 
-from ..parallel.phases import collective_guard
+from ..parallel.phases import collective_guard, phase
 from .batch import ShardingLoader
 from .common import UlyssesMixin
+from .nonfinite import NonfiniteGuard
 
 
 class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
     """Ulysses sequence parallelism x data parallelism for ``lightning.fabric.Fabric``.
 
     Args: as :class:`lightning_longctx.lightning.UlyssesStrategy` (``sp_size``, ``head_chunk_size``,
-    ``sharding``, ``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
+    ``sharding``, ``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``, ``on_nonfinite``).
     """
 
     _namespace_hint = "[a lightning.fabric strategy: use lightning.fabric.Fabric, not lightning_fabric.Fabric]"
@@ -44,7 +49,11 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        on_nonfinite: str | None = "raise",
     ) -> None:
+        self.nonfinite = NonfiniteGuard(on_nonfinite) if on_nonfinite is not None else None
+        self._guarded_module: nn.Module | None = None
+        self._optimizer_steps = 0  # optimizer.step() calls so far, skipped ones included (the error names it)
         super().__init__(
             parallelize_fn=self._parallelize_root,
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -67,7 +76,18 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
         module = self._parallelize_root(module, self.device_mesh)  # FSDP2 moves the parameters to the device
         _materialize_distributed_module(module, self.root_device)
         self._sync_replicas(module)  # after the move: NCCL refuses CPU tensors
+        self._guarded_module = module
         return module
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()`` after the non-finite check of the set-up module's gradients (a collective)."""
+        step, self._optimizer_steps = self._optimizer_steps, self._optimizer_steps + 1
+        if self.nonfinite is not None and self._guarded_module is not None:
+            seconds = self._timeout.total_seconds() if self._timeout is not None else None
+            with collective_guard(seconds, "optimizer step"), phase("non-finite check"):
+                if not self.nonfinite.finite(self._guarded_module, None, step, device=self.root_device):
+                    return None
+        return super().optimizer_step(optimizer, **kwargs)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None):
         module = self.setup_module(module)
