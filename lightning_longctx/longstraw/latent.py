@@ -12,6 +12,11 @@ autograd, returning its latent too, and back-propagate the gradient from the lay
 latent's gradient summed over the group: through RoPE(``k_rot``), ``kv_a_layernorm`` and ``kv_a_proj_with_mqa``
 into the prompt hidden states, exactly as the latent's uses in the concatenated sequences would. MoE layers keep
 nothing: their experts are token-wise and the recompute routes from identical inputs, so identically.
+
+LoRA on the MLA projections (:mod:`lightning_longctx.models.lora`): ``on_prompt=True`` adapters act in the prefill
+and in this recompute alike (``kv_a_proj_with_mqa``'s adapter is then on the latent's path, ``kv_b_proj``'s on
+the replay's expansion of it); prefix-frozen ones (``on_prompt=False``) leave the prompt's latent and its
+expansion on the base weights, so with nothing else trainable the step needs no grouped backward at all.
 """
 
 from __future__ import annotations

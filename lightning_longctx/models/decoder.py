@@ -274,7 +274,8 @@ class DecoderLM(nn.Module):
     # ------------------------------------------------------------------------------------------- LoRA
     def add_lora(self, r: int, alpha: float, target_modules, dropout: float = 0.0, on_prompt: bool = True) -> None:
         """Freeze every parameter and attach LoRA adapters (PEFT's ``lora.Linear``, scale ``alpha / r``) to the
-        ``target_modules`` among ``q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj``; see
+        ``target_modules`` among ``q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj`` (MLA layers:
+        ``q_proj`` or ``q_a_proj, q_b_proj``, ``kv_a_proj_with_mqa, kv_b_proj, o_proj``); see
         :mod:`.lora`. ``dropout > 0`` is refused. ``on_prompt=False``: prefix-frozen adapters, acting only from
         the position :meth:`adapters_from_position` sets (LongStraw: on the responses, not the prompt)."""
         from .lora import add_lora

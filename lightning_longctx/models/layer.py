@@ -95,7 +95,8 @@ class DecoderLayer(nn.Module):
             mixed = self.linear_attn(normed, prefix_state=prefix_state, return_state=return_state,
                                      state_every=state_every)
         elif self.layer_type == MLA_ATTENTION:
-            mixed = self.self_attn(normed, position_ids, prefix_state=prefix_state, return_state=return_state)
+            mixed = self.self_attn(normed, position_ids, prefix_state=prefix_state, return_state=return_state,
+                                   lora_mask=lora_mask)
         else:
             mixed = self.self_attn(normed, position_ids, prefix_kv=prefix_state, return_kv=return_state,
                                    lora_mask=lora_mask)
@@ -119,7 +120,7 @@ class DecoderLayer(nn.Module):
         if self.layer_type == LINEAR_ATTENTION:
             return self.linear_attn.core(normed, return_state=True, state_every=state_every)[1]
         if self.layer_type == MLA_ATTENTION:
-            return self.self_attn.prompt_state(normed, position_ids)
+            return self.self_attn.prompt_state(normed, position_ids, self.adapter_mask(position_ids))
         return self.self_attn.key_values(normed, position_ids, lora_mask=self.adapter_mask(position_ids))
 
     def decode_step(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache, prompt_state=None):

@@ -14,7 +14,14 @@ Where the adapter acts:
   serves the K/V-prefix path and ``key_values``. A gated ``q_proj``'s gate rows take the low-rank path
   (:func:`gate_delta`).
 * ``o_proj`` and the MLP projections: the low-rank path ``base(x) + s * (x A^T) B^T`` (:class:`LoRALinear`),
-  also inside ``tiled_mlp`` tiles (the adapters are module parameters, so the tiles see them).
+  also inside ``tiled_mlp`` tiles (the adapters are module parameters, so the tiles see them). Dense MLPs and an
+  MoE's shared experts take adapters; the routed experts (3-D weights, no ``nn.Linear``) are refused by name.
+* MLA (:mod:`.mla`, transformers' names): ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` are called as
+  modules (the low-rank path); ``q_proj`` / ``q_b_proj`` and ``kv_b_proj``, whose rows each head stage slices
+  (its heads' query rows; its own heads' rows of ``kv_b_proj``, over the gathered latent), take
+  :func:`head_rows_linear`: the stage's rows folded, ``W_rows + s * B_rows @ A``, or with a token mask the base
+  rows plus the low-rank path on ``B_rows``. The absorbed decoding (:mod:`.mla_decode`) applies ``kv_b_proj``'s
+  adapter in low rank as well.
 
 Prefix-frozen adapters (``add_lora(..., on_prompt=False)``): inside :func:`adapters_from_position`
 ``(model, start)`` a token at global position ``p`` uses the adapted weights iff ``p >= start``, the base weights
@@ -28,9 +35,10 @@ runs the base rows and adds :func:`stage_lora_delta` (forward, the backward reco
 run with the adapters disabled and its branches from position ``len(prompt)``: the prompt state then depends on
 frozen weights only, and the step needs no grouped backward (see :mod:`lightning_longctx.longstraw.step`).
 
-Adapter files are PEFT's (``adapter_config.json``, ``adapter_model.safetensors`` with keys
-``base_model.model.<our name>.lora_A.weight``): ``peft.PeftModel.from_pretrained`` on the transformers model
-reads :func:`save_adapter`'s output, and :func:`load_adapter` reads PEFT's ``save_pretrained``. PEFT's format
+Adapter files (:mod:`.lora_io`, re-exported here) are PEFT's (``adapter_config.json``,
+``adapter_model.safetensors`` with keys ``base_model.model.<our name>.lora_A.weight``):
+``peft.PeftModel.from_pretrained`` on the transformers model reads :func:`save_adapter`'s output, and
+:func:`load_adapter` reads PEFT's ``save_pretrained``. PEFT's format
 has no prefix-frozen field: ``on_prompt=False`` is written as ``"lightning_longctx_on_prompt": false``, which
 PEFT 0.21 drops with a warning ("Unexpected keyword arguments ... these are ignored"; it then applies the
 adapters on every position), and which :func:`load_adapter` reads back (absent: ``True``).
@@ -39,29 +47,19 @@ adapters on every position), and which :func:`load_adapter` reads back (absent: 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+           "gate_proj", "up_proj", "down_proj")
 LINEAR_ATTN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "adapter_config.json", "adapter_model.safetensors", "base_model.model."
-ON_PROMPT_KEY = "lightning_longctx_on_prompt"  # ours, in adapter_config.json: PEFT ignores unknown keys
-# adapter_config.json fields we do not implement: each must hold one of its "off" values.
-_UNSUPPORTED = {
-    "use_dora": (False, None), "use_rslora": (False, None), "modules_to_save": (None, []), "bias": ("none",),
-    "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "layers_to_transform": (None, []),
-    "layers_pattern": (None, []), "exclude_modules": (None, []), "fan_in_fan_out": (False, None),
-    "lora_bias": (False, None), "target_parameters": (None, []), "trainable_token_indices": (None,),
-    "use_qalora": (False, None), "layer_replication": (None,), "alora_invocation_tokens": (None,),
-    "megatron_config": (None,), "use_bdlora": (None, False),
-}
+# MoE parts that are no nn.Linear (3-D expert weights, the router's parameter): no adapters, named in the error
+MOE_PARTS = {"experts": "the routed experts", "gate_up_proj": "the routed experts' 3-D weight",
+             "gate": "the MoE router"}
 
 
 class LoRALinear(nn.Linear):
@@ -106,6 +104,11 @@ def _targets(target_modules) -> list[str]:
     if not names:
         raise ValueError(f"target_modules is empty; choose among {', '.join(TARGETS)}")
     for name in names:
+        if name in MOE_PARTS:
+            raise ValueError(f"target module {name!r} is {MOE_PARTS[name]} (3-D expert weights / a router, no "
+                             "nn.Linear): LoRA on those is not supported; the dense MLPs and the shared experts "
+                             "take adapters through gate_proj / up_proj / down_proj; choose among "
+                             f"{', '.join(TARGETS)}")
         if name in LINEAR_ATTN_PROJECTIONS:
             raise ValueError(f"target module {name!r} is a Gated DeltaNet (linear-attention) projection of the "
                              f"hybrid model: LoRA on those is not supported yet; choose among {', '.join(TARGETS)}")
@@ -122,6 +125,7 @@ def add_lora(model: nn.Module, r: int, alpha: float, target_modules: Iterable[st
     :func:`adapters_from_position` sets (LongStraw: the response tokens); without a start they act everywhere."""
     from .attention import DecoderAttention
     from .decoder import DecoderMLP
+    from .mla import MLAttention
 
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"LoRA rank r={r!r} must be a positive int")
@@ -136,11 +140,14 @@ def add_lora(model: nn.Module, r: int, alpha: float, target_modules: Iterable[st
     names = _targets(target_modules)
     if lora_modules(model):
         raise ValueError("the model already has LoRA adapters: merge_lora() (or load into a fresh model) first")
-    found = [(parent, name) for parent in model.modules() if isinstance(parent, (DecoderAttention, DecoderMLP))
+    parents = (DecoderAttention, DecoderMLP, MLAttention)
+    found = [(parent, name) for parent in model.modules() if isinstance(parent, parents)
              for name in names if isinstance(getattr(parent, name, None), nn.Linear)]
     missing = set(names) - {name for _, name in found}
     if missing:
-        raise ValueError(f"target_modules {sorted(missing)} match no projection of this model")
+        mla = any(isinstance(m, MLAttention) for m in model.modules())
+        hint = " (MLA attention: q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)" if mla else ""
+        raise ValueError(f"target_modules {sorted(missing)} match no projection of this model{hint}")
     for p in model.parameters():
         p.requires_grad_(False)
     for parent, name in found:
@@ -228,6 +235,26 @@ def adapters_from_position(model: nn.Module, start: int):
 
 
 # ------------------------------------------------------------------------------------------ attention
+def head_rows_linear(module: nn.Linear, x: torch.Tensor, heads: torch.Tensor, rows_per_head: int,
+                     lora_mask: torch.Tensor | None = None, adapter: bool = True) -> torch.Tensor:
+    """``x [..., t, in]`` through the rows of ``module`` (bias-free) belonging to ``heads [C]`` (each head
+    ``rows_per_head`` consecutive rows): ``[..., t, C * rows_per_head]``, with the adapter on those rows (MLA's
+    per-stage ``q_proj`` / ``q_b_proj`` / ``kv_b_proj`` slices).
+
+    Without ``lora_mask`` the adapter folds into the rows, ``W_rows + s * B_rows @ A`` (the precision of the
+    adapter, cast back; a full-size ``B @ A`` never exists); with ``lora_mask [..., t]`` (bool) it acts on those
+    tokens only, ``W_rows x + s * B_rows (m * A x)``. ``adapter=False``: the base rows only (tokens the
+    adapters never act on)."""
+    w = module.weight.view(-1, rows_per_head, module.in_features).index_select(0, heads).flatten(0, 1)
+    if not (adapter and isinstance(module, LoRALinear) and module.lora_enabled):
+        return F.linear(x, w)
+    a = module.lora_A.weight
+    b = module.lora_B.weight.view(-1, rows_per_head, a.shape[0]).index_select(0, heads).flatten(0, 1)
+    if lora_mask is None:
+        return F.linear(x, (w.to(a.dtype) + module.scaling * (b @ a)).to(w.dtype))
+    return F.linear(x, w) + _low_rank(x, a, b, module.scaling, lora_mask).to(x.dtype)
+
+
 def attention_lora(attn) -> tuple[tuple, tuple[float, float, float]]:
     """``(A_q [r, E], B_q [H, d, r], A_k, B_k [H_kv, d, r], A_v, B_v)`` (None where no enabled adapter; a gated
     ``q_proj`` gives its query rows of ``B``) and the scalings ``(s_q, s_k, s_v)`` for the fused attention."""
@@ -283,78 +310,5 @@ def gate_delta(attn, hidden: torch.Tensor, lora_mask: torch.Tensor | None = None
     return _low_rank(hidden, m.lora_A.weight, b, m.scaling, lora_mask).to(hidden.dtype)
 
 
-# ------------------------------------------------------------------------------------------- PEFT files
-def save_adapter(model: nn.Module, path) -> None:
-    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT's ``save_pretrained`` does."""
-    modules = lora_modules(model)
-    if not modules:
-        raise ValueError("the model has no LoRA adapters to save")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    first = modules[0][1]
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "revision": None,
-        "inference_mode": True, "r": first.lora_rank, "lora_alpha": first.lora_alpha,
-        "target_modules": sorted({n.rsplit(".", 1)[-1] for n, _ in modules}, key=TARGETS.index),
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {}, "exclude_modules": None, "lora_bias": False,
-    }
-    if not first.lora_on_prompt:  # only then: PEFT warns about (and ignores) a key it does not know
-        config[ON_PROMPT_KEY] = False
-    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    state = {f"{KEY_PREFIX}{name}.{part}.weight": getattr(m, part).weight.detach().to("cpu").contiguous()
-             for name, m in modules for part in ("lora_A", "lora_B")}
-    save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-
-
-def read_adapter_config(path) -> dict:
-    """``adapter_config.json`` of ``path``, validated: only what we implement (the offending field is named)."""
-    config = json.loads((Path(path) / CONFIG_FILE).read_text())
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"adapter_config.json: peft_type={config.get('peft_type')!r}, only 'LORA' is supported")
-    for field, allowed in _UNSUPPORTED.items():
-        if field in config and config[field] not in allowed:
-            raise ValueError(f"adapter_config.json: {field}={config[field]!r} is not supported "
-                             f"(supported: {' or '.join(map(repr, allowed))})")
-    for field in ("r", "lora_alpha", "target_modules"):
-        if field not in config:
-            raise ValueError(f"adapter_config.json has no {field!r}")
-    if not isinstance(config.get(ON_PROMPT_KEY, True), bool):
-        raise ValueError(f"adapter_config.json: {ON_PROMPT_KEY}={config[ON_PROMPT_KEY]!r} must be true or false")
-    if isinstance(config["target_modules"], str):
-        raise ValueError(f"adapter_config.json: target_modules={config['target_modules']!r} is a regex; only a "
-                         f"list of module names among {', '.join(TARGETS)} is supported")
-    return config
-
-
-def load_adapter(model: nn.Module, path, *, ignore_dropout: bool = False) -> None:
-    """Attach the adapters of a PEFT LoRA directory (ours or PEFT's ``save_pretrained``) to ``model``.
-
-    ``ignore_dropout``: accept a config with ``lora_dropout > 0`` and run without dropout (inference, or
-    training knowingly without it); otherwise such a config is refused. ``on_prompt`` comes from our key
-    ``lightning_longctx_on_prompt`` (True without it, e.g. for PEFT's own files)."""
-    config = read_adapter_config(path)
-    dropout = config.get("lora_dropout") or 0.0
-    if dropout and not ignore_dropout:
-        raise ValueError(f"adapter_config.json: lora_dropout={dropout!r} is not supported (see add_lora); pass "
-                         "ignore_dropout=True to load it without dropout")
-    state = load_file(str(Path(path) / WEIGHTS_FILE))
-    add_lora(model, config["r"], config["lora_alpha"], config["target_modules"],
-             on_prompt=config.get(ON_PROMPT_KEY, True))
-    try:
-        params = {f"{KEY_PREFIX}{name}.{part}.weight": getattr(m, part).weight
-                  for name, m in lora_modules(model) for part in ("lora_A", "lora_B")}
-        if params.keys() != state.keys():
-            raise ValueError(f"{WEIGHTS_FILE} does not match the model's adapters: missing "
-                             f"{sorted(params.keys() - state.keys())[:4]}, unexpected "
-                             f"{sorted(state.keys() - params.keys())[:4]}")
-        with torch.no_grad():
-            for key, p in params.items():
-                if state[key].shape != p.shape:
-                    raise ValueError(f"{key}: shape {tuple(state[key].shape)} in {WEIGHTS_FILE}, "
-                                     f"{tuple(p.shape)} in the model")
-                p.copy_(state[key])
-    except Exception:
-        _remove(model, merge=False)
-        raise
+# the PEFT file part (imported last: it reads add_lora and lora_modules from here)
+from .lora_io import ON_PROMPT_KEY, load_adapter, read_adapter_config, save_adapter  # noqa: E402, F401

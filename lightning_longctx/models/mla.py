@@ -32,6 +32,15 @@ full-sequence q / expanded K/V are alive at a time, in forward and in backward. 
 replay) the gathers run under a checkpoint too: between a layer's forward and its backward only this rank's
 shards are kept, and the backward gathers the prompt again. The attention kernels need
 equal q/k and v widths: the narrower side is zero-padded (exact; the padding's share of the output is dropped).
+
+LoRA (:mod:`.lora`; PEFT's names): ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` run as modules; ``q_proj``
+/ ``q_b_proj`` and ``kv_b_proj`` are sliced per stage and take :func:`~.lora.head_rows_linear` (the rows folded
+with the adapter, never a full-size ``B @ A``). Prefix-frozen adapters pass a token mask ``lora_mask [b, s_l]``
+(:meth:`DecoderLayer.adapter_mask`): the token-wise projections mask their rank-``r`` intermediate, the stage's
+query rows take the local mask and ``kv_b_proj``'s rows the gathered one (one extra all-gather of ``[b, s]``
+bytes, only when ``kv_b_proj`` is adapted). The tokens of a ``prefix_state`` are taken to come before the
+adapters' start (LongStraw's prompt, whose start is its length): with a mask their latent is expanded with the
+base rows of ``kv_b_proj``, as the prefill (run with the adapters disabled) computed that latent.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from ..ops.attention import attention
 from ..ops.merge import prefix_attention
 from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size
 from ..parallel.ulysses import check_head_layout
+from .lora import LoRALinear, head_rows_linear, masked_linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 
@@ -198,16 +208,20 @@ class MLAttention(nn.Module):
         return rope_interleaved(x, cos, sin) if self.rope_interleave else apply_rope(x, cos, sin)
 
     # ------------------------------------------------------------------------------ token-wise parts
-    def query_input(self, hidden: torch.Tensor) -> torch.Tensor:
+    def query_input(self, hidden: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         """What the per-head query rows multiply: ``q_a_layernorm(q_a_proj(hidden))`` ``[b, s_l, q_lora]``, or
-        ``hidden`` itself without a query low rank."""
-        return hidden if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden))
+        ``hidden`` itself without a query low rank (``lora_mask [b, s_l]``: where adapters act, None: all)."""
+        if self.q_lora_rank is None:
+            return hidden
+        return self.q_a_layernorm(masked_linear(self.q_a_proj, hidden, lora_mask))
 
-    def latent(self, hidden: torch.Tensor, position_ids: torch.Tensor, cos_sin=None) -> torch.Tensor:
+    def latent(self, hidden: torch.Tensor, position_ids: torch.Tensor, cos_sin=None,
+               lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The latent ``[b, s_l, R + r]`` of this rank's tokens at their global ``position_ids [b, s_l]``
-        (``cos_sin``: their RoPE tables, if already at hand)."""
+        (``cos_sin``: their RoPE tables, if already at hand; ``lora_mask``: as :meth:`query_input`'s)."""
         cos, sin = cos_sin or self.rotary(position_ids, hidden.dtype, group=self.sp_group)
-        kv, k_rot = self.kv_a_proj_with_mqa(hidden).split((self.kv_lora_rank, self.rope_dim), dim=-1)
+        kv, k_rot = masked_linear(self.kv_a_proj_with_mqa, hidden, lora_mask).split(
+            (self.kv_lora_rank, self.rope_dim), dim=-1)
         k_rot = self._rope(k_rot.unsqueeze(2), cos, sin).squeeze(2)
         # in the projection's dtype (bf16 under autocast, as transformers' kv_b_proj and cache then see it)
         return torch.cat((self.kv_a_layernorm(kv).to(kv.dtype), k_rot.to(kv.dtype)), dim=-1)
@@ -216,79 +230,95 @@ class MLAttention(nn.Module):
     def _width(self) -> int:
         return max(self.qk_dim, self.v_dim)
 
-    def expand(self, latent: torch.Tensor, st: MLAStage) -> tuple[torch.Tensor, torch.Tensor]:
+    def expand(self, latent: torch.Tensor, st: MLAStage, lora_mask: torch.Tensor | None = None,
+               adapter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The stage's own heads' ``k, v [b, t, C, w]`` (``w = max(dq, dv)``, zero-padded) from a gathered
-        ``latent [b, t, R + r]``, with this rank's rows of ``kv_b_proj``."""
+        ``latent [b, t, R + r]``, with this rank's rows of ``kv_b_proj`` (and their adapter: on the tokens of
+        ``lora_mask [b, t]``, None: all; ``adapter=False``: none)."""
         b, t, _ = latent.shape
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, -1).index_select(0, st.kv_heads)
-        kv = F.linear(latent[..., :self.kv_lora_rank], w.flatten(0, 1)).view(b, t, -1, self.nope + self.v_dim)
+        kv = head_rows_linear(self.kv_b_proj, latent[..., :self.kv_lora_rank], st.kv_heads, self.nope + self.v_dim,
+                              lora_mask, adapter).view(b, t, -1, self.nope + self.v_dim)
         k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
         k_rot = latent[..., self.kv_lora_rank:].unsqueeze(2).expand(b, t, k_nope.shape[2], self.rope_dim)
         k = torch.cat((k_nope, k_rot.to(k_nope.dtype)), dim=-1)
         width = self._width()
         return F.pad(k, (0, width - self.qk_dim)), F.pad(v, (0, width - self.v_dim))
 
-    def _stage(self, q_in, latent, prefix, cos, sin, st: MLAStage) -> torch.Tensor:
-        """One stage: ``[b, s_l, C P, dv]`` on the local tokens (heads ``st.q_heads``)."""
+    def _stage(self, q_in, latent, prefix, cos, sin, st: MLAStage, q_mask=None, kv_mask=None) -> torch.Tensor:
+        """One stage: ``[b, s_l, C P, dv]`` on the local tokens (heads ``st.q_heads``); ``q_mask [b, s_l]`` /
+        ``kv_mask [b, s]``: the local / gathered tokens the adapters act on (None: all)."""
         b, s_l, _ = q_in.shape
         proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
-        wq = proj.weight.view(self.num_heads, self.qk_dim, -1).index_select(0, st.q_heads).flatten(0, 1)
-        q = F.linear(q_in, wq).view(b, s_l, -1, self.qk_dim)
+        q = head_rows_linear(proj, q_in, st.q_heads, self.qk_dim, q_mask).view(b, s_l, -1, self.qk_dim)
         q_nope, q_rot = q.split((self.nope, self.rope_dim), dim=-1)
         q = torch.cat((q_nope, self._rope(q_rot, cos, sin).to(q.dtype)), dim=-1)
         q = SeqToHead.apply(F.pad(q, (0, self._width() - self.qk_dim)), self.sp_group)  # [b, s, C, w]
-        k, v = self.expand(latent, st)
+        k, v = self.expand(latent, st, kv_mask)
         opts = dict(softmax_scale=self.scaling, backend=self.backend)
         if prefix is None:
             out = attention(q, k, v, causal=True, **opts)
         else:  # a prompt's latent before these tokens: full attention over it, causal over the new tokens
-            k_p, v_p = self.expand(prefix, st)
+            k_p, v_p = self.expand(prefix, st, adapter=q_mask is None)  # masked: before the adapters' start
             out = prefix_attention(q, k_p, v_p, k, v, **opts)[0]
         return HeadToSeq.apply(out[..., :self.v_dim].contiguous(), self.sp_group)
 
     # ----------------------------------------------------------------------------------------- layer
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, prefix_state: MLAState | None = None,
-                return_state: bool = False):
+                return_state: bool = False, lora_mask: torch.Tensor | None = None):
         """``hidden [b, s_l, E]`` at global ``position_ids [b, s_l]`` -> ``[b, s_l, E]``.
 
         ``prefix_state``: the :class:`MLAState` of earlier tokens (this rank's shard of their latent, e.g. a
         LongStraw prompt): every token attends to all of them and causally to the new ones; its gradient flows
-        through autograd. ``return_state``: also return this call's :class:`MLAState` (differentiable)."""
+        through autograd. ``return_state``: also return this call's :class:`MLAState` (differentiable).
+        ``lora_mask [b, s_l]`` (bool): the local tokens LoRA adapters act on (None: all; see the module
+        docstring for the prefix's tokens)."""
         cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
-        latent = self.latent(hidden, position_ids, (cos, sin))
+        latent = self.latent(hidden, position_ids, (cos, sin), lora_mask)
         prefix = None
         if prefix_state is not None and prefix_state.latent.shape[1] > 0:
             prefix = prefix_state.latent.to(hidden.dtype)
-        q_in = self.query_input(hidden)
+        q_in = self.query_input(hidden, lora_mask)
         if prefix is not None and torch.is_grad_enabled():
             # a replay over a prompt latent: keep only this rank's shards, gather the prompt again in backward,
             # so no layer holds the gathered [S', R + r] prompt between its forward and its backward
-            out = checkpoint(self._attend, q_in, latent, prefix, cos, sin, use_reentrant=False)
+            out = checkpoint(self._attend, q_in, latent, prefix, cos, sin, lora_mask, use_reentrant=False)
         else:
-            out = self._attend(q_in, latent, prefix, cos, sin)
-        out = self.o_proj(out.flatten(2))
+            out = self._attend(q_in, latent, prefix, cos, sin, lora_mask)
+        out = masked_linear(self.o_proj, out.flatten(2), lora_mask)
         return (out, MLAState(latent)) if return_state else out
 
-    def _attend(self, q_in, latent, prefix, cos, sin) -> torch.Tensor:
+    def _gathered_mask(self, lora_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``lora_mask [b, s_l]`` of every rank's tokens, ``[b, s]`` (None: no mask, or no adapter on
+        ``kv_b_proj`` to apply it)."""
+        if lora_mask is None or not (isinstance(self.kv_b_proj, LoRALinear) and self.kv_b_proj.lora_enabled):
+            return None
+        if group_size(self.sp_group) == 1:
+            return lora_mask
+        with torch.no_grad():
+            return _all_gather_seq(lora_mask.to(torch.uint8), self.sp_group).bool()
+
+    def _attend(self, q_in, latent, prefix, cos, sin, lora_mask=None) -> torch.Tensor:
         """The attention output ``[b, s_l, H, dv]`` from the query input, this rank's latent ``[b, s_l, R + r]``
         and (optionally) its shard of a prompt latent ``[b, S'/P, R + r]``: one all-gather of each, then the
-        head stages."""
+        head stages (``lora_mask [b, s_l]``: as :meth:`forward`'s)."""
         full = gather_sequence(latent, self.sp_group)  # [b, s, R + r]: one all-gather per layer
         prefix = None if prefix is None else gather_sequence(prefix, self.sp_group)
+        masks = (lora_mask, self._gathered_mask(lora_mask))
         stages, inverse = self.stages(q_in.device)
         staged = torch.is_grad_enabled() and (len(stages) > 1 or prefix is not None)
         outs = []
         for st in stages:
             if staged:  # only this stage's full-sequence q and expanded K/V alive, in forward and in backward
-                outs.append(checkpoint(self._stage, q_in, full, prefix, cos, sin, st, use_reentrant=False))
+                outs.append(checkpoint(self._stage, q_in, full, prefix, cos, sin, st, *masks, use_reentrant=False))
             else:
-                outs.append(self._stage(q_in, full, prefix, cos, sin, st))
+                outs.append(self._stage(q_in, full, prefix, cos, sin, st, *masks))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [b, s_l, H, dv] in stage order
         return out if inverse is None else out.index_select(2, inverse)
 
-    def prompt_state(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> MLAState:
-        """Only the :class:`MLAState` of ``hidden [b, s_l, E]`` (no attention)."""
-        return MLAState(self.latent(hidden, position_ids))
+    def prompt_state(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                     lora_mask: torch.Tensor | None = None) -> MLAState:
+        """Only the :class:`MLAState` of ``hidden [b, s_l, E]`` (no attention; ``lora_mask``: as :meth:`forward`'s)."""
+        return MLAState(self.latent(hidden, position_ids, lora_mask=lora_mask))
 
 
 __all__ = ["GatherSequence", "MLAState", "MLAStage", "MLAttention", "gather_sequence", "mla_softmax_scale",

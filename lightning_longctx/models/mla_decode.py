@@ -18,8 +18,19 @@ its own shard of the prompt latent, one all-gather of the partial outputs and lo
 merges them (exact, by log-sum-exp), together with the rows' own cache (the new tokens' latents, replicated),
 so every rank ends the step with the same output.
 
-The rows' own cache is an :class:`~.decode.AttentionDecodeCache` whose ``keys`` (and, unread, ``values``: it
-sizes both alike) hold the latents ``[B, L, 1, w]``: a response's length of tokens, small next to the prompt.
+The rows' own cache is an :class:`~.decode.AttentionDecodeCache` whose ``keys`` hold the latents ``[B, L, 1, w]``
+(a response's length of tokens, small next to the prompt) and whose ``values`` (sized alike) each token's input
+to ``kv_b_proj``'s adapter, ``m_j A c_kv_j`` (``r'`` wide, zero-padded to ``w``; zero without an enabled adapter).
+
+LoRA: ``q_proj`` / ``q_a_proj`` / ``q_b_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` run as modules (their adapters,
+if enabled, on the new tokens: prefix-frozen adapters are disabled for the prompt tail's step by the caller).
+``kv_b_proj``'s adapter (``W_UK_h + s B_UK_h A``, ``W_UV_h + s B_UV_h A``, rank ``r'``) acts on a key iff its
+token was adapted (``m_j``): the row's own tokens carry ``m_j A c_kv_j`` in the cache, and the prompt's tokens are
+adapted iff the adapters act on the prompt (``on_prompt=True``: the prefill ran with them). Exact in low rank,
+never a full-size ``B @ A``: the own keys become ``[c_kv | m A c_kv | rope(k_rot)]`` and the queries
+``[q_nope W_UK | s q_nope B_UK | rope(q_rot)]``; over the prompt the query is ``q_nope W_UK (+ s q_nope B_UK A)``
+and the output's adapter part is ``(sum_j p_j c_kv_j) A^T`` (or zero); the merged output ``[o_c | o_a]`` maps
+to ``o_c W_UV^T + s o_a B_UV^T``.
 """
 
 from __future__ import annotations
@@ -30,17 +41,31 @@ import torch.distributed as dist
 from ..ops.attention import attention_forward
 from ..ops.merge import merge_attention_outputs
 from ..parallel import group_size
+from .lora import LoRALinear
 
 
-def _absorbed_queries(attn, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``[B, T, H, w]``: each head's ``[q_nope W_UK | rope(q_rot)]``."""
+def _kv_b_adapter(attn):
+    """``(A [r', R], B [H, n + dv, r'], s)`` of an enabled adapter on ``kv_b_proj``, else None."""
+    m = attn.kv_b_proj
+    if not (isinstance(m, LoRALinear) and m.lora_enabled):
+        return None
+    return m.lora_A.weight, m.lora_B.weight.view(attn.num_heads, attn.nope + attn.v_dim, -1), m.scaling
+
+
+def _queries(attn, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adapter):
+    """``(q_lat [B, T, H, R], q_low [B, T, H, r'] or None, q_rope [B, T, H, r])``: ``q_nope W_UK``,
+    ``s q_nope B_UK`` (with an adapter on ``kv_b_proj``, in its dtype) and the roped ``q_rot``."""
     b, t, _ = hidden.shape
     proj = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
     q = proj(attn.query_input(hidden)).view(b, t, attn.num_heads, attn.qk_dim)
     q_nope, q_rot = q.split((attn.nope, attn.rope_dim), dim=-1)
     w_uk = attn.kv_b_proj.weight.view(attn.num_heads, attn.nope + attn.v_dim, -1)[:, :attn.nope]  # [H, n, R]
     q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
-    return torch.cat((q_lat, attn._rope(q_rot, cos, sin).to(q_lat.dtype)), dim=-1)
+    q_low = None
+    if adapter is not None:
+        a, b_rows, s = adapter
+        q_low = s * torch.einsum("bthn,hnk->bthk", q_nope.to(a.dtype), b_rows[:, :attn.nope])
+    return q_lat, q_low, attn._rope(q_rot, cos, sin).to(q_lat.dtype)
 
 
 def _over_latent(q: torch.Tensor, latent: torch.Tensor, scale: float, backend: str):
@@ -88,15 +113,42 @@ def mla_decode(attn, hidden: torch.Tensor, position_ids: torch.Tensor, prompt_st
     ``prompt_state``: this rank's :class:`~.mla.MLAState` of the prompt (``[1, S'_p, w]``), or None."""
     cos, sin = attn.rotary(position_ids, hidden.dtype, group=attn.sp_group)
     latent = attn.latent(hidden, position_ids, (cos, sin))  # [B, T, w]
-    cache.append(latent.unsqueeze(2), latent.unsqueeze(2))  # (the cache sizes its values like its keys)
-    q = _absorbed_queries(attn, hidden, cos, sin)
-    out, lse = _over_own(q, cache.filled()[0], attn.scaling, attn.backend)
+    big_r, width = attn.kv_lora_rank, latent.shape[-1]
+    adapter = _kv_b_adapter(attn)
+    low = torch.zeros_like(latent)  # the new tokens' m A c_kv (zero-padded to w): m = 1 iff the adapter is on
+    if adapter is not None:
+        rank = adapter[0].shape[0]
+        if rank > width:
+            raise ValueError(f"kv_b_proj's LoRA rank {rank} exceeds the latent width {width}: decoding keeps the "
+                             "adapter's input in the latent's cache slot")
+        low[..., :rank] = (latent[..., :big_r].to(adapter[0].dtype) @ adapter[0].t()).to(low.dtype)
+    cache.append(latent.unsqueeze(2), low.unsqueeze(2))
+    q_lat, q_low, q_rope = _queries(attn, hidden, cos, sin, adapter)
+    keys, lows = cache.filled()  # [B, L, 1, w] each
+    if adapter is None:
+        out, lse = _over_own(torch.cat((q_lat, q_rope), dim=-1), keys, attn.scaling, attn.backend)
+    else:  # [c | m A c | rope(k_rot)] against [q_nope W_UK | s q_nope B_UK | rope(q_rot)]
+        rank = q_low.shape[-1]
+        keys = torch.cat((keys[..., :big_r], lows[..., :rank], keys[..., big_r:]), dim=-1)
+        q = torch.cat((q_lat, q_low.to(q_lat.dtype), q_rope), dim=-1)
+        out, lse = _over_own(q, keys, attn.scaling, attn.backend)  # [B, T, H, w + r']
     if prompt_state is not None and prompt_state.latent.shape[1] > 0:
-        out_p, lse_p = _over_latent(q, prompt_state.latent.to(q.dtype), attn.scaling, attn.backend)
+        prompt_adapted = adapter is not None and attn.kv_b_proj.lora_on_prompt
+        q_p = q_lat + (q_low @ adapter[0]).to(q_lat.dtype) if prompt_adapted else q_lat
+        out_p, lse_p = _over_latent(torch.cat((q_p, q_rope), dim=-1), prompt_state.latent.to(q_lat.dtype),
+                                    attn.scaling, attn.backend)
         out_p, lse_p = _merge_ranks(out_p, lse_p, attn.sp_group)
+        if adapter is not None:  # the adapter part of the prompt's output: (sum_j p_j c_j) A^T, or none
+            part = (out_p[..., :big_r].to(adapter[0].dtype) @ adapter[0].t()).to(out_p.dtype)
+            out_p = torch.cat((out_p[..., :big_r], part if prompt_adapted else torch.zeros_like(part),
+                               out_p[..., big_r:]), dim=-1)
         out, _ = merge_attention_outputs(out_p, lse_p, out, lse)
     w_uv = attn.kv_b_proj.weight.view(attn.num_heads, attn.nope + attn.v_dim, -1)[:, attn.nope:]  # [H, dv, R]
-    values = torch.einsum("bthr,hvr->bthv", out[..., :attn.kv_lora_rank], w_uv)  # [B, T, H, dv]
+    values = torch.einsum("bthr,hvr->bthv", out[..., :big_r], w_uv)  # [B, T, H, dv]
+    if adapter is not None:  # + s o_a B_UV^T
+        a, b_rows, s = adapter
+        o_a = out[..., big_r:big_r + a.shape[0]].to(a.dtype)
+        values = values + (s * torch.einsum("bthk,hvk->bthv", o_a, b_rows[:, attn.nope:])).to(values.dtype)
     return attn.o_proj(values.flatten(2))
 
 
