@@ -206,7 +206,9 @@ def run_dir() -> str:
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
-        return str(HydraConfig.get().runtime.output_dir)
+        runtime = HydraConfig.get().runtime
+        if not OmegaConf.is_missing(runtime, "output_dir"):  # missing under compose (tests, notebooks)
+            return str(runtime.output_dir)
     return os.getcwd()
 
 

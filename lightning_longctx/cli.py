@@ -151,7 +151,9 @@ def format_plan(cfg: DictConfig) -> str:
                   "logits_chunk_size", "attention_backend", "keep_attention_output")
     lines = [
         f"model: {describe_model(cfg.model, model)}",  # the preset, or model.pretrained's config.json
-        f"  {model.num_parameters() / 1e9:.2f}B parameters, KV {kv_token / 1024:g} KiB/token in {knobs.compute_dtype}",
+        f"  {model.num_parameters() / 1e9:.2f}B parameters, KV {kv_token / 1024:g} KiB/token in {knobs.compute_dtype}"
+        + (f" ({kv_token:,} bytes/token: {model.mla_layers} MLA layers x {model.latent_width}-wide latent x "
+           f"{knobs.dtype_bytes} B, sequence-sharded over the SP ranks)" if model.mla_layers else ""),
         f"cluster {cluster.name}: {cluster.devices} devices x {cluster.num_nodes} nodes = {world} ranks, "
         f"sp={sp} x dp={world // sp}, sharding={cluster.sharding}",
         f"memory {cfg.memory.name}: budget {knobs.budget_gib:g} GiB/rank (reserve {knobs.reserve_gib:g}), "

@@ -64,23 +64,25 @@ def test_parameter_count_matches_transformers(name, fields, hf_model, hf_config)
 
 
 def test_saved_activations_of_tiny_sft_by_hand():
-    """float32, one rank, 4096 tokens, no knob: per token 256 (embedding) + 2 x 3992 (layers) + 516 (final
-    norm) + 264 (float32 log-softmax over 64 + int64 target). A layer: two RMSNorms 2 x (2 x 4 x 64 + 4),
-    attention output 4 x 64 + LSE 4 x 4 + cos/sin 2 x 4 x 16, two residual sums 2 x 4 x 64, SwiGLU 4 x 4 x 128."""
-    layer = 2 * (2 * 4 * 64 + 4) + (4 * 64 + 4 * 4 + 2 * 4 * 16) + 2 * 4 * 64 + 4 * 4 * 128
-    assert layer == 3992
+    """float32, one rank, 4096 tokens, no knob: per token 256 (embedding) + 2 x 3480 (layers) + 260 (final
+    norm) + 264 (float32 log-softmax over 64 + int64 target). A layer: two RMSNorms 2 x (4 x 64 + 4) (output and
+    rstd: ``RMSNormFunction`` saves its input, the residual, and rstd), attention output 4 x 64 + LSE 4 x 4 +
+    cos/sin 2 x 4 x 16, two residual sums 2 x 4 x 64, SwiGLU 4 x 4 x 128."""
+    layer = 2 * (4 * 64 + 4) + (4 * 64 + 4 * 4 + 2 * 4 * 16) + 2 * 4 * 64 + 4 * 4 * 128
+    assert layer == 3480
     saved = layer_saved_bytes(ModelShape.from_config(TINY), MemoryKnobs(**FP32_EAGER), 1, "full_attention")
     assert saved["pre"] + saved["post"] == layer
     p = plan(TINY, ONE, FP32_EAGER, seq_len=4096)
-    assert p.breakdown["saved_activations"] == 4096 * (256 + 2 * layer + 516 + 4 * 64 + 8)
+    assert p.breakdown["saved_activations"] == 4096 * (256 + 2 * layer + 260 + 4 * 64 + 8)
     assert p.breakdown["params"] == p.breakdown["grads"] == 82240 * 4 and p.breakdown["optimizer"] == 2 * 82240 * 4
 
 
-def test_bf16_norm_keeps_a_float32_copy():
+def test_bf16_norm_keeps_no_float32_copy():
     knobs = MemoryKnobs(precision="bf16-mixed")
     saved = layer_saved_bytes(ModelShape.from_config(TINY), knobs, 1, "full_attention")
-    # input RMSNorm (4 + 2 + 2 bytes x 64 + 4) + output 2 x 64 + LSE 4 x 4 + cos/sin 2 x 2 x 16
-    assert saved["pre"] == (8 * 64 + 4) + 2 * 64 + 16 + 64
+    # input RMSNorm (its output 2 bytes x 64 + rstd 4; it saves the bf16 input itself, not a float32 copy)
+    # + attention output 2 x 64 + LSE 4 x 4 + cos/sin 2 x 2 x 16
+    assert saved["pre"] == (2 * 64 + 4) + 2 * 64 + 16 + 64
 
 
 def test_checkpointing_keeps_one_hidden_per_layer_and_offload_moves_it_to_the_host():
@@ -497,3 +499,15 @@ def test_the_app_builds_the_model_with_the_planners_choice():
     assert knobs("memory.budget_gib=0.001")["keep_attention_output"] == "off"
     assert knobs("memory.keep_attention_output=host")["keep_attention_output"] == "host"
     assert knobs("task=long_sft")["keep_attention_output"] == "off"
+
+
+def test_the_optimizer_step_adds_one_trainable_sized_temporary():
+    """AdamW's temporary in the optimizer step is one tensor per trainable parameter: with LoRA the adapters', not
+    the frozen base's (which ``params`` holds in bf16)."""
+    lora = dict(LLAMA3_8B, lora=dict(r=16))
+    for fields in (LLAMA3_8B, lora):
+        for mode in ("sft", "longstraw"):
+            p = plan(fields, dict(devices=8, sharding="fsdp"), dict(precision="bf16-mixed"), seq_len=8192, mode=mode,
+                     group_size=2, response_len=64)
+            static = sum(p.breakdown[k] for k in ("params", "grads", "optimizer", "fsdp_buffers"))
+            assert p.phases["optimizer step"] == static + p.breakdown["grads"], (fields is lora, mode)

@@ -3,8 +3,9 @@
 Main API: :func:`plan` -> :class:`Plan` (breakdown, peak phase, ``fits``), :func:`max_context`,
 :func:`check_budget` (raises :class:`PlanError` with what to change). Arithmetic only, no Lightning
 import. Inputs in :mod:`.shapes`, the per-phase arithmetic in :mod:`.phases` (SFT, the building blocks) and
-:mod:`.longstraw` (the exact LongStraw step, layer by layer), the API in :mod:`.planner`; formulas and their
-validation: ``docs/memory_planner.md``.
+:mod:`.longstraw` (the exact LongStraw step, layer by layer), multi-head latent attention and mixture-of-experts
+layers in :mod:`.mla_shapes` / :mod:`.mla_moe`, the API in :mod:`.planner`; formulas and their validation:
+``docs/memory_planner.md``.
 """
 
 from .phases import attention_stage_bytes, cache_heads_per_rank, kv_cache_bytes, layer_saved_bytes

@@ -71,24 +71,24 @@ def _norm(model: ModelShape, b: int) -> int:
 
 
 def _kept_input(model: ModelShape, b: int) -> int:
-    """Per token, an RMSNorm's input that the norm itself keeps: a float32 norm saves ``x`` (so the residual sum
-    it normalises stays alive), a half one a float32 copy instead (counted in :func:`.phases.norm_saved`)."""
-    return 0 if _half(b) else model.hidden_size * b
+    """Per token, an RMSNorm's input that the norm itself keeps: ``RMSNormFunction`` saves ``x`` (so the
+    residual sum it normalises stays alive), half or float32."""
+    return model.hidden_size * b
 
 
 def _norm_backward(e: int, b: int) -> int:
-    """Per token, an RMSNorm's backward working set: five float32 temporaries of the composite ops and the
-    input's gradient, ``5 a E`` (measured; half inputs too, the statistics being float32)."""
-    del b
-    return 5 * A * e
+    """Per token, an RMSNorm's backward working set: ``grad_x`` ``E b`` and, one slice of 1/8 of the tokens at a
+    time (``models.norm.BACKWARD_SLICES``), float32 ``x_hat`` and ``g x_hat`` (and a float32 ``g`` for a half
+    input): ``E (b + 2a/8)``, half ``E (b + 3a/8)`` (tracker, ``tests/test_norm.py``)."""
+    return e * b + (3 if _half(b) else 2) * A * e // 8
 
 
-def _gated_norm_saved(v: int, b: int, frozen: bool = False) -> int:
+def _gated_norm_saved(v: int, b: int, frozen: bool = False, heads: int = 0) -> int:
     """Per token, what ``gated_rms_norm(o, z)`` (``norm(o) * silu(z)``, then ``out_proj``) keeps besides ``o``:
-    float32 ``o`` (half only), ``x * rsqrt`` (cast back), ``w * x_hat``, float32 ``z``, ``silu(z)`` and the
-    product ``out_proj`` saves: ``v (2a + 3b)`` in float32, ``v (3a + 3b)`` in half. ``frozen`` (LoRA: no
-    adapter on the linear layers' ``out_proj``, a frozen norm weight): without ``x * rsqrt`` and the product."""
-    return v * ((A if _half(b) else 0) + (1 if frozen else 3) * b + 2 * A)
+    ``GatedRMSNormFunction`` saves ``z`` ``v b`` and a float32 ``rstd`` per value head (``heads a``), and
+    ``out_proj`` its input, the output ``v b``. ``frozen`` (LoRA: no adapter on the linear layers'
+    ``out_proj``): the output is not saved."""
+    return v * b * (1 if frozen else 2) + heads * A
 
 
 def _mlp_saved(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
@@ -118,28 +118,23 @@ def residual_mlp(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
 def _backward_top(model: ModelShape, knobs: MemoryKnobs, tokens: int, saved: int) -> int:
     """Peak of a layer's backward from its top, given the ``saved`` bytes of its forward: the larger of the MLP
     backward with everything saved (:func:`_mlp_backward`) and the post-attention norm's backward,
-    which replaces that norm's saved tensors (but a half input's float32 copy) by :func:`_norm_backward`."""
+    which replaces that norm's output (released with the MLP's saved input) by :func:`_norm_backward`."""
     b, e = knobs.dtype_bytes, model.hidden_size
     mlp = saved + _mlp_backward(model, knobs, tokens)
-    released = _norm(model, b) - (A * e if _half(b) else 0)  # all but a half input's float32 copy (pow's)
+    released = _norm(model, b)
     norm = saved + tokens * (_norm_backward(e, b) - released)
     return max(mlp, norm)
 
 
 # ------------------------------------------------------------------------------ attention (FusedAttention)
 def _qk_norm_saved(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int) -> int:
-    """One stage's q/k RMSNorms (``_stage_qkv``) over its ``w = (C P + m_d) d`` local channels, as recomputed
-    with autograd in a backward: float32 the fused projection they take views of (``(C P + 2 m_d) d b``, counted
-    by the caller) and ``x * rsqrt`` (``w a``); half a float32 copy and ``x * rsqrt`` (``w (a + b)``, zero-centred
-    ``2 w a``). LoRA (frozen norm weights): no ``x * rsqrt``."""
+    """One stage's q/k RMSNorms (``_stage_qkv``) over its ``C P + m_d`` local heads, as recomputed with autograd
+    in a backward: ``RMSNormFunction`` saves its input, a view of the fused projection (``(C P + 2 m_d) d b``,
+    counted by the caller), and a float32 ``rstd`` per head and token (``(C P + m_d) a``); any dtype, LoRA too."""
     if not model.qk_norm:
         return 0
     c, _, _, md = stage_projection(model, sp, knobs.head_chunk_size)
-    b, w = knobs.dtype_bytes, (c * sp + md) * model.head_dim
-    frozen = _frozen(model)
-    if _half(b):
-        return tokens * w * (A + (0 if frozen else A if model.zero_centered_norms else b))
-    return 0 if frozen else tokens * w * A
+    return tokens * (c * sp + md) * A
 
 
 def attention_stage_rows(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
@@ -280,14 +275,14 @@ def linear_replay_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: 
     input RMSNorm; per stage the conv's padded input, its output and the silu output (the scan's q, k, v are
     views of it) ``3 ch t b``, beta ``c t b``, the decay's float32 inputs ``2 c t a`` and the scan's saved
     float32 states every 256 tokens (LoRA: the conv's input is not kept, its weight being frozen); then the
-    scan output (float32: kept by the gated norm) and :func:`_gated_norm_saved`."""
+    scan output (kept by the gated norm) and :func:`_gated_norm_saved`."""
     c, _, ch, stages = linear_stage_layout(model, sp, knobs.head_chunk_size)
     b, v = knobs.dtype_bytes, model.linear_v_dim
     t = sp * tokens
     states = math.ceil(t / 256) * c * model.linear_key_head_dim * model.linear_value_head_dim * A
     convs = 2 if _frozen(model) else 3  # a frozen conv weight: conv1d keeps no input
     per_stage = t * (convs * ch * b + c * b + 2 * c * A) + states
-    out = tokens * ((0 if _half(b) else v * b) + _gated_norm_saved(v, b, _frozen(model)))
+    out = tokens * (v * b + _gated_norm_saved(v, b, _frozen(model), model.linear_num_value_heads))
     return tokens * _norm(model, b) + stages * per_stage + out
 
 
@@ -324,7 +319,7 @@ def linear_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, token
     b, e, v, dv = knobs.dtype_bytes, model.hidden_size, model.linear_v_dim, model.linear_value_head_dim
     s = sp * tokens
     norm_in = tokens * _norm(model, b)
-    gated = _gated_norm_saved(v, b, _frozen(model))
+    gated = _gated_norm_saved(v, b, _frozen(model), model.linear_num_value_heads)
     saved = norm_in + tokens * (v * b + gated + residual_mlp(model, knobs, tokens) + e * b)
     output_side = _backward_top(model, knobs, tokens, saved)
     convs = 8 if _frozen(model) else 9  # a frozen conv weight: conv1d keeps no input

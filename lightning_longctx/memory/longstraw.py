@@ -15,6 +15,7 @@ from .layers import (
     _branch_logits,
     _kept_input,
     _mlp_backward,
+    _mlp_saved,
     _norm,
     _norm_backward,
     _replay_cache,
@@ -31,6 +32,15 @@ from .layers import (
     linear_weight_rows,
     residual_mlp,
 )
+from .mla_moe import (
+    mla_prefill_bytes,
+    mla_recompute_bytes,
+    mla_replay_backward,
+    mla_replay_saved,
+    mlp_token_saved,
+    moe_backward_bytes,
+    moe_nograd_bytes,
+)
 from .phases import (
     STATE_SEGMENT,
     kv_cache_bytes,
@@ -41,7 +51,7 @@ from .phases import (
     static_bytes,
     weight_copies_bytes,
 )
-from .shapes import FULL_ATTENTION, GIB, INT64, LINEAR_ATTENTION, ClusterShape, MemoryKnobs, ModelShape
+from .shapes import FULL_ATTENTION, GIB, INT64, LINEAR_ATTENTION, MLA_ATTENTION, ClusterShape, MemoryKnobs, ModelShape
 
 
 def choose_keep_attention_output(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int,
@@ -140,6 +150,8 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     # K/V on the device in the prefill (each layer's goes to the host as it is made) nor in the grouped backward
     # (which recomputes them), and the sums of the layer being back-propagated and the one prefetched.
     layer_kv = kv_cache_bytes(model, knobs, sp, cached) // model.full_layers if model.full_layers else 0
+    layer_latent = s_l * model.latent_width * b  # an MLA layer's sequence-sharded prompt latent
+    latent_acc = layer_latent // b * max(A, b) if full else 0
     layer_acc = layer_kv // b * max(A, b) if full else 0
     layer_state = recurrent_state_bytes(model, knobs, sp) // model.linear_layers if model.linear_layers else 0
     staged = bool(knobs.offload_prompt_cache and model.full_layers)
@@ -152,7 +164,9 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
         total = sum(ckpt_layer[: upto + 1]) + sum(out_dev[: upto + 1])
         kinds_below = model.layer_types[: upto + 1]
         attention = sum(k == FULL_ATTENTION for k in kinds_below)
-        total += (len(kinds_below) - attention) * layer_state * (2 if grouped and full else 1)
+        mla = sum(k == MLA_ATTENTION for k in kinds_below)  # the latent stays on the device, its sums too
+        total += mla * (layer_latent + (latent_acc if grouped else 0))
+        total += (len(kinds_below) - attention - mla) * layer_state * (2 if grouped and full else 1)
         if not staged:
             return total + attention * (layer_kv + (layer_acc if grouped else 0))
         return total + (min(2, attention) * layer_acc if grouped else 0)
@@ -166,8 +180,14 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     mlp_nograd = ((3 + lora_mlp) * s_l if chunk is None or chunk >= s_l else (4 + lora_mlp) * chunk) \
         * model.intermediate_size * b
     prefill_mlp = s_l * (2 * e * b + _norm(model, b)) + mlp_nograd
+    moe_tokens = s_l if chunk is None or chunk >= s_l else chunk
+    prefill_moe = s_l * (2 * e * b + _norm(model, b)) + moe_nograd_bytes(model, knobs, moe_tokens)
 
     def prefill_layer(i: int) -> int:
+        mlp = prefill_moe if model.is_sparse(i) else prefill_mlp
+        if model.layer_types[i] == MLA_ATTENTION:
+            return mla_prefill_bytes(model, knobs, sp, s_l, top=True) if i == last else max(
+                mlp, mla_prefill_bytes(model, knobs, sp, s_l))
         if model.layer_types[i] == FULL_ATTENTION:
             if i == last:
                 return attention_prefill_bytes(model, knobs, sp, s_l, top=True)
@@ -189,30 +209,41 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     layer_graph = {}
     if model.full_layers:
         layer_graph[FULL_ATTENTION] = attention_replay_bytes(model, knobs, sp, t_l)
+    if model.mla_layers:
+        layer_graph[MLA_ATTENTION] = mla_replay_saved(model, knobs, sp, t_l)
     if model.linear_layers:
         stages = linear_stage_layout(model, sp, knobs.head_chunk_size)[3]
         layer_graph[LINEAR_ATTENTION] = (linear_replay_bytes(model, knobs, sp, t_l)
                                          + linear_weight_rows(model, knobs, sp) * stages)
     resid = t_l * (residual_mlp(model, knobs, t_l) + _kept_input(model, b))  # + the layer output (next input)
+    # a MoE layer's MLP keeps its experts' tensors instead of the SwiGLU's
+    resid_of = [resid + t_l * (mlp_token_saved(model, knobs, i, t_l) - _mlp_saved(model, knobs, t_l)
+                               if model.is_sparse(i) else 0) for i in range(last + 1)] if model.mlp_layer_types \
+        else [resid] * (last + 1)
     logits = _branch_logits(model, knobs, t_l, autocast_cast=knobs.mixed and not states_sharded(cluster))
     top_saved = t_l * _norm(model, b) + logits["saved"]  # the final norm, the log-probs' LSE and targets
     # a layer's backward, one transient at a time: its MLP, its post-attention norm, an attention stage with
     # the cache's share of its gradient
     cache_stage = (_replay_cache(model, knobs, sp, cached) + attention_stage_bytes_fused(model, knobs, sp, t_l)
                    if model.full_layers else 0)
-    layer_backward = max(_mlp_backward(model, knobs, t_l), t_l * _norm_backward(e, b), cache_stage)
+    if model.mla_layers:
+        cache_stage = mla_replay_backward(model, knobs, sp, t_l, cached)
+    moe_backward = moe_backward_bytes(model, knobs, t_l) if model.sparse_layers else 0
+    layer_backward = max(_mlp_backward(model, knobs, t_l), t_l * _norm_backward(e, b), cache_stage, moe_backward)
     if knobs.activation_checkpointing:
         branch = model.num_hidden_layers * t_l * (e * b + INT64) + top_saved  # each layer's input and positions
-        replay_backward = max(logits["backward"], max(layer_graph.values()) + resid + layer_backward)
+        replay_backward = max(logits["backward"], max(layer_graph.values()) + max(resid_of) + layer_backward)
     else:
         branch = (t_l * _kept_input(model, b) + sum(layer_graph[k] for k in model.layer_types)
-                  + model.num_hidden_layers * resid + top_saved)
+                  + sum(resid_of) + top_saved)
         replay_backward = max(logits["backward"], layer_backward)
     comp.update(replay_branch=branch, replay_backward=replay_backward, logits_chunk=logits["backward"])
 
     # grouped backward: layer i recomputed from its checkpoint (layers above it already done and freed), the
     # gradient from above alive (+ the input's device copy when the checkpoints are offloaded)
     def recompute(i: int) -> int:
+        if model.layer_types[i] == MLA_ATTENTION:
+            return mla_recompute_bytes(model, knobs, sp, s_l, i, top=i == last)
         if model.layer_types[i] == FULL_ATTENTION:
             if i == last:
                 return attention_state_bytes(model, knobs, sp, s_l)
@@ -241,7 +272,8 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     }
     if full:
         phases["grouped backward"] = base - reduce_input + max(grouped)
-    phases["optimizer step"] = base + static["params"]
+    # AdamW's temporary: one trainable-parameter-sized tensor (with LoRA the adapters', not the frozen base's)
+    phases["optimizer step"] = base + static["grads"]
     return comp, phases, host
 
 

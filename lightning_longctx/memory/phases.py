@@ -25,6 +25,7 @@ from .shapes import (
     FLOAT32,
     FULL_ATTENTION,
     INT64,
+    MLA_ATTENTION,
     ClusterShape,
     MemoryKnobs,
     ModelShape,
@@ -66,16 +67,12 @@ def attention_stage_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, local_
 
 
 def norm_saved(e: int, b: int, zero_centered: bool = False, frozen: bool = False) -> int:
-    """Per token, one RMSNorm's saved tensors and its output (not its input): float32 ``x * rsqrt`` and the
-    output (the input itself is saved too); half a float32 copy of the input, ``x * rsqrt`` cast back and the
-    output, where the zero-centred form (``x_hat * (1 + w)`` in float32) keeps ``x * rsqrt`` in float32; the
-    rsqrt. ``frozen`` (LoRA: the norm weight needs no gradient): ``x * rsqrt`` is not saved."""
-    half = b < FLOAT32
-    if frozen:
-        return e * ((FLOAT32 if half else 0) + b) + FLOAT32
-    if not half:
-        return 2 * b * e + FLOAT32
-    return e * (FLOAT32 + (FLOAT32 if zero_centered else b) + b) + FLOAT32
+    """Per token, one RMSNorm's saved tensors and its output (not its input): ``models.norm.RMSNormFunction``
+    saves its input ``x`` (counted by the caller: the residual stream) and the float32 ``rstd``; the output
+    ``E b`` is the next op's saved input. The same for half inputs, zero-centred and frozen (LoRA) weights
+    (the arguments stay for the callers; the composite it replaced saved ``x * rsqrt`` and a float32 copy)."""
+    del zero_centered, frozen
+    return e * b + FLOAT32
 
 
 def layer_saved_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, kind: str) -> dict[str, int]:
@@ -167,10 +164,16 @@ def autocast_cached_parameters(model: ModelShape, logits_chunked: bool) -> int:
     autocast). A linear-attention layer: all of its mixer parameters (estimate)."""
     e, h, d = model.hidden_size, model.num_attention_heads, model.head_dim
     o_proj = h * d * e + (e if model.attention_bias else 0)
-    mlp = 3 * e * model.intermediate_size
-    per_full, per_linear = o_proj + mlp, model.linear_layer_parameters() + mlp
-    lm_head = 0 if logits_chunked else model.vocab_size * e
-    return model.full_layers * per_full + model.linear_layers * per_linear + lm_head
+    # MLA: o_proj, q_a_proj and kv_a_proj_with_mqa are nn.Linear leaves (q_b / kv_b rows are index_select copies)
+    mla = model.v_head_dim * h * e + e * ((model.q_lora_rank or 0) + model.latent_width)
+    mixer = {FULL_ATTENTION: o_proj, MLA_ATTENTION: mla}
+    total = 0
+    for index, kind in enumerate(model.layer_types):
+        # a MoE layer: its router and shared experts' nn.Linear weights (the routed experts are sliced: views)
+        mlp = (model.n_routed_experts or 0) * e + 3 * e * model.shared_width if model.is_sparse(index) \
+            else 3 * e * model.intermediate_size
+        total += mixer.get(kind, model.linear_layer_parameters()) + mlp
+    return total + (0 if logits_chunked else model.vocab_size * e)
 
 
 def weight_copies_bytes(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, tokens: int,
@@ -226,14 +229,58 @@ def cache_heads_per_rank(model: ModelShape, sp: int, head_chunk_size: int | None
 
 def kv_cache_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, cached_tokens: int) -> int:
     """Per rank: ``2 x full layers x S' x n_r x d x b``, K and V of every full-attention layer for the cached
-    prompt, ``n_r`` = :func:`cache_heads_per_rank` (``H_kv`` without SP: the KV bytes per token x S')."""
+    prompt, ``n_r`` = :func:`cache_heads_per_rank` (``H_kv`` without SP: the KV bytes per token x S'); an MLA
+    model's latents ``MLA layers x S'/P x (kv_lora_rank + qk_rope_head_dim) x b`` (sequence-sharded)."""
+    latent = model.mla_layers * math.ceil(cached_tokens / sp) * model.latent_width * knobs.dtype_bytes
     if not model.full_layers:
-        return 0
+        return latent
     n_r = cache_heads_per_rank(model, sp, knobs.head_chunk_size)
-    return 2 * model.full_layers * cached_tokens * n_r * model.head_dim * knobs.dtype_bytes
+    return 2 * model.full_layers * cached_tokens * n_r * model.head_dim * knobs.dtype_bytes + latent
 
 
 # ------------------------------------------------------------------------------------------ the phases
+def _layer_saved(model: ModelShape, knobs: MemoryKnobs, sp: int, index: int, tokens: int) -> dict[str, int]:
+    """Layer ``index``'s :func:`layer_saved_bytes`, per local token; an MLA layer's mixer and a MoE layer's MLP
+    from :mod:`.mla_moe` (``mla_token_saved``, ``mlp_token_saved``)."""
+    from .mla_moe import mla_layout, mla_token_saved, mlp_token_saved
+
+    kind, e, b = model.layer_types[index], model.hidden_size, knobs.dtype_bytes
+    if kind == MLA_ATTENTION:
+        staged = mla_layout(model, sp, knobs.head_chunk_size)[1] > 1
+        saved = {"pre": norm_saved(e, b) + mla_token_saved(model, knobs, sp, staged)}
+    else:
+        saved = layer_saved_bytes(model, knobs, sp, kind)
+    saved["post"] = 2 * e * b + norm_saved(e, b) + mlp_token_saved(model, knobs, index, tokens)
+    return saved
+
+
+def _mixer_transients(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int) -> dict[str, int]:
+    """The last layer's token-mixer transients, forward and backward: :func:`attention_stage_bytes`, or an MLA
+    stage (:func:`.mla_moe.mla_stage_bytes`, with the gradients of the attention output and the input)."""
+    from .mla_moe import mla_stage_bytes, mla_weight_rows
+
+    if model.mla_layers:
+        fwd = mla_stage_bytes(model, knobs, sp, tokens, backward=False) + mla_weight_rows(model, knobs, sp)
+        return {"forward": fwd, "backward": mla_stage_bytes(model, knobs, sp, tokens)}
+    if model.full_layers:
+        return attention_stage_bytes(model, knobs, sp, tokens)
+    return {"forward": 0, "backward": 0}
+
+
+def _mlp_transients_of(model: ModelShape, knobs: MemoryKnobs, tokens: int, index: int) -> dict[str, int]:
+    """Layer ``index``'s MLP transients: :func:`mlp_transients`, or a MoE block's (forward untiled: the weighted
+    pairs and the scattered sum ``(k + 1) E b`` per token; tiled one tile's no-grad forward)."""
+    from .mla_moe import moe_backward_bytes, moe_nograd_bytes
+
+    if not model.is_sparse(index):
+        return mlp_transients(model, knobs, tokens)
+    chunk = knobs.mlp_chunk_size
+    tiled = chunk is not None and chunk < tokens
+    fwd = moe_nograd_bytes(model, knobs, chunk) if tiled else \
+        tokens * (model.num_experts_per_tok + 1) * model.hidden_size * knobs.dtype_bytes
+    return {"forward": fwd, "backward": moe_backward_bytes(model, knobs, tokens)}
+
+
 def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int):
     """Components and phases of one SFT step (forward, backward, optimizer step) on one rank.
 
@@ -251,16 +298,15 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
     static = static_bytes(model, cluster, knobs)
     copies = weight_copies_bytes(model, cluster, knobs, s_l, autocast_only=False)
     base = sum(static.values()) + copies
-    kinds = list(model.layer_types)
-    per_kind = {k: layer_saved_bytes(model, knobs, sp, k) for k in set(kinds)}
-    last = kinds[-1]
-    saved_layers = s_l * sum(per_kind[k]["pre"] + per_kind[k]["post"] for k in kinds)
+    per_layer = [_layer_saved(model, knobs, sp, i, s_l) for i in range(model.num_hidden_layers)]
+    last = per_layer[-1]
+    saved_layers = s_l * sum(lay["pre"] + lay["post"] for lay in per_layer)
     logits = _logits(model, knobs, s_l)
     top = s_l * norm_saved(e, b) + logits["saved"]  # final norm and the loss
-    attn = attention_stage_bytes(model, knobs, sp, s_l) if model.full_layers else {"forward": 0, "backward": 0}
-    mlp = mlp_transients(model, knobs, s_l)
+    attn = _mixer_transients(model, knobs, sp, s_l)
+    mlp = _mlp_transients_of(model, knobs, s_l, model.num_hidden_layers - 1)
     grad_stream = s_l * e * b  # the residual stream's gradient (the branches' own grads are in their transients)
-    layer_pre, layer_full = s_l * per_kind[last]["pre"], s_l * (per_kind[last]["pre"] + per_kind[last]["post"])
+    layer_pre, layer_full = s_l * last["pre"], s_l * (last["pre"] + last["post"])
     comp = dict(static)
     host = 0
     if knobs.activation_checkpointing:
@@ -271,7 +317,7 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
         below = kept - (0 if host else s_l * e * b)  # in backward the last layer's output is no longer needed
         recompute = layer_full
         phases = {
-            "forward layer": base + kept + s_l * (per_kind[last]["pre"]) + attn["forward"],
+            "forward layer": base + kept + s_l * last["pre"] + attn["forward"],
             "forward logits": base + kept + top + logits["forward"],
             "backward logits": base + kept + top + logits["backward"],
             "backward mlp": base + below + recompute + grad_stream + mlp["backward"],
@@ -289,7 +335,7 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
             "backward mlp": base + kept + grad_stream + mlp["backward"],
             "backward attention": base + below + layer_pre + grad_stream + attn["backward"],
         }
-    phases["optimizer step"] = base - copies + static["params"]
+    phases["optimizer step"] = base - copies + static["grads"]  # AdamW's temporary: trainable-parameter sized
     comp["weight_copies"] = copies
     comp.update(attention_stage=max(attn.values()), mlp_tiles=max(mlp.values()),
                 logits_chunk=max(logits["forward"], logits["backward"]), grad_stream=grad_stream)

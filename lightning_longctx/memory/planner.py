@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .longstraw import longstraw_phases
+from .mla_moe import mla_layout
 from .phases import sft_phases, stage_layout
 from .shapes import BACKENDS, GIB, MODES, PRECISIONS, ClusterShape, MemoryKnobs, ModelShape
 
@@ -125,6 +126,8 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
     if knobs.offload_checkpoints and not knobs.activation_checkpointing and mode == "sft":
         raise ValueError("offload_checkpoints=True needs activation_checkpointing=True")
     chunk = stage_layout(model, cluster.sp, knobs.head_chunk_size)[0] if model.full_layers else 0
+    if model.mla_layers:  # the latent is one shared K/V head: C divides H / P
+        chunk = mla_layout(model, cluster.sp, knobs.head_chunk_size)[0]
     if mode == "sft":
         held = replace(cluster, sharding=param_sharding) if param_sharding else cluster
         comp, phases, host = sft_phases(model, held, knobs, seq_len)

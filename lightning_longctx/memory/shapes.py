@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..models.lora import TARGETS as LORA_TARGETS  # the projections DecoderLM.add_lora adapts
+from .mla_shapes import MLA_ATTENTION, MLP_DENSE, MLP_SPARSE, MLAMoEShape, lora_projections, mla_targets, moe_fields
 
 GIB = 2**30
 FLOAT32 = 4
@@ -24,6 +25,7 @@ BACKENDS = ("eager", "flash")
 MODES = ("sft", "longstraw")
 SHARDINGS = ("fsdp", "replicate")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+LAYER_KINDS = (FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION)
 KEEP_ATTENTION_OUTPUT = ("auto", "off", "device", "host")  # MemoryKnobs.keep_attention_output
 PRESET = "*"  # in ModelShape.from_config's ``explicit``: the model preset itself was chosen (model=<name>)
 
@@ -58,7 +60,7 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
 
 # ---------------------------------------------------------------------------------------------- inputs
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(MLAMoEShape):
     """The architecture numbers the planner needs, read from an HF-style config (dict, DictConfig, dataclass).
 
     ``layer_types`` entries are ``"full_attention"`` or ``"linear_attention"`` (Gated DeltaNet, as in
@@ -92,6 +94,19 @@ class ModelShape:
     lora_r: int | None = None
     lora_targets: tuple[str, ...] = LORA_TARGETS
     attention_out_bias: bool | None = None  # o_proj's bias; None = attention_bias (Qwen2: q/k/v only)
+    # multi-head latent attention (layer type "mla_attention"; kv_lora_rank set) and the mixture of experts
+    # (n_routed_experts set; "sparse" entries of mlp_layer_types), transformers' deepseek_v3 / qwen3_5_moe names
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_routed_experts: int | None = None
+    num_experts_per_tok: int = 0
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int | None = None  # Qwen3.5-MoE's gated shared expert (None: DeepSeek's)
+    mlp_layer_types: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: Any, explicit: Iterable[str] = ()) -> ModelShape:
@@ -119,35 +134,38 @@ class ModelShape:
         heads = int(_get(cfg, "num_attention_heads"))
         hidden = int(_get(cfg, "hidden_size"))
         layers = int(_get(cfg, "num_hidden_layers"))
-        types = tuple(_get(cfg, "layer_types", None) or [FULL_ATTENTION] * layers)
+        mla = _get(cfg, "kv_lora_rank") is not None
+        types = tuple(_get(cfg, "layer_types", None) or [MLA_ATTENTION if mla else FULL_ATTENTION] * layers)
         if len(types) != layers:
             raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers={layers}")
-        unknown = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+        unknown = sorted(set(types) - set(LAYER_KINDS))
         if unknown:
-            raise ValueError(f"unknown layer_types {unknown}; use {FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}")
-        mla_moe = {f: _get(cfg, f) for f in ("kv_lora_rank", "n_routed_experts") if _get(cfg, f) is not None}
-        if mla_moe:  # planned as a dense GQA model its numbers would be silently wrong
-            latent = ""
-            if "kv_lora_rank" in mla_moe:  # what is known without the planner: the latent cache per token
-                width = int(mla_moe["kv_lora_rank"]) + int(_get(cfg, "qk_rope_head_dim", 64))
-                latent = (f"; its LongStraw prompt cache is one {width}-wide latent per token and layer: "
-                          f"{layers} x {width} x 2 = {layers * width * 2:,} bytes per token in bf16")
-            raise ValueError(f"the memory planner does not model multi-head latent attention / mixture-of-experts "
-                             f"layers yet ({mla_moe}){latent}; DecoderLM trains them, but no plan can be made for "
-                             "this model")
+            raise ValueError(f"unknown layer_types {unknown}; use one of {list(LAYER_KINDS)}")
+        if (MLA_ATTENTION in types) != mla or (mla and set(types) != {MLA_ATTENTION}):
+            raise ValueError(f"layer_types {sorted(set(types))}: an MLA model (kv_lora_rank="
+                             f"{_get(cfg, 'kv_lora_rank')}) has only {MLA_ATTENTION!r} layers, and only it has them")
+        moe = moe_fields(cfg, layers)
         defaults = {f: cls.__dataclass_fields__[f].default for f in cls.__dataclass_fields__}
         out_bias = _get(cfg, "attention_out_bias", None)
         lora_r = _get(lora, "r", None) if lora is not None else None
-        targets = tuple(_get(lora, "target_modules", None) or LORA_TARGETS) if lora_r else LORA_TARGETS
+        # no target_modules: every projection the model has (DecoderAttention's four + the MLP's three, or MLA's)
+        present = lora_projections(types, _get(cfg, "q_lora_rank"))
+        default = tuple(t for t in LORA_TARGETS if t in present)
+        targets = tuple(_get(lora, "target_modules", None) or default) if lora_r else default
         unknown_targets = sorted(set(targets) - set(LORA_TARGETS))
         if unknown_targets:
             raise ValueError(f"model.lora.target_modules {unknown_targets} are not LoRA targets here; use a subset "
                              f"of {list(LORA_TARGETS)}")
+        absent = sorted(set(targets) - present) if lora_r else []
+        if absent:  # add_lora refuses a target that matches no projection of the model: so does the plan
+            raise ValueError(f"model.lora.target_modules {absent} match no projection of this model (an MLA "
+                             "model's attention has q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj, "
+                             "o_proj); set model.lora.target_modules to the ones it has")
         return cls(
             vocab_size=int(_get(cfg, "vocab_size")), hidden_size=hidden,
             intermediate_size=int(_get(cfg, "intermediate_size")), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=int(_get(cfg, "num_key_value_heads", heads)),
-            head_dim=int(_get(cfg, "head_dim", hidden // heads)),
+            head_dim=int(_get(cfg, "head_dim", _get(cfg, "qk_rope_head_dim", 64) if mla else hidden // heads)),
             tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
             attention_bias=bool(_get(cfg, "attention_bias", False)), qk_norm=bool(_get(cfg, "qk_norm", False)),
             layer_types=types, attn_output_gate=bool(_get(cfg, "attn_output_gate", False)),
@@ -158,6 +176,13 @@ class ModelShape:
                 "linear_conv_kernel_dim")},
             lora_r=None if not lora_r else int(lora_r), lora_targets=targets,
             attention_out_bias=None if out_bias is None else bool(out_bias),
+            q_lora_rank=None if _get(cfg, "q_lora_rank") is None else int(_get(cfg, "q_lora_rank")),
+            kv_lora_rank=int(_get(cfg, "kv_lora_rank")) if mla else None,
+            # transformers' deepseek_v3 defaults (64, 128, 128), as DecoderConfig fills them in
+            qk_rope_head_dim=int(_get(cfg, "qk_rope_head_dim", 64)) if mla else 0,
+            qk_nope_head_dim=int(_get(cfg, "qk_nope_head_dim", 128)) if mla else 0,
+            v_head_dim=int(_get(cfg, "v_head_dim", 128)) if mla else 0,
+            **moe,
         )
 
     def describe(self) -> str:
@@ -171,6 +196,17 @@ class ModelShape:
         if self.linear_layers:
             text += (f", linear {self.linear_num_key_heads} key / {self.linear_num_value_heads} value heads x "
                      f"{self.linear_key_head_dim}/{self.linear_value_head_dim}")
+        if self.mla_layers:
+            text = (f"{self.num_hidden_layers} layers ({self.mla_layers} multi-head latent attention), hidden "
+                    f"{self.hidden_size}, {self.num_attention_heads} heads x (nope {self.qk_nope_head_dim} + rope "
+                    f"{self.qk_rope_head_dim} | v {self.v_head_dim}), latent {self.kv_lora_rank} + "
+                    f"{self.qk_rope_head_dim}, q_lora {self.q_lora_rank}, intermediate {self.intermediate_size}, "
+                    f"vocab {self.vocab_size}")
+        if self.sparse_layers:
+            shared = (f"a gated shared expert of {self.shared_expert_intermediate_size}"
+                      if self.shared_expert_intermediate_size else f"{self.n_shared_experts} shared")
+            text += (f"; {self.sparse_layers} MoE layers: {self.n_routed_experts} experts of "
+                     f"{self.moe_intermediate_size}, top-{self.num_experts_per_tok}, {shared}")
         return text
 
     @property
@@ -213,27 +249,34 @@ class ModelShape:
                           self.num_key_value_heads, self.head_dim)
         q_out = h * d * (2 if self.attn_output_gate else 1)
         attention = {"q_proj": e + q_out, "k_proj": e + kv * d, "v_proj": e + kv * d, "o_proj": h * d + e}
-        mlp = {"gate_proj": e + i, "up_proj": e + i, "down_proj": i + e}
-        per_full = sum(attention.get(t, 0) + mlp.get(t, 0) for t in self.lora_targets)
-        per_linear = sum(mlp.get(t, 0) for t in self.lora_targets)
-        return self.lora_r * (self.full_layers * per_full + self.linear_layers * per_linear)
+        per_mixer = {FULL_ATTENTION: sum(attention.get(t, 0) for t in self.lora_targets)}  # linear layers: none
+        if self.mla_layers:  # r (in + out) per MLAttention projection
+            dq, lat = self.qk_nope_head_dim + self.qk_rope_head_dim, self.latent_width
+            q, kv = self.q_lora_rank or 0, self.kv_lora_rank
+            mla = {"q_proj": e + h * dq, "q_a_proj": e + q, "q_b_proj": q + h * dq, "kv_a_proj_with_mqa": e + lat,
+                   "kv_b_proj": kv + h * (self.qk_nope_head_dim + self.v_head_dim), "o_proj": h * self.v_head_dim + e}
+            present = mla_targets(self.q_lora_rank)
+            per_mixer[MLA_ATTENTION] = sum(mla[t] for t in self.lora_targets if t in present)
+        total = 0
+        for index, kind in enumerate(self.layer_types):
+            # a MoE layer: only its shared experts' DecoderMLP (the routed experts are 3-D weights, no nn.Linear)
+            width = self.shared_width if self.is_sparse(index) else i
+            mlp = {"gate_proj": e + width, "up_proj": e + width, "down_proj": width + e}
+            total += per_mixer.get(kind, 0) + sum(mlp.get(t, 0) for t in self.lora_targets)
+        return self.lora_r * total
 
     def trainable_parameters(self) -> int:
         """What has gradients and optimizer states: the adapters with LoRA, else every parameter."""
         return self.lora_parameters() if self.lora_r else self.num_parameters()
 
     def num_parameters(self) -> int:
-        """``V E (x2 untied) + E`` + per layer: mixer + ``3 E I`` (SwiGLU) + ``2 E`` (norms)."""
+        """``V E (x2 untied) + E`` + per layer: mixer + MLP (``3 E I`` SwiGLU, or the MoE block) + ``2 E`` (norms)."""
         e = self.hidden_size
         embed = self.vocab_size * e * (1 if self.tie_word_embeddings else 2) + e
-        per_layer = 3 * e * self.intermediate_size + 2 * e
-        mixers = self.full_layers * self.full_layer_parameters() + self.linear_layers * self.linear_layer_parameters()
-        return embed + self.num_hidden_layers * per_layer + mixers
+        return embed + sum(self.layer_parameters(i) for i in range(self.num_hidden_layers))
 
     def largest_layer_parameters(self) -> int:
-        mixer = max(self.full_layer_parameters() if self.full_layers else 0,
-                    self.linear_layer_parameters() if self.linear_layers else 0)
-        return mixer + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        return max(self.layer_parameters(i) for i in range(self.num_hidden_layers))
 
 
 @dataclass(frozen=True)
@@ -351,6 +394,9 @@ __all__ = [
     "GIB",
     "LEGACY_DTYPES",
     "LORA_TARGETS",
+    "MLA_ATTENTION",
+    "MLP_DENSE",
+    "MLP_SPARSE",
     "MODES",
     "PRECISIONS",
     "SHARDINGS",

@@ -101,7 +101,9 @@ class DecoderLayer(nn.Module):
             mixed = self.self_attn(normed, position_ids, prefix_kv=prefix_state, return_kv=return_state,
                                    lora_mask=lora_mask)
         mixed, state = mixed if return_state else (mixed, None)
-        hidden = self.residual_mlp(hidden, mixed, lora_mask)
+        hidden = hidden + mixed
+        del mixed  # nothing saves the mixer's output (an add): freed before the MLP, not kept alive through it
+        hidden = self.mlp_block(hidden, lora_mask)
         return (hidden, state) if return_state else hidden
 
     def residual_mlp(self, hidden: torch.Tensor, mixed: torch.Tensor,
@@ -109,6 +111,11 @@ class DecoderLayer(nn.Module):
         """``h = hidden + mixed``, then ``h + mlp(norm(h))``: the layer after its token mixer (``lora_mask
         [b, s_l]``: where LoRA adapters act, None: everywhere; it follows the tiled MLP's tiles)."""
         hidden = hidden + mixed
+        del mixed  # (see forward: freed before the MLP where the caller holds no reference)
+        return self.mlp_block(hidden, lora_mask)
+
+    def mlp_block(self, hidden: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``h + mlp(norm(h))`` on the residual sum ``h [b, s_l, E]`` (:meth:`residual_mlp` after its add)."""
         return hidden + tiled_mlp(self.mlp, self.post_attention_layernorm(hidden), self.mlp_chunk_size,
                                   token_mask=lora_mask)
 

@@ -1,30 +1,212 @@
 """RMSNorm, numerically as transformers' ``LlamaRMSNorm`` (float32 statistics for half and float32 inputs,
 float64 kept as float64 so float64 tests stay exact), its zero-centred form (Qwen3.5's ``Qwen3_5RMSNorm``,
 ``x_hat * (1 + w)`` in float32, weights initialised to zero), and the gated norm of the Gated DeltaNet layers
-(``Qwen3_5RMSNormGated``: ``w * rmsnorm(o) * silu(z)``, plain weight)."""
+(``Qwen3_5RMSNormGated``: ``w * rmsnorm(o) * silu(z)``, plain weight).
+
+:func:`rms_norm` is one ``autograd.Function`` (:class:`RMSNormFunction`): its forward runs the same ops as the
+composite (bitwise the same output), but it saves only the input ``x`` (usually alive anyway: the residual
+stream) and the float32 ``rstd [..., 1]``, where autograd through the composite would keep ``x * rstd`` and a
+float32 copy of a half ``x``; its backward computes both gradients directly in float32, a slice of tokens at a
+time (:data:`BACKWARD_SLICES`), so its working set beyond ``grad_x`` is a fraction of one float32 ``x``."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
+
+# The backward works on 1/BACKWARD_SLICES of the tokens at a time (but at least MIN_SLICE_ELEMENTS elements a
+# slice, so small inputs take one pass): its float32 temporaries are then 2/8 of one float32 ``x`` (3/8 for a half one).
+BACKWARD_SLICES = 8
+MIN_SLICE_ELEMENTS = 1 << 16
+
+
+def _normalise(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x * rstd, rstd)`` in ``acc = promote(x.dtype, float32)``, ``rstd [..., 1]``: the composite's ops."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(acc)
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    # A half input's float32 copy is ours to scale in place (the same bits as ``h * rstd``); a float32 ``h`` is x.
+    return (h.mul_(rstd) if x.dtype != acc else h * rstd), rstd
+
+
+def _scale(h: torch.Tensor, x_dtype: torch.dtype, weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+    """The output from the normalised ``h`` (a fresh tensor, scaled in place where the dtypes allow: the same
+    bits as the out-of-place product): HF's casting order, ``weight * h.to(x.dtype)`` or, zero-centred,
+    ``(h * (1 + w)).to(x.dtype)`` in float32."""
+    if zero_centered:
+        scale = 1.0 + weight.to(h.dtype)
+        return (h.mul_(scale) if scale.dtype == h.dtype else h * scale).to(x_dtype)
+    h = h.to(x_dtype)
+    same = weight.dtype == h.dtype and weight.dim() <= h.dim()
+    return h.mul_(weight) if same else weight * h
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """``rms_norm`` with a lean backward. Saves ``x``, ``rstd [..., 1]`` (float32, float64 for float64) and the
+    weight; ``backward`` returns ``grad_x`` (``x.dtype``) and, unless the weight is frozen, ``grad_weight``
+    (summed in float32, cast to the weight's dtype). Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+        h, rstd = _normalise(x, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.zero_centered = zero_centered
+        return _scale(h, x.dtype, weight, zero_centered)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        c = torch.promote_types(rstd.dtype, grad_out.dtype)
+        # Backward may run with the forward's autocast still enabled (CPU, same thread): the one matmul-like op
+        # below (the per-token dot product) must stay in ``c``.
+        with torch.autocast(x.device.type, enabled=False):
+            return _backward(x, rstd, weight, grad_out, c, ctx.zero_centered, need_x, need_w)
+
+
+def _backward(x, rstd, weight, grad_out, c, zero_centered, need_x, need_w):
+    """``y = s * x_hat`` with ``x_hat = x * rstd``, ``s = w`` or ``1 + w``: ``grad_w = sum(g * x_hat)``,
+    ``grad_x = rstd * (g s - x_hat * mean(g s x_hat))``, one slice of tokens at a time."""
+    scale = weight.to(c) + 1.0 if zero_centered else weight.to(c)
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+    grad_w = torch.zeros(x.shape[-1], dtype=c, device=x.device) if need_w else None
+    lead = tuple(range(x.dim() - 1))
+    dim, slices = _slices(x)
+    grad_out = grad_out.expand(x.shape)
+    for start, m in slices:
+        xs, rs, gs = ((t if dim is None else t.narrow(dim, start, m)) for t in (x, rstd, grad_out))
+        x_hat = xs.to(c) * rs
+        g = gs.to(c)
+        prod = g * x_hat  # both gradients start from it: grad_w sums it, grad_x needs its dot with the scale
+        if need_w:
+            grad_w += prod.sum(lead) if lead else prod  # (``sum(())`` would reduce every dim)
+        if need_x:
+            dot = torch.matmul(prod, scale).unsqueeze_(-1).div_(x.shape[-1])  # mean(g s x_hat) [..., 1]
+            prod = None
+            gs_ = torch.mul(g, scale)
+            gs_.sub_(x_hat.mul_(dot)).mul_(rs)
+            (grad_x if dim is None else grad_x.narrow(dim, start, m)).copy_(gs_)
+            del gs_
+        del x_hat, g, prod  # before the next slice allocates its own
+    return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x**2, -1) + eps)`` over the last dim of ``x``.
+    """``weight * x / sqrt(mean(x**2, -1) + eps)`` over the last dim of ``x [..., E]`` (``weight [E]``).
 
     ``zero_centered``: ``(x / rms * (1 + weight))`` computed in (at least) float32, then cast to ``x.dtype``
-    (Qwen3.5: "Llama does x.to(float16) * w whilst Qwen3_5 is (x * w).to(float16)")."""
+    (Qwen3.5: "Llama does x.to(float16) * w whilst Qwen3_5 is (x * w).to(float16)"). The output is bitwise the
+    composite's (:func:`rms_norm_composite`); with autograd it goes through :class:`RMSNormFunction`."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} for an input of shape {tuple(x.shape)} "
+                         f"(needs [{x.shape[-1] if x.dim() else '?'}])")
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return RMSNormFunction.apply(x, weight, eps, zero_centered)
+    h, _ = _normalise(x, eps)
+    return _scale(h, x.dtype, weight, zero_centered)
+
+
+def rms_norm_composite(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """The plain-op RMSNorm (autograd saves its intermediates): the reference :func:`rms_norm` is pinned to."""
     acc = torch.promote_types(x.dtype, torch.float32)
     h = x.to(acc)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if zero_centered:
         return (h * (1.0 + weight.to(acc))).to(x.dtype)
     return weight * h.to(x.dtype)
+class GatedRMSNormFunction(torch.autograd.Function):
+    """``gated_rms_norm`` with a lean backward: saves ``x``, ``gate``, the float32 ``rstd [..., 1]`` and the weight
+    (the composite keeps a float32 copy of a half ``x``, ``x * rstd``, ``w * x_hat``, a float32 ``gate`` and its
+    silu); ``backward`` recomputes the rest a slice of tokens at a time, in float32. Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps):
+        h, rstd = _normalise(x, eps)
+        ctx.save_for_backward(x, gate, rstd, weight)
+        return _gate(h, x.dtype, gate, weight)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, gate, rstd, weight = ctx.saved_tensors
+        need_x, need_gate, need_w = ctx.needs_input_grad[:3]
+        c = torch.promote_types(rstd.dtype, grad_out.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return _gated_backward(x, gate, rstd, weight, grad_out, c, need_x, need_gate, need_w)
+
+
+def _gate(h: torch.Tensor, x_dtype: torch.dtype, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The composite's ops from the normalised ``h``: ``(weight * h.to(x.dtype) * silu(gate.to(acc))).to(x.dtype)``."""
+    acc = torch.promote_types(x_dtype, torch.float32)
+    return ((weight * h.to(x_dtype)) * torch.nn.functional.silu(gate.to(acc))).to(x_dtype)
+
+
+def _slices(x: torch.Tensor):
+    """``(dim, [(start, length), ...])``: :data:`BACKWARD_SLICES` slices along ``x``'s longest leading dim
+    (``dim`` None for a 1-D ``x``: one slice)."""
+    lead = range(x.dim() - 1)
+    dim = max(lead, key=lambda i: x.shape[i], default=None)
+    if dim is None:
+        return None, [(0, 1)]
+    n = x.shape[dim]
+    rows = math.ceil(MIN_SLICE_ELEMENTS / max(1, x.numel() // max(1, n)))
+    step = max(1, math.ceil(n / BACKWARD_SLICES), rows)
+    return dim, [(start, min(step, n - start)) for start in range(0, n, step)]
+
+
+def _gated_backward(x, gate, rstd, weight, grad_out, c, need_x, need_gate, need_w):
+    """``y = w x_hat silu(z)``: ``grad_z = g w x_hat silu'(z)``, ``grad_w = sum(g silu(z) x_hat)`` and ``grad_x``
+    the RMSNorm backward of ``g silu(z) w``; ``silu'(z) = sig + silu (1 - sig)``."""
+    w = weight.to(c)
+    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
+             for t, need in ((x, need_x), (gate, need_gate))]
+    grad_w = torch.zeros(x.shape[-1], dtype=c, device=x.device) if need_w else None
+    lead = tuple(range(x.dim() - 1))
+    dim, slices = _slices(x)
+    grad_out = grad_out.expand(x.shape)
+    for start, m in slices:
+        xs, zs, rs, gs = ((t if dim is None else t.narrow(dim, start, m)) for t in (x, gate, rstd, grad_out))
+        x_hat, g = xs.to(c) * rs, gs.to(c)
+        sig = torch.sigmoid(zs.to(c))
+        silu = zs.to(c) * sig
+        if need_gate:
+            dsilu = (1.0 - sig).mul_(silu).add_(sig)
+            out = (x_hat * w).mul_(g).mul_(dsilu)
+            (grads[1] if dim is None else grads[1].narrow(dim, start, m)).copy_(out)
+            del dsilu, out
+        del sig
+        gy = silu.mul_(g)  # the gradient of ``w x_hat``
+        prod = gy * x_hat
+        if need_w:
+            grad_w += prod.sum(lead) if lead else prod
+        if need_x:
+            dot = torch.matmul(prod, w).unsqueeze_(-1).div_(x.shape[-1])
+            prod = None
+            gy.mul_(w).sub_(x_hat.mul_(dot)).mul_(rs)
+            (grads[0] if dim is None else grads[0].narrow(dim, start, m)).copy_(gy)
+        del x_hat, g, gy, prod
+    return grads[0], grads[1], None if grad_w is None else grad_w.to(weight.dtype), None
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(x) * silu(gate)`` over the last dim (norm before gate), as ``Qwen3_5RMSNormGated``:
-    statistics and the gate in (at least) float32, the weight applied at ``x.dtype``."""
+    statistics and the gate in (at least) float32, the weight applied at ``x.dtype``. ``x, gate [..., V]``,
+    ``weight [V]``; bitwise the composite (:func:`gated_rms_norm_composite`), with autograd through
+    :class:`GatedRMSNormFunction`."""
+    if weight.shape != x.shape[-1:] or gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: weight {tuple(weight.shape)} and gate {tuple(gate.shape)} for an input "
+                         f"of shape {tuple(x.shape)} (needs weight [{x.shape[-1] if x.dim() else '?'}], gate as x)")
+    if torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad or weight.requires_grad):
+        return GatedRMSNormFunction.apply(x, gate, weight, eps)
+    return gated_rms_norm_composite(x, gate, weight, eps)
+
+
+def gated_rms_norm_composite(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The plain-op gated norm (autograd saves its intermediates): what :func:`gated_rms_norm` is pinned to."""
     acc = torch.promote_types(x.dtype, torch.float32)
     h = x.to(acc)
     h = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -65,3 +247,4 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(x, gate, self.weight, self.eps)
+
