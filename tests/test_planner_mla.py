@@ -231,3 +231,24 @@ def test_a_pretrained_mla_checkpoint_is_planned_from_its_config_json(tmp_path):
         ModelShape.from_config(dict(pretrained=str(tmp_path), kv_lora_rank=8), explicit=("kv_lora_rank",))
     with pytest.raises(ValueError, match=r"model=tiny on the command line.*kv_lora_rank=None"):
         ModelShape.from_config(dict(preset("tiny"), name="tiny", pretrained=str(tmp_path)), explicit=("*",))
+
+
+def test_qwen3_5_moe_presets_build_and_the_35b_a3b_preset_is_transformers_model():
+    """``model=tiny_hybrid_moe`` builds and plans exactly; ``model=qwen3_5_35b_a3b`` written out as transformers'
+    config (``config_to_hf``, what ``save_pretrained`` writes) is ``Qwen3_5MoeForCausalLM``'s parameter count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_longctx.models import DecoderConfig
+    from lightning_longctx.models.hf_io import config_to_hf
+
+    tiny = preset("tiny_hybrid_moe")
+    assert ModelShape.from_config(tiny).num_parameters() == sum(p.numel() for p in _built(tiny).parameters())
+    fields = preset("qwen3_5_35b_a3b")
+    hf = config_to_hf(DecoderConfig(**fields), torch.bfloat16)
+    assert hf["model_type"] == "qwen3_5_moe_text", hf["model_type"]
+    config = AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    theirs = sum(p.numel() for p in model.parameters())
+    ours = ModelShape.from_config(fields).num_parameters()
+    assert ours == theirs and 34e9 < ours < 36e9, (ours, theirs)
