@@ -29,10 +29,14 @@ NOTES = """\
 - **Head chunking in the grouped backward.** Its attention part (the largest working set of one
   `FusedAttention` call: one stage's full-prompt q/k/v) shrinks with the stage size. The whole grouped
   backward's peak at `head_chunk_size=1` is the recomputed layer's token-wise tensors over the whole prompt,
-  which no head schedule changes; at 16K tokens (hidden 128, 8 MiB per tensor; the live-tensor tracker at the
-  peak): the two RMSNorms' normalised input and output (32 MiB), the attention output, o_proj's output, the
-  residual, the tiled MLP's output (8 MiB each) and the seed gradient from the layer above (8 MiB), against
-  < 2 MiB of q/k/v for the stage. Lowering it needs a fused RMSNorm backward and token-tiled residual parts.
+  which no head schedule changes. With the lean RMSNorm (saves only its input and the fp32 `rstd`) and the
+  mixer's output freed before the MLP, it moved (16K tokens, hidden 128, 8 MiB per tensor; live-tensor
+  tracker at the peak, keep off) from the end of the layer's forward recompute (66.2 MiB) into
+  `FusedAttention`'s backward (46.8 MiB beyond what is live when it starts): the input norm's output and the
+  attention output (8 MiB each, saved), three [s, E] gradients of the layer's backward (the post-attention
+  norm's `grad_x`, the residual sum's and o_proj's input gradient, 8 MiB each), the stage's input gradient
+  being summed (16 MiB: the running sum and one stage's product) and the stage's q/k/v and attention
+  gradients (~5 MiB).
 - **Shared-prefix autograd** (checkpointed per layer) holds one layer's recompute over the prompt and all G
   responses; the exact step one layer's over the prompt alone plus the prompt state (K/V, fp32 gradient sums,
   checkpoints, kept outputs): about equal with short responses, lower as the responses grow."""
