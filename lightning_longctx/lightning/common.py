@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import build_dp_sp_mesh, check_sp_size
+from ..parallel.phases import collective_guard
 from .batch import shard_sequence_batch
 from .parallelize import SHARDING_MODES, broadcast_replicas, parallelize
 
@@ -53,6 +54,11 @@ class UlyssesMixin:
     """
 
     _namespace_hint = ""  # set by the subclasses: which Lightning namespace they belong to
+
+    def _guard(self, name: str):
+        """Collective failures in the block re-raised naming the timeout, ``name`` (or a finer phase), the rank."""
+        timeout = getattr(self, "_timeout", None)
+        return collective_guard(timeout.total_seconds() if timeout is not None else None, name)
 
     def _init_ulysses(self, sp_size: int | None, head_chunk_size: int | None, sharding: str) -> None:
         _check_args(sp_size, head_chunk_size, sharding)

@@ -26,7 +26,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch import nn
 from torch.optim import Optimizer
 
-from ..parallel.phases import collective_guard, phase
+from ..parallel.phases import phase
 from .batch import ShardingLoader
 from .common import UlyssesMixin
 from .nonfinite import NonfiniteGuard
@@ -64,8 +64,7 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         super(ModelParallelStrategy, self).setup_environment()  # the accelerator's device
-        seconds = self._timeout.total_seconds() if self._timeout is not None else None
-        with collective_guard(seconds, "process group and device mesh setup"):
+        with self._guard("process group and device mesh setup"):
             self._setup_distributed()
             self._setup_layout()  # the mesh's SP / DP subgroups get ``timeout`` too
 
@@ -83,8 +82,7 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
         """``optimizer.step()`` after the non-finite check of the set-up module's gradients (a collective)."""
         step, self._optimizer_steps = self._optimizer_steps, self._optimizer_steps + 1
         if self.nonfinite is not None and self._guarded_module is not None:
-            seconds = self._timeout.total_seconds() if self._timeout is not None else None
-            with collective_guard(seconds, "optimizer step"), phase("non-finite check"):
+            with self._guard("optimizer step"), phase("non-finite check"):
                 if not self.nonfinite.finite(self._guarded_module, None, step, device=self.root_device):
                     return None
         return super().optimizer_step(optimizer, **kwargs)

@@ -50,7 +50,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..parallel.phases import collective_guard, phase
+from ..parallel.phases import phase
 from .common import UlyssesMixin
 from .nonfinite import NonfiniteGuard
 from .parallelize import broadcast_replicas, check_attention_heads, register_prefix_state_methods
@@ -92,8 +92,6 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         on_nonfinite: str | None = "raise",
     ) -> None:
-        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-            raise ValueError(f"timeout={timeout!r} must be a positive datetime.timedelta (or None)")
         self.nonfinite = NonfiniteGuard(on_nonfinite) if on_nonfinite is not None else None
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -104,11 +102,6 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         self.last_step_skipped = False  # whether the last optimizer_step was skipped (non-finite, "skip")
 
     # ------------------------------------------------------------------------------------------------ faults
-    def _guard(self, name: str):
-        """Collective failures in the block re-raised naming the timeout, ``name`` (or a finer phase), the rank."""
-        seconds = self._timeout.total_seconds() if self._timeout is not None else None
-        return collective_guard(seconds, name)
-
     def setup_environment(self) -> None:
         with self._guard("process group and device mesh setup"):
             self._setup_distributed()  # accelerator device + process group (ModelParallelStrategy's)
