@@ -55,9 +55,9 @@ import torch
 import torch.distributed as dist
 
 from ..longstraw import group_advantages, longstraw_step, prefill_for_step, sample, score
+from ..longstraw.checks import check_group_agrees
 from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
 from ..longstraw.sampling import StopIds, stop_token_ids
-from ..longstraw.step import check_group_agrees
 from ..models.lora import prompt_frozen
 from ..ops.memory import device_peak_bytes, reset_device_peak
 from ..parallel import group_size

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import math
 
-from ..longstraw.checks import check_logits_chunk_size, check_step_options
+from ..longstraw.checks import PROMPT_GRADS, check_logits_chunk_size, check_step_options, check_temperature
 from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT, check_state_segment
 from ..longstraw.losses import LOSS_TYPES
 from ..longstraw.sampling import check_sampling_options
-from ..longstraw.step import PROMPT_GRADS, check_temperature
 
 LR_SCHEDULES = ("constant", "cosine")
 

@@ -39,12 +39,20 @@ import torch.distributed as dist
 
 from ..models.lora import prompt_frozen
 from ..ops.memory import track_memory
-from ..parallel import gather_ints, group_size, set_sequence_parallel_group
+from ..parallel import group_size, set_sequence_parallel_group
 from ..parallel.phases import mark, phase, progress_marker
-from .checks import check_logits_chunk_size, check_step_options, check_token_tensors
+from .checks import (
+    PROMPT_GRADS,
+    check_group_agrees,
+    check_logits_chunk_size,
+    check_step_options,
+    check_temperature,
+    validate_group,
+)
+from .grad_sync import fsdp_sharded, reshard, set_grad_sync, set_layer_grad_sync, small_trainable_state
 from .grads import GroupGradients, accumulation_dtype
 from .linear_backward import DEFAULT_STATE_SEGMENT, check_state_segment
-from .losses import LOSS_TYPES, policy_token_terms, response_weights
+from .losses import policy_token_terms, response_weights
 from .prefix import (
     PromptState,
     branch_logprobs,
@@ -55,8 +63,6 @@ from .prefix import (
     prefill,
     prompt_weights,
 )
-
-PROMPT_GRADS = ("full", "none")
 
 
 @dataclass
@@ -72,60 +78,6 @@ class StepOutput:
     prompt_tokens: int
     peak_bytes: int  # peak live tensor bytes allocated during the step on this rank (0 without measure_memory)
     seconds: float
-
-
-def validate_group(
-    model, prompt_ids, responses, advantages=None, *, loss_type="token_mean", prompt_grad="full",
-    old_logprobs=None, ref_logprobs=None, max_response_length=None,
-) -> None:
-    """Every input check of :func:`longstraw_step`; raises ``ValueError`` (``TypeError`` for a wrong kind of
-    argument) before any work."""
-    if not isinstance(getattr(model, "output_weight", None), torch.Tensor):
-        raise TypeError(f"model must be a DecoderLM (or implement its prefix-state API: output_weight, embed, layers, "
-                        f"...), got {type(model).__name__}")
-    check_token_tensors(prompt_ids, responses)
-    if advantages is not None and not isinstance(advantages, torch.Tensor):
-        raise TypeError(f"advantages must be a [G] tensor, got {type(advantages).__name__}")
-    vocab = model.output_weight.shape[0]
-    dynamic = [i for i, layer in enumerate(getattr(model, "layers", [])) if getattr(
-        getattr(getattr(layer, "self_attn", None), "rotary", None), "is_dynamic", False)]
-    if dynamic:
-        raise ValueError(f"layers {dynamic} use a length-dependent RoPE (dynamic NTK / longrope): the prompt state "
-                         "and each branch would be rotated with different frequencies than the whole sequence; "
-                         "LongStraw supports static RoPE types (default, linear, llama3, yarn)")
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
-    if prompt_grad not in PROMPT_GRADS:
-        raise ValueError(f"unknown prompt_grad {prompt_grad!r}; choose one of {PROMPT_GRADS}")
-    if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
-        raise ValueError(f"prompt_ids must be a non-empty 1-D tensor of token ids, got shape {tuple(prompt_ids.shape)}")
-    if len(responses) == 0:
-        raise ValueError("responses is empty: a group needs at least one response")
-    for i, response in enumerate(responses):
-        if response.dim() != 1 or response.numel() == 0:
-            raise ValueError(f"response {i} must be a non-empty 1-D tensor, got shape {tuple(response.shape)}")
-    for name, ids in [("prompt_ids", prompt_ids)] + [(f"response {i}", r) for i, r in enumerate(responses)]:
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= vocab:
-            raise ValueError(f"{name} has token ids in [{low}, {high}], outside the vocabulary [0, {vocab})")
-    if advantages is not None:
-        if advantages.dim() != 1 or advantages.numel() != len(responses):
-            raise ValueError(f"advantages has {advantages.numel()} entries for G={len(responses)} responses "
-                             f"(shape {tuple(advantages.shape)}; one per response: [G])")
-        if not bool(torch.isfinite(advantages).all()):
-            raise ValueError(f"advantages must be finite, got {advantages.tolist()}")
-    for name, per_response in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
-        if per_response is None:
-            continue
-        if len(per_response) != len(responses):
-            raise ValueError(f"{name} has {len(per_response)} entries for G={len(responses)} responses")
-        for i, (lp, response) in enumerate(zip(per_response, responses)):
-            if lp.shape != response.shape:
-                raise ValueError(f"{name}[{i}] has shape {tuple(lp.shape)}, response {i} has {tuple(response.shape)}")
-            if not bool(torch.isfinite(lp).all()):
-                raise ValueError(f"{name}[{i}] has non-finite values")
-    if loss_type == "seq_mean_token_sum_norm":
-        response_weights([r.numel() for r in responses], loss_type, max_response_length)
 
 
 def _gather_response_values(values_l, branch, length, group) -> torch.Tensor:
@@ -145,66 +97,6 @@ def _local_slice(per_token: torch.Tensor, branch) -> torch.Tensor:
     """The entries of a ``[T]`` response vector at this rank's positions (0 where none), without a host sync."""
     keep = branch.response_index >= 0
     return torch.where(keep, per_token[branch.response_index.clamp(min=0)], 0)
-
-
-def _fsdp_modules(model) -> list:
-    """The FSDP2 modules of ``model`` (``fully_shard`` by the Ulysses strategy); empty when not sharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def fsdp_sharded(model) -> bool:
-    """Whether ``model``'s parameters are FSDP2-sharded."""
-    return bool(_fsdp_modules(model))
-
-
-def _small_trainable_state(model, params) -> bool:
-    """Whether under 10% of the parameters train (LoRA adapters over a frozen base)."""
-    trainable = sum(p.numel() for p in params)
-    return trainable < 0.1 * sum(p.numel() for p in model.parameters())
-
-
-def _set_grad_sync(model, enabled: bool) -> None:
-    """``set_requires_gradient_sync`` on every FSDP2 module of ``model`` (no collective by itself)."""
-    for module in _fsdp_modules(model):
-        module.set_requires_gradient_sync(enabled, recurse=False)
-
-
-def _reshard(model) -> None:
-    for module in _fsdp_modules(model):
-        module.reshard()
-
-
-def _set_layer_grad_sync(layer, enabled: bool) -> None:
-    """One FSDP2 layer's gradient reduce-scatter on or off (the grouped backward of a Gated DeltaNet layer).
-
-    Only with deferred sync (small, float32 trainable state such as LoRA): FSDP2 accumulates skipped gradients
-    in the reduce dtype (fp32) while the last backward's fresh ones are in the compute dtype (bf16), and its
-    reduce-scatter needs one dtype; full fine-tuning reduce-scatters after each of the layer's backward passes."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(layer, FSDPModule):
-        layer.set_requires_gradient_sync(enabled, recurse=False)
-
-
-def check_group_agrees(prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], group) -> None:
-    """Every rank of ``group`` must pass the same prompt length and response lengths: one tiny all-gather per
-    step (a mismatch would otherwise hang or corrupt the all-to-alls)."""
-    if group_size(group) == 1:
-        return
-    lengths = [r.numel() for r in responses]
-    rows = gather_ints([prompt_ids.numel(), len(lengths), sum(lengths), max(lengths)], group, prompt_ids.device)
-    if len(set(rows)) != 1:
-        described = ", ".join(f"rank {r}: prompt={a} G={b} response tokens={c} longest={d}"
-                              for r, (a, b, c, d) in enumerate(rows))
-        raise ValueError(f"ranks of the sequence-parallel group disagree on the group ({described}); every rank "
-                         "must pass the same full prompt and responses")
-
-
-def check_temperature(temperature) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature={temperature!r} must be a finite number > 0 (1 = the plain log-probs)")
 
 
 def _needs_grouped_backward(model, prompt_grad: str) -> bool:
@@ -368,8 +260,8 @@ def longstraw_step(
         # DP mean. The gradients are then final when the step returns; no reduction of our own.
         grad_scale = 1.0 / group_size(dp_group)
         step_grads = contextlib.nullcontext()
-        defer = _small_trainable_state(model, params) if defer_grad_sync is None else defer_grad_sync
-        _set_grad_sync(model, not defer)
+        defer = small_trainable_state(model, params) if defer_grad_sync is None else defer_grad_sync
+        set_grad_sync(model, not defer)
     else:
         grad_scale = 1.0
         step_grads = GroupGradients(params, grad_dtype)  # this step's grads are summed over SP alone, then added
@@ -401,7 +293,7 @@ def longstraw_step(
             # masked sums, not boolean indexing: no host sync per branch
             loss_l = weights[i] * torch.where(valid, terms.loss, 0).sum()
             if sharded and not full and i == len(responses) - 1:
-                _set_grad_sync(model, True)  # the step's last backward reduce-scatters what was deferred
+                set_grad_sync(model, True)  # the step's last backward reduce-scatters what was deferred
             (loss_l * grad_scale if sharded else loss_l).backward()
             stats = torch.stack([loss_l.detach(), torch.where(valid, terms.kl, 0).sum(),
                                  torch.where(valid, terms.clipped.to(logp_l.dtype), 0).sum(),
@@ -415,16 +307,16 @@ def longstraw_step(
                 progress(f"replay branch {i + 1}/{len(responses)}")
         if full:
             if sharded:
-                _set_grad_sync(model, True)  # each layer's one grouped backward reduce-scatters its summed grads
+                set_grad_sync(model, True)  # each layer's one grouped backward reduce-scatters its summed grads
             with prompt_weights(model), phase("grouped backward"):  # on_prompt=False adapters: the prompt on the base
                 grouped_backward(model, state, progress=progress_marker(progress),
-                                 layer_grad_sync=_set_layer_grad_sync if sharded and defer else None)
+                                 layer_grad_sync=set_layer_grad_sync if sharded and defer else None)
         del state, prompt_state
     if not sharded:
         with phase("gradient reduction"):  # accumulate_dtype: sum over SP, mean over DP, one collective per bucket
             step_grads.finish(group, dp_group)
     else:  # FSDP2's root keeps its gathered parameters after a forward no backward reaches (frozen embedding)
-        _reshard(model)
+        reshard(model)
     tokens = sum(lengths)
     loss_total, kl_sum, clipped, entropy_sum = totals.tolist()  # the step's one host sync for the statistics
     return StepOutput(
