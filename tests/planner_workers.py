@@ -75,3 +75,52 @@ def sharded_step_peaks(rank: int, world: int, prompt: int, response: int, group:
         rows.append(dict(mode=mode, held=held_bytes(model), peak=out.peak_bytes))
         del model
     return rows
+
+
+# ------------------------------------------------------------------------------------- measured (tracker)
+def sft_peak(rank, world, seq, knobs, fields):
+    """Peak live bytes of two full SFT steps (forward, backward, AdamW) of ``DecoderConfig(**fields)`` on this
+    rank."""
+    import torch.distributed as dist
+
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+    from lightning_longctx.ops import track_memory
+    from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(**fields), MemoryConfig(**knobs))
+    set_sequence_parallel_group(model, dist.group.WORLD if world > 1 else None)
+    ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(1))
+    batch = shard_batch(ids, sp_rank=rank, sp_size=world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with track_memory("cpu") as mem:
+        mem.track(*model.parameters())
+        for _ in range(2):  # the second step runs with the optimizer states alive
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return mem.peak_bytes
+
+
+def longstraw_peak(rank, world, seq, knobs, fields):
+    """Peak live bytes of one exact LongStraw step of ``DecoderConfig(**fields)`` (G=4, responses of 8 tokens),
+    as the step reports it."""
+    import torch.distributed as dist
+
+    from lightning_longctx.longstraw import longstraw_step
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(**fields), MemoryConfig(**knobs))
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (seq,), generator=gen)
+    responses = [torch.randint(0, 64, (8,), generator=gen) for _ in range(4)]
+    out = longstraw_step(model, prompt, responses, torch.randn(4, generator=gen), logits_chunk_size=knobs.get(
+        "logits_chunk_size"), group=dist.group.WORLD if world > 1 else None)
+    return out.peak_bytes
+
+
+def measured_peaks(rank, world, cases, fields):
+    """:func:`sft_peak` / :func:`longstraw_peak` of each ``(mode, processes, tokens, knobs)`` case."""
+    return [(sft_peak if mode == "sft" else longstraw_peak)(rank, world, seq, knobs, fields)
+            for mode, _, seq, knobs in cases]

@@ -29,6 +29,7 @@ from lightning_longctx.memory import (
     max_context,
     plan,
 )
+from planner_workers import longstraw_peak, measured_peaks
 
 TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
@@ -294,46 +295,6 @@ def test_upipe_llama3_8b_attention_activations_at_3m_tokens():
 
 
 # ------------------------------------------------------------------------------------- measured (tracker)
-def _sft_peak(rank, world, seq, knobs):
-    """Peak live bytes of two full SFT steps (forward, backward, AdamW) of the tiny model on this rank."""
-    import torch.distributed as dist
-
-    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
-    from lightning_longctx.ops import track_memory
-    from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch
-
-    torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig(**TINY), MemoryConfig(**knobs))
-    set_sequence_parallel_group(model, dist.group.WORLD if world > 1 else None)
-    ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(1))
-    batch = shard_batch(ids, sp_rank=rank, sp_size=world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with track_memory("cpu") as mem:
-        mem.track(*model.parameters())
-        for _ in range(2):  # the second step runs with the optimizer states alive
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return mem.peak_bytes
-
-
-def _longstraw_peak(rank, world, seq, knobs):
-    """Peak live bytes of one exact LongStraw step (G=4, responses of 8 tokens), as the step reports it."""
-    import torch.distributed as dist
-
-    from lightning_longctx.longstraw import longstraw_step
-    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
-
-    torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig(**TINY), MemoryConfig(**knobs))
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 64, (seq,), generator=gen)
-    responses = [torch.randint(0, 64, (8,), generator=gen) for _ in range(4)]
-    out = longstraw_step(model, prompt, responses, torch.randn(4, generator=gen), logits_chunk_size=knobs.get(
-        "logits_chunk_size"), group=dist.group.WORLD if world > 1 else None)
-    return out.peak_bytes
-
-
 CPU_PRESET = dict(head_chunk_size=1, logits_chunk_size=512)  # conf/memory/cpu.yaml
 ALL_KNOBS = dict(head_chunk_size=1, activation_checkpointing=True, mlp_chunk_size=512, logits_chunk_size=512)
 CASES = [  # (mode, processes, tokens, MemoryConfig knobs)
@@ -345,14 +306,10 @@ CASES = [  # (mode, processes, tokens, MemoryConfig knobs)
 ]
 
 
-def _peaks(rank, world, cases):
-    return [(_sft_peak if mode == "sft" else _longstraw_peak)(rank, world, seq, knobs) for mode, _, seq, knobs in cases]
-
-
 def test_plan_matches_the_tracker_on_tiny_cpu_runs():
-    measured = _peaks(0, 1, [c for c in CASES if c[1] == 1])
+    measured = measured_peaks(0, 1, [c for c in CASES if c[1] == 1], TINY)
     two = [c for c in CASES if c[1] == 2]
-    measured += [max(per_rank) for per_rank in zip(*run_distributed(_peaks, 2, two, timeout=120))]
+    measured += [max(per_rank) for per_rank in zip(*run_distributed(measured_peaks, 2, two, TINY, timeout=120))]
     failures = []
     for (mode, world, seq, knobs), peak in zip([c for c in CASES if c[1] == 1] + two, measured):
         p = plan(TINY, dict(devices=world, sharding="replicate"), dict(FP32_EAGER, **knobs), seq_len=seq, mode=mode,
@@ -457,7 +414,7 @@ def test_plan_matches_the_tracker_with_kept_attention_outputs(knobs):
     peaks, plans = {}, {}
     for keep in ("off", "device"):
         kn = dict(knobs, keep_attention_output=keep)
-        peaks[keep] = _longstraw_peak(0, 1, 4096, kn)
+        peaks[keep] = longstraw_peak(0, 1, 4096, kn, TINY)
         p = plan(TINY, ONE, dict(FP32_EAGER, **kn), seq_len=4096, mode="longstraw", group_size=4, response_len=8)
         plans[keep] = p.total_bytes - p.breakdown["params"] - p.breakdown["optimizer"]
         assert abs(plans[keep] - peaks[keep]) <= 0.15 * peaks[keep], (keep, plans[keep], peaks[keep])

@@ -19,6 +19,7 @@ import yaml
 from distributed import run_distributed
 from lightning_longctx.memory import ModelShape, kv_cache_bytes, plan
 from lightning_longctx.memory.shapes import MemoryKnobs
+from planner_workers import measured_peaks
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 _META = ("name", "hf_id", "pretrained")
@@ -122,47 +123,6 @@ def test_latent_cache_is_576_values_per_token_and_layer_sequence_sharded():
 
 
 # ------------------------------------------------------------------------------------- measured (tracker)
-def _sft_peak(rank, world, seq, knobs):
-    """Peak live bytes of two full SFT steps (forward, backward, AdamW) of tiny_mla_moe on this rank."""
-    import torch.distributed as dist
-
-    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
-    from lightning_longctx.ops import track_memory
-    from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch
-
-    torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig(**TINY_MLA), MemoryConfig(**knobs))
-    set_sequence_parallel_group(model, dist.group.WORLD if world > 1 else None)
-    ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(1))
-    batch = shard_batch(ids, sp_rank=rank, sp_size=world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with track_memory("cpu") as mem:
-        mem.track(*model.parameters())
-        for _ in range(2):
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return mem.peak_bytes
-
-
-def _longstraw_peak(rank, world, seq, knobs):
-    """Peak live bytes of one exact LongStraw step of tiny_mla_moe (G=4, responses of 8 tokens)."""
-    import torch.distributed as dist
-
-    from lightning_longctx.longstraw import longstraw_step
-    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
-
-    torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig(**TINY_MLA), MemoryConfig(**knobs))
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 64, (seq,), generator=gen)
-    responses = [torch.randint(0, 64, (8,), generator=gen) for _ in range(4)]
-    out = longstraw_step(model, prompt, responses, torch.randn(4, generator=gen),
-                         logits_chunk_size=knobs.get("logits_chunk_size"),
-                         group=dist.group.WORLD if world > 1 else None)
-    return out.peak_bytes
-
-
 CPU_PRESET = dict(head_chunk_size=1, logits_chunk_size=512)  # conf/memory/cpu.yaml
 ALL_KNOBS = dict(head_chunk_size=1, activation_checkpointing=True, mlp_chunk_size=512, logits_chunk_size=512)
 CASES = [  # (mode, processes, tokens, MemoryConfig knobs)
@@ -175,13 +135,10 @@ CASES = [  # (mode, processes, tokens, MemoryConfig knobs)
 ]
 
 
-def _peaks(rank, world, cases):
-    return [(_sft_peak if mode == "sft" else _longstraw_peak)(rank, world, seq, knobs) for mode, _, seq, knobs in cases]
-
-
 def test_plan_matches_the_tracker_on_tiny_mla_moe_cpu_runs():
     one, two = [c for c in CASES if c[1] == 1], [c for c in CASES if c[1] == 2]
-    measured = _peaks(0, 1, one) + [max(r) for r in zip(*run_distributed(_peaks, 2, two, timeout=240))]
+    measured = measured_peaks(0, 1, one, TINY_MLA) + [
+        max(r) for r in zip(*run_distributed(measured_peaks, 2, two, TINY_MLA, timeout=240))]
     failures = []
     for (mode, world, seq, knobs), peak in zip(one + two, measured):
         p = plan(TINY_MLA, dict(devices=world, sharding="replicate"), dict(FP32_EAGER, **knobs), seq_len=seq,
