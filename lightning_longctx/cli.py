@@ -200,14 +200,13 @@ def run_train(cfg: DictConfig) -> Any:
     from lightning_longctx import UlyssesStrategy
 
     from .lightning.nonfinite import check_policy
-    from .lightning.processes import bind_to_launcher, kill_launched_ranks
+    from .lightning.processes import kill_launched_ranks
 
     timeout = collective_timeout(cfg.cluster)  # bad values fail before any work
     try:
         check_policy(cfg.on_nonfinite)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    bind_to_launcher()  # a rank Lightning started dies with rank 0; rank 0 records itself for them
 
     from .lightning.checkpoint import AtomicCheckpoint, resolve_ckpt_path
     from .lightning.progress import PhaseProgress
@@ -237,10 +236,11 @@ def run_train(cfg: DictConfig) -> Any:
         precision=precision, logger=build_logger(cfg), **kwargs,
     )
     try:
+        untrusted = not cfg.trust_checkpoint  # weights-only resume (lightning_longctx.safe_load)
         if isinstance(data, pl.LightningDataModule):
-            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=untrusted)
         else:
-            trainer.fit(module, data, ckpt_path=ckpt_path)
+            trainer.fit(module, data, ckpt_path=ckpt_path, weights_only=untrusted)
     except BaseException:
         kill_launched_ranks(trainer)  # the other ranks would wait for this one until the timeout
         raise
@@ -335,10 +335,33 @@ def _train(cfg: DictConfig) -> None:
         _fail_cleanly(err)
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def use_expandable_segments() -> None:
+    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set the variable (then it is kept, and
+    logged). torch reads it once, when the CUDA caching allocator starts: the console scripts call this first,
+    before anything could touch CUDA. Expandable segments let the allocator grow one mapping instead of caching
+    blocks of every size a long-context step frees (less fragmentation at 1M tokens); the ranks Lightning starts
+    inherit the variable."""
+    user = os.environ.get(ALLOC_CONF)
+    if user is not None:
+        log.info("%s=%s is set: kept (longctx would set %s)", ALLOC_CONF, user, EXPANDABLE_SEGMENTS)
+        return
+    os.environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
+
+
 def train() -> None:
-    """``longctx-train``: check the config, plan, then train the task under ``strategy="ulysses"``."""
+    """``longctx-train``: check the config, plan, then train the task under ``strategy="ulysses"``. Only this entry
+    point binds the ranks to their launcher (``LONGCTX_LAUNCHER_PID``, :mod:`.lightning.processes`): an
+    in-process :func:`run_train` leaves the environment alone."""
+    from .lightning.processes import launcher_binding
+
+    use_expandable_segments()
     importable_cwd()  # task.module._target_=my_grpo.MyGRPO with my_grpo.py here
-    _train()
+    with launcher_binding():  # a rank Lightning started dies with rank 0; rank 0 records itself for them
+        _train()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="plan")
@@ -354,16 +377,19 @@ def plan(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path="conf", config_name="export")
 def _export(cfg: DictConfig) -> None:
     from .export import ExportError, export_checkpoint
+    from .safe_load import UntrustedCheckpointError
 
     try:
-        out = export_checkpoint(cfg.ckpt, cfg.out, adapter_only=cfg.adapter_only, dtype=cfg.dtype, config=cfg.config)
-    except (ExportError, ConfigError, FileNotFoundError) as err:
+        out = export_checkpoint(cfg.ckpt, cfg.out, adapter_only=cfg.adapter_only, dtype=cfg.dtype, config=cfg.config,
+                                trust_checkpoint=cfg.trust_checkpoint)
+    except (ExportError, ConfigError, FileNotFoundError, UntrustedCheckpointError) as err:
         _fail_cleanly(err)
     print(f"longctx-export: wrote {out}", flush=True)
 
 
 def export() -> None:
     """``longctx-export ckpt=<checkpoint> out=<dir> [adapter_only=true] [dtype=bfloat16]``."""
+    use_expandable_segments()
     importable_cwd()  # a model._target_ builder from the current directory
     _export()
 
@@ -376,4 +402,4 @@ __all__ = ["PlanError", "SlurmLayoutCheck", "build_model", "build_task", "check_
            "check_slurm_layout", "decoder_config", "explicit_model_fields", "export", "format_plan",
            "model_memory_knobs", "model_shape",
            "parameters_digest", "plan", "plan_request", "route_lightning_deprecations", "run_train", "train",
-           "trainer_precision"]
+           "trainer_precision", "use_expandable_segments"]

@@ -15,6 +15,9 @@ must do about them (docs/reliability.md):
 - non-finite steps: an ``inf`` in the loss or in one gradient element on ONE rank, automatic (SFT) and manual
   (LongStraw) optimisation, both policies: ``skip`` leaves every rank's parameters and optimizer state bitwise
   unchanged and training goes on; ``raise`` stops every rank naming the step and the parameter;
+- only the console entry point records itself as the ranks' launcher (``LONGCTX_LAUNCHER_PID``) and sets
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (unless the user set it), both before the run starts, and
+  takes the launcher variable back when it ends: an in-process ``run_train`` leaves ``os.environ`` unchanged;
 - the mesh's SP / DP subgroups get the configured timeout (torch would give them its 30-minute default): the
   dims that get it (in process), and a hung SP peer on a 2 x 2 mesh failing after 3 s (4 ranks, ``slow``).
 
@@ -95,8 +98,11 @@ def test_a_dead_rank_fails_fast_and_the_run_resumes_exactly(task, tmp_path):
     assert rc != 0, out[-3000:]
     assert seconds < CPU_TIMEOUT_S + 60
     assert not survivors, f"processes left behind: {survivors}"
-    if rc > 0:  # rank 0 saw the dead peer first (else Lightning's observer SIGKILLed it: rc -9)
+    if rc > 0:  # rank 0 saw the dead peer first and named the phase
         assert "CollectiveError: collective failed during" in out and "on rank 0" in out, out[-3000:]
+    else:  # Lightning's observer polled first (every 5 s) and SIGKILLed rank 0: it says so, naming the dead rank
+        assert rc == -signal.SIGKILL, (rc, out[-3000:])
+        assert "terminated with code -9" in out and "Forcefully terminating all other processes" in out, out[-3000:]
     checkpoints = run.run_dir / "checkpoints"
     assert os.readlink(checkpoints / "last.ckpt") == "step_00000002.ckpt"
 
@@ -250,6 +256,59 @@ def test_nonfinite_policy_and_timeout_are_checked_before_any_work():
         with pytest.raises(ConfigError, match=f"cluster.collective_timeout_s={bad!r}"):
             collective_timeout(OmegaConf.create({"collective_timeout_s": bad}))
     assert collective_timeout(OmegaConf.create({"collective_timeout_s": 120})) == timedelta(seconds=120)
+
+
+# ---------------------------------------------------------------------------------------- the launcher's environment
+class _TrainerBuilt(Exception):
+    pass
+
+
+def test_an_in_process_run_train_leaves_the_environment_unchanged(monkeypatch):
+    """A test calling ``run_train`` must not leave ``LONGCTX_LAUNCHER_PID`` behind: a later ``longctx-train``
+    subprocess would inherit it and bind its rank 0 to pytest."""
+    import lightning.pytorch as pl
+    from hydra import compose, initialize_config_module
+
+    from lightning_longctx import cli
+    from lightning_longctx.lightning.processes import LAUNCHER_ENV
+
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    monkeypatch.setattr(pl, "Trainer", lambda *args, **kwargs: (_ for _ in ()).throw(_TrainerBuilt()))
+    monkeypatch.setattr(cli, "build_logger", lambda cfg: None)  # its save_dir resolves only inside a Hydra run
+    with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["trainer=smoke", "cluster.devices=1"])
+    ours = lambda: {k: v for k, v in os.environ.items() if not k.startswith("PL_")}  # noqa: E731
+    before = ours()  # (seed_everything's PL_GLOBAL_SEED / PL_SEED_WORKERS are Lightning's own, by design)
+    with pytest.raises(_TrainerBuilt):  # everything up to the Trainer ran
+        cli.run_train(cfg)
+    assert ours() == before, {k: v for k, v in ours().items() if before.get(k) != v}
+
+
+@pytest.mark.parametrize("user_alloc_conf", [None, "max_split_size_mb:128"])
+def test_the_console_entry_point_sets_the_launcher_and_the_allocator_before_the_run(monkeypatch, tmp_path,
+                                                                                    user_alloc_conf):
+    import sys
+
+    from lightning_longctx import cli
+    from lightning_longctx.lightning.processes import LAUNCHER_ENV
+
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    if user_alloc_conf is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user_alloc_conf)
+    seen = {}
+    monkeypatch.setattr(cli, "run_train", lambda cfg: seen.update(
+        launcher=os.environ.get(LAUNCHER_ENV), alloc=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        cuda_started=torch.cuda.is_initialized()))
+    monkeypatch.setattr(sys, "argv", ["longctx-train", "trainer=smoke", f"hydra.run.dir={tmp_path}"])
+    cli.train()
+    # torch reads PYTORCH_CUDA_ALLOC_CONF once, when the CUDA allocator starts: it must be set before the run
+    assert seen == {"launcher": str(os.getpid()), "alloc": user_alloc_conf or "expandable_segments:True",
+                    "cuda_started": False}, seen
+    assert LAUNCHER_ENV not in os.environ  # taken back when the run ended
 
 
 # ---------------------------------------------------------------------------------------- phases and timeouts

@@ -10,7 +10,10 @@ Two holes remain, both closed here:
   for SIGKILL when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere a watchdog thread polling the
   parent pid). Only processes the launcher of this run started are bound: rank 0 records its pid in
   ``LONGCTX_LAUNCHER_PID`` before Lightning copies the environment into the children, and a child binds only
-  when that pid is its parent (not under torchrun or SLURM, which own their workers).
+  when that pid is its parent (not under torchrun or SLURM, which own their workers). Only the console entry
+  point (``longctx-train``) binds, through :func:`launcher_binding`, which removes the variable again when the
+  run ends: an in-process run (a test calling ``run_train``) leaves ``os.environ`` as it found it, so a later
+  subprocess never takes the pytest process for its launcher.
 - rank 0 fails with an exception (a collective timed out because a child hangs, a bad batch): the children
   would wait for it until the timeout. :func:`kill_launched_ranks` SIGKILLs them before rank 0 exits.
 """
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -70,6 +74,19 @@ def bind_to_launcher() -> str:
     return "external"
 
 
+@contextlib.contextmanager
+def launcher_binding() -> Iterator[str]:
+    """:func:`bind_to_launcher` for the duration of one run (yields its answer); the launcher removes the variable
+    it recorded when the run ends, so the calling process's environment is unchanged afterwards."""
+    recorded_before = LAUNCHER_ENV in os.environ
+    role = bind_to_launcher()
+    try:
+        yield role
+    finally:
+        if role == "launcher" and not recorded_before:
+            os.environ.pop(LAUNCHER_ENV, None)
+
+
 def kill_launched_ranks(trainer: Any) -> int:
     """SIGKILL the ranks this process's Lightning launcher started and that still run; returns how many."""
     launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
@@ -84,4 +101,4 @@ def kill_launched_ranks(trainer: Any) -> int:
     return len(alive)
 
 
-__all__ = ["LAUNCHER_ENV", "bind_to_launcher", "kill_launched_ranks"]
+__all__ = ["LAUNCHER_ENV", "bind_to_launcher", "kill_launched_ranks", "launcher_binding"]
