@@ -19,7 +19,8 @@ to what ``.grad`` held before the step, cast to the parameter's dtype (an optimi
 The prompt cache's gradient is summed the same way: :class:`CacheGradSink` receives each branch's gradient of
 one attention layer's cache, stage by stage (``[1, S', m, d]`` for the stage's ``m`` cache heads, straight
 from the fused attention's backward), and adds it in place into one ``accumulate_dtype`` buffer per layer and
-tensor (on the host for an offloaded cache); no leaf, no ``.grad``, no cache-sized temporary.
+tensor; no leaf, no ``.grad``, no cache-sized temporary. An offloaded cache's sums live on the host between
+branches (:class:`StagedGradSink`: added on the device, written back once per layer and branch).
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ def move_grad_into(buffers: dict, key, dtype: torch.dtype):
 class CacheGradSink:
     """Adds one attention layer's cache-gradient slices into ``buffers[(layer, 0 | 1)]`` (keys, values).
 
-    ``like``: the layer's cache tensor (its shape ``[1, S', n_r, d]``); the buffers are created as zeros in
-    ``dtype`` on first use, on ``device`` (the host for an offloaded cache). Called as ``sink(stage, dk, dv)``
-    with a :class:`~lightning_longctx.parallel.head_stages.Stage` and its ``[1, S', m, d]`` gradients."""
+    ``like``: the layer's cache tensor (its shape ``[1, S', n_r, d]`` and device); the buffers are created as
+    zeros in ``dtype`` on first use. Called as ``sink(stage, dk, dv)`` with a
+    :class:`~lightning_longctx.parallel.head_stages.Stage` and its ``[1, S', m, d]`` gradients, then
+    :meth:`flush` once after the backward's last stage (nothing to do here)."""
 
-    def __init__(self, buffers: dict, layer: int, like: torch.Tensor, dtype: torch.dtype, device) -> None:
-        self.buffers, self.layer, self.shape, self.dtype, self.device = buffers, layer, like.shape, dtype, device
+    def __init__(self, buffers: dict, layer: int, like: torch.Tensor, dtype: torch.dtype) -> None:
+        self.buffers, self.layer, self.dtype = buffers, layer, dtype
+        self.shape, self.device = like.shape, like.device
 
     def __call__(self, stage, dk: torch.Tensor, dv: torch.Tensor) -> None:
         for which, grad in enumerate((dk, dv)):
@@ -68,8 +71,35 @@ class CacheGradSink:
             if buffer is None:
                 buffer = self.buffers[(self.layer, which)] = torch.zeros(self.shape, dtype=self.dtype,
                                                                         device=self.device)
-            # in place, in ``dtype`` (one device-to-host copy of the slice when the buffer lives on the host)
-            stage.cache_slice(buffer).add_(grad.to(buffer.device) if grad.device != buffer.device else grad)
+            stage.cache_slice(buffer).add_(grad)  # in place, in ``dtype``
+
+    def flush(self) -> None:
+        pass
+
+
+class StagedGradSink:
+    """An offloaded layer's :class:`CacheGradSink`: the sums live on the host between branches.
+
+    On the backward's first stage ``load()`` brings the layer's sums so far to the device (``(keys, values)``
+    in the sums' dtype: prefetched with the layer's K/V, zeros for the first branch); each stage's slice is
+    added there in place, the same additions in the same order as :class:`CacheGradSink` makes into device
+    buffers, so the sums are bitwise those of the cache kept on the device; :meth:`flush` hands them to
+    ``store(sums)`` (an asynchronous copy back into the pinned host buffers): one device-to-host copy per
+    layer and branch, none per stage, and no addition on the host."""
+
+    def __init__(self, load, store) -> None:
+        self.load, self.store, self.sums = load, store, None
+
+    def __call__(self, stage, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        if self.sums is None:
+            self.sums = self.load()
+        for buffer, grad in zip(self.sums, (dk, dv)):
+            stage.cache_slice(buffer).add_(grad)
+
+    def flush(self) -> None:
+        if self.sums is not None:
+            self.store(self.sums)
+            self.sums = None
 
 
 class GroupGradients:
@@ -129,4 +159,4 @@ class GroupGradients:
         self._buffers.clear()
 
 
-__all__ = ["CacheGradSink", "GroupGradients", "accumulation_dtype", "move_grad_into"]
+__all__ = ["CacheGradSink", "GroupGradients", "StagedGradSink", "accumulation_dtype", "move_grad_into"]

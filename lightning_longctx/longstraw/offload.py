@@ -1,61 +1,188 @@
 """Host-resident prompt state, brought to the device one layer at a time (``offload_prompt_cache``).
 
-The prompt K/V cache and its fp32 gradient buffer are the largest things a LongStraw step holds (at 2M
-tokens, tens of GiB per rank). With offload they live in (pinned, on CUDA) host memory:
+The prompt K/V cache and its fp32 gradient sums are the largest things a LongStraw step holds (at 2M tokens,
+tens of GiB per rank). With offload they live in (pinned, on CUDA) host memory:
 
+- prefill: each attention layer's K/V go to the host as they are made;
 - replay: layer ``l``'s keys and values are copied to the device when the branch's forward reaches layer
-  ``l``, while layer ``l + 1``'s copy is already in flight on a side stream (double buffering). The fused
-  attention does not keep that copy for its backward: the backward fetches layer ``l`` again (layer ``l - 1``
-  in flight), and each stage's cache gradient ``[1, S', m, d]`` is added into the host buffer as it is made
-  (``grads.CacheGradSink``);
+  ``l``, while layer ``l + 1``'s copy is already in flight (double buffering). The fused attention does not
+  keep that copy for its backward: the backward fetches layer ``l`` again (layer ``l - 1`` in flight, with its
+  gradient sums so far), adds each stage's cache gradient into the device copy of the layer's sums, and writes
+  the sums back to the host once per layer and branch (``grads.StagedGradSink``);
 - grouped backward: layer ``l``'s summed gradient comes back to the device while layer ``l - 1``'s is
   prefetched.
 
-So the device holds two layers' K/V (and one stage's gradient) instead of all of them; the cache crosses PCIe
-twice per branch (forward and backward). On a CPU-only machine
-every copy is a no-op and the path runs unchanged (the tests exercise it there).
+So the device holds two layers' K/V and one layer's sums instead of all of them.
+
+**Ordering.** Every host<->device copy runs on one side stream (:class:`CudaStreams`), which first waits for
+the work queued so far on the compute stream (the producer of the source, the last user of a recycled
+destination block), and whose event the compute stream waits on before it reads a device copy. One side
+stream for everything makes the copies FIFO among themselves: a host buffer written back (the sums) is read
+again only by a later copy on the same stream. Device tensors a copy touches are ``record_stream``-ed on the
+side stream, so the caching allocator does not hand their memory out while the copy is in flight; pinned host
+blocks are safe to drop (PyTorch's host allocator records an event for each non-blocking copy using them). A
+host read of a host buffer (``PromptState.cache_grad``) calls :meth:`HostStager.synchronize` first.
+
+On a CPU-only machine there are no streams: every copy is a no-op and the path runs unchanged. The tests
+swap in :class:`DeferredStreams`, a CPU stand-in whose copies land only when their event is waited on (a
+read before that sees NaN), so an ordering bug fails a CPU test.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
+from ..ops.transfers import record_transfer
 
-class HostStager:
-    """Pinned host copies and device copies one step ahead on a side stream (CUDA); identity on CPU."""
+
+class CudaStreams:
+    """Host<->device copies on one CUDA side stream, ordered after the compute stream's work so far."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.side = torch.cuda.Stream(self.device)
+
+    def host_empty(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
+
+    def device_empty(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, device=self.device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        """``dst.copy_(src)`` on the side stream once the compute stream's queued work is done; returns the
+        event that marks the copy done (:meth:`wait` on it before the compute stream reads ``dst``)."""
+        current = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        for t in (dst, src):
+            if t.device.type == "cuda":  # allocated on (or last used by) the compute stream, in use on the side one
+                t.record_stream(self.side)
+        return done
+
+    def wait(self, event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self) -> None:
+        self.side.synchronize()
+
+
+class DeferredStreams:
+    """A CPU stand-in for :class:`CudaStreams` whose copies really defer (for tests and the CPU smoke bench).
+
+    Both "devices" are the CPU. :meth:`copy` only queues the copy: it lands (reading ``src`` then, as an
+    asynchronous copy does) when an event at or after it is :meth:`wait`-ed on, or at :meth:`synchronize`.
+    New buffers are NaN-filled (integers: their largest value), so whatever reads a copy before its wait sees
+    garbage. The copies report themselves to :mod:`lightning_longctx.ops.transfers` (``to_host`` tells the
+    direction: the CPU cannot)."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self._queue: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._landed = 0  # copies [0, _landed) of all ever queued have landed
+        self._host: set[int] = set()  # ids of the buffers standing for host memory
+
+    @staticmethod
+    def _garbage(like: torch.Tensor) -> torch.Tensor:
+        fill = float("nan") if like.is_floating_point() else torch.iinfo(like.dtype).max
+        return torch.full(like.shape, fill, dtype=like.dtype)
+
+    def host_empty(self, like: torch.Tensor) -> torch.Tensor:
+        host = self._garbage(like)
+        self._host.add(id(host))
+        return host
+
+    def device_empty(self, like: torch.Tensor) -> torch.Tensor:
+        return self._garbage(like)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        record_transfer("d2h" if id(dst) in self._host else "h2d", src.numel() * src.element_size())
+        self._queue.append((dst, src))
+        return self._landed + len(self._queue)
+
+    def wait(self, event: int) -> None:
+        while self._landed < event:
+            dst, src = self._queue.pop(0)
+            dst.copy_(src)
+            self._landed += 1
+
+    def synchronize(self) -> None:
+        self.wait(self._landed + len(self._queue))
+
+
+_simulated: list[DeferredStreams] = []
+
+
+@contextlib.contextmanager
+def simulated_streams(streams: DeferredStreams | None = None) -> Iterator[DeferredStreams]:
+    """Inside the block, offloaded prompt states made on the CPU stage through ``streams`` (a new
+    :class:`DeferredStreams` by default) instead of the identity: the CUDA ordering, checked on a CPU."""
+    _simulated.append(streams if streams is not None else DeferredStreams())
+    try:
+        yield _simulated[-1]
+    finally:
+        _simulated.pop()
+
+
+class HostStager:
+    """Host copies of device tensors and device copies one step ahead, through ``streams`` (see the module
+    doc): :class:`CudaStreams` on a CUDA device; on the CPU :func:`simulated_streams`' or none (identity)."""
+
+    def __init__(self, device: torch.device, streams=None) -> None:
+        self.device = torch.device(device)
+        if streams is None and self.device.type == "cuda":
+            streams = CudaStreams(self.device)
+        elif streams is None and self.device.type == "cpu" and _simulated:
+            streams = _simulated[-1]
+        self.streams = streams
         self._inflight: dict[object, tuple[list[torch.Tensor], object]] = {}
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``t`` (pinned on CUDA, so the copies back can overlap compute)."""
-        if not self.cuda:
+        """A host copy of ``t`` (pinned on CUDA), in flight: read it through :meth:`fetch` or after
+        :meth:`synchronize`."""
+        if self.streams is None:
             return t
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        host.copy_(t, non_blocking=True)
+        host = self.streams.host_empty(t)
+        self.streams.copy(host, t)
         return host
 
+    def store(self, host: torch.Tensor, t: torch.Tensor) -> None:
+        """Write device tensor ``t`` back into its host buffer ``host`` (in flight, as :meth:`to_host`)."""
+        if self.streams is not None:
+            self.streams.copy(host, t)
+
     def prefetch(self, key, tensors: list[torch.Tensor]) -> None:
-        """Start copying ``tensors`` to the device on the side stream; :meth:`fetch` with ``key`` collects them."""
-        if not self.cuda or key in self._inflight:
+        """Start copying ``tensors`` to the device; :meth:`fetch` with ``key`` collects them."""
+        if self.streams is None or key in self._inflight:
             return
-        with torch.cuda.stream(self.stream):
-            copies = [t.to(self.device, non_blocking=True) for t in tensors]
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        copies = [self.streams.device_empty(t) for t in tensors]
+        event = None
+        for c, t in zip(copies, tensors):
+            event = self.streams.copy(c, t)
         self._inflight[key] = (copies, event)
 
     def fetch(self, key, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Device copies of ``tensors``: the prefetched ones (after their copy finished), or copied now."""
-        if not self.cuda:
+        """Device copies of ``tensors`` (the prefetched ones, or copied now), ready for the compute stream."""
+        if self.streams is None:
             return list(tensors)
-        if key in self._inflight:
-            copies, event = self._inflight.pop(key)
-            torch.cuda.current_stream(self.device).wait_event(event)
-            for c in copies:  # allocated on the side stream, used on this one
-                c.record_stream(torch.cuda.current_stream(self.device))
-            return copies
-        return [t.to(self.device, non_blocking=True) for t in tensors]
+        self.prefetch(key, tensors)
+        copies, event = self._inflight.pop(key)
+        self.streams.wait(event)
+        return copies
+
+    def discard(self, key) -> None:
+        """Forget a prefetch of ``key`` (its sources changed since; the copy finishes unused)."""
+        self._inflight.pop(key, None)
+
+    def synchronize(self) -> None:
+        """Wait until every copy queued so far has landed (before the host reads a host buffer)."""
+        if self.streams is not None:
+            self.streams.synchronize()
+
+
+__all__ = ["CudaStreams", "DeferredStreams", "HostStager", "simulated_streams"]

@@ -29,7 +29,16 @@ same tokens even if its generator was seeded differently.
 Sampling (:func:`restricted_probs`): ``softmax(logits / temperature)`` restricted first by **top-k** (the
 ``k`` largest logits, ties at the k-th value kept) and renormalised, then by **top-p** (the smallest set of
 most probable tokens whose mass is ``>= top_p``) and renormalised: the order of transformers' warpers, TRL
-and vLLM. ``temperature=0`` is greedy (argmax). Draws use ``generator`` (a CPU generator), one per row.
+and vLLM. ``temperature=0`` is greedy (argmax). Draws run on the device with ``generator`` (a generator on
+the prompt's device; the CPU one on the CPU, so seeded CPU runs draw as before), one per row.
+
+**Host traffic per decoded token**: one host sync, the read of the drawn tokens for the stop decision
+(:func:`~lightning_longctx.ops.transfers.host_list`); the tokens stay on the device otherwise (the broadcast
+and the next step read them there). The prompt cache (``prompt_cache``): ``"device"`` fetches each layer's
+prompt K/V once per rollout and keeps them (an offloaded state: the whole cache on the device for the
+rollout, one host-to-device copy per layer); ``"stream"`` (when the cache does not fit beside the rollout,
+the planner's ``rollouts`` phase says which) re-fetches each layer per decoded token, the next layer in flight,
+so the device holds two layers' K/V. A prompt state that is not offloaded is read in place either way.
 """
 
 from __future__ import annotations
@@ -41,11 +50,13 @@ import torch
 import torch.distributed as dist
 
 from ..models.decode import new_decode_cache
+from ..ops.transfers import host_list
 from ..parallel import gather_ints, group_size, set_sequence_parallel_group
 from .prefix import PromptState, check_prompt_state, prefill, prompt_weights
 
 StepHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 StopIds = int | Sequence[int] | None
+PROMPT_CACHE = ("device", "stream")
 
 
 def stop_token_ids(eos_token_id: StopIds, vocab: int | None = None) -> tuple[int, ...]:
@@ -138,21 +149,18 @@ def restricted_probs(logits: torch.Tensor, temperature: float, top_k: int | None
 
 
 def draw_tokens(probs: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``probs [n, vocab]`` (``[n]`` int64, on the host): argmax when greedy, else a
-    multinomial draw per row with ``generator`` (CPU)."""
+    """One token per row of ``probs [n, vocab]`` (``[n]`` int64, on ``probs``' device, no host sync): argmax
+    when greedy, else a multinomial draw per row with ``generator`` (on ``probs``' device)."""
     if temperature == 0:
-        return probs.argmax(dim=1).cpu()
-    return torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0]
+        return probs.argmax(dim=1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def _agree(tokens: torch.Tensor, group, device) -> torch.Tensor:
-    """The group's first rank's ``tokens`` on every rank (one small broadcast; on ``device``: NCCL refuses
-    host tensors)."""
-    if group_size(group) == 1:
-        return tokens
-    shared = tokens.to(device)
-    dist.broadcast(shared, src=dist.get_global_rank(group, 0), group=group)
-    return shared.cpu()
+def _agree(tokens: torch.Tensor, group) -> torch.Tensor:
+    """The group's first rank's ``tokens`` on every rank (one small broadcast, on the device)."""
+    if group_size(group) > 1:
+        dist.broadcast(tokens, src=dist.get_global_rank(group, 0), group=group)
+    return tokens
 
 
 def _check_group_agrees(prompt_ids, num_responses, max_new_tokens, group) -> None:
@@ -164,16 +172,22 @@ def _check_group_agrees(prompt_ids, num_responses, max_new_tokens, group) -> Non
         raise ValueError(f"ranks of the sequence-parallel group disagree on the sampling call ({described})")
 
 
-def _step(model, state: PromptState, caches, token_ids, start: int) -> torch.Tensor:
+def _prompt_kv(model, state: PromptState, kept: list | None, index: int):
+    """Layer ``index``'s prompt K/V on the device: kept for the rollout (``"device"``), else from the state."""
+    if model.layers[index].layer_type == "linear_attention":
+        return None
+    return kept[index] if kept is not None else state.layer_cache(index)
+
+
+def _step(model, state: PromptState, kept: list | None, caches, token_ids, start: int) -> torch.Tensor:
     """Run ``token_ids [B, T]`` at positions ``start + [0, T)`` through every layer; logits ``[B, vocab]``
-    of the last token of each row."""
+    of the last token of each row. ``kept``: per layer the prompt K/V held for the rollout, or None (read
+    from the state at each step, :func:`_prompt_kv`)."""
     b, t = token_ids.shape
     positions = torch.arange(start, start + t, device=token_ids.device).expand(b, t)
     hidden = model.embed(token_ids)
     for index, layer in enumerate(model.layers):
-        # the prompt's K/V are re-read from the state each step (with an offloaded state: staged per layer)
-        prompt_kv = None if layer.layer_type == "linear_attention" else state.layer_cache(index)
-        hidden = layer.decode_step(hidden, positions, caches[index], prompt_kv)
+        hidden = layer.decode_step(hidden, positions, caches[index], _prompt_kv(model, state, kept, index))
     return model.head_logits(hidden[:, -1])
 
 
@@ -182,7 +196,7 @@ def sample(
     model, prompt_ids: torch.Tensor, num_responses: int, *, max_new_tokens: int, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int | None = 0, eos_token_id: StopIds = None, group=None,
     generator: torch.Generator | None = None, prompt_state: PromptState | None = None,
-    on_step: StepHook | None = None,
+    on_step: StepHook | None = None, prompt_cache: str = "device",
 ) -> list[torch.Tensor]:
     """Sample ``num_responses`` responses to ``prompt_ids``, decoded together over one prefill.
 
@@ -197,13 +211,15 @@ def sample(
         eos_token_id: the stop id(s): one id or a sequence of them; a response that draws any of them stops
             there (that token is its last). None = none (every response runs to ``max_new_tokens``).
         group: the sequence-parallel group (None = one process); every rank gets the same responses.
-        generator: CPU generator for the draws (seed it identically on every rank; the first rank's draws
-            are broadcast anyway).
+        generator: the draws' generator, on ``prompt_ids``' device (seed it identically on every rank; the
+            first rank's draws are broadcast anyway); None = torch's default one for that device.
         prompt_state: a :class:`~.prefix.PromptState` from an earlier ``prefill`` of the same ``prompt_ids``
             over the same group (reused, not modified); None = prefill here.
         on_step: ``on_step(step, rows, probs)`` after each draw: ``rows [n]`` the responses still decoding
             (indices into the result), ``probs [n, vocab]`` the restricted distribution each drew its
             ``step``-th token from (one-hot when greedy). For tests and diagnostics.
+        prompt_cache: ``"device"``: each layer's prompt K/V fetched once and kept for the rollout; ``"stream"``:
+            fetched per decoded token, two layers on the device (only differs for an offloaded prompt state).
     Returns:
         G tensors ``[T_i]`` (``1 <= T_i <= max_new_tokens``), ``prompt_ids``' dtype and device.
     Raises:
@@ -212,7 +228,12 @@ def sample(
     validate_sampling(model, prompt_ids, num_responses, max_new_tokens=max_new_tokens, temperature=temperature,
                       top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, group=group, prompt_state=prompt_state)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator (CPU) or None, got {type(generator).__name__}")
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator is not None and generator.device.type != prompt_ids.device.type:
+        raise ValueError(f"generator is on {generator.device}, prompt_ids on {prompt_ids.device}: the draws run "
+                         "on the prompt's device (torch.Generator(device=prompt_ids.device))")
+    if prompt_cache not in PROMPT_CACHE:
+        raise ValueError(f"prompt_cache={prompt_cache!r}; choose one of {PROMPT_CACHE}")
     if on_step is not None and not callable(on_step):
         raise TypeError(f"on_step must be callable (step, rows, probs) or None, got {type(on_step).__name__}")
     if prompt_ids.is_floating_point() or prompt_ids.is_complex():
@@ -224,39 +245,42 @@ def sample(
     if state is None:
         state = prefill(model, prompt_ids, group, keep_checkpoints=False, cache_requires_grad=False)
     device, tail = prompt_ids.device, state.tail_ids
+    kept = None
+    if prompt_cache == "device":  # one fetch per layer for the whole rollout (the next layer's in flight)
+        kept = [_prompt_kv(model, state, None, i) for i in range(len(model.layers))]
     # own positions per row: the tail and every drawn token but the last (which is never fed back)
     capacity = tail.numel() + max_new_tokens - 1
     caches = [new_decode_cache(layer, capacity, state.layer_cache(i) if layer.layer_type == "linear_attention"
                                else None) for i, layer in enumerate(model.layers)]
     with prompt_weights(model):  # prompt tokens: on the base weights under prefix-frozen (on_prompt=False) LoRA
-        logits = _step(model, state, caches, tail.view(1, -1), state.cached_length)  # [1, vocab]: shared by all G
+        logits = _step(model, state, kept, caches, tail.view(1, -1), state.cached_length)  # [1, vocab]: all G
     for cache in caches:
         cache.expand(num_responses)
     logits = logits.expand(num_responses, -1)
-    rows = torch.arange(num_responses)  # responses still decoding, host
+    rows = list(range(num_responses))  # responses still decoding
     tokens_out: list[list[int]] = [[] for _ in range(num_responses)]
     for step in range(max_new_tokens):
         probs = restricted_probs(logits, temperature, top_k, top_p)
-        drawn = _agree(draw_tokens(probs, temperature, generator), group, device)
+        drawn = _agree(draw_tokens(probs, temperature, generator), group)  # [n] on the device
         if on_step is not None:
-            on_step(step, rows.clone(), probs)
+            on_step(step, torch.tensor(rows), probs)
         live = []
-        for i, (row, token) in enumerate(zip(rows.tolist(), drawn.tolist())):
+        for i, (row, token) in enumerate(zip(rows, host_list(drawn))):  # the step's one host sync
             tokens_out[row].append(token)
             if token not in stops:
                 live.append(i)
         if step == max_new_tokens - 1 or not live:
             break
-        if len(live) < rows.numel():  # drop finished rows (identically on every rank: the tokens agree)
-            keep = torch.tensor(live, dtype=torch.long)
-            rows, drawn = rows[keep], drawn[keep]
-            keep = keep.to(device)
+        if len(live) < len(rows):  # drop finished rows (identically on every rank: the tokens agree)
+            rows = [rows[i] for i in live]
+            keep = torch.tensor(live, dtype=torch.long).to(device, non_blocking=True)
+            drawn = drawn[keep]
             for cache in caches:
                 cache.select(keep)
-        token_ids = drawn.to(device=device, dtype=prompt_ids.dtype).view(-1, 1)
-        logits = _step(model, state, caches, token_ids, prompt_ids.numel() + step)
+        token_ids = drawn.to(prompt_ids.dtype).view(-1, 1)
+        logits = _step(model, state, kept, caches, token_ids, prompt_ids.numel() + step)
     return [torch.tensor(t, dtype=prompt_ids.dtype, device=device) for t in tokens_out]
 
 
-__all__ = ["StopIds", "check_sampling_options", "draw_tokens", "restricted_probs", "sample", "stop_token_ids",
-           "validate_sampling"]
+__all__ = ["PROMPT_CACHE", "StopIds", "check_sampling_options", "draw_tokens", "restricted_probs", "sample",
+           "stop_token_ids", "validate_sampling"]

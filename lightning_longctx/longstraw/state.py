@@ -12,7 +12,7 @@ from ..models.fused_attention import PrefixCache
 from ..models.gated_deltanet import LinearState
 from ..models.mla import MLAState
 from ..parallel import group_rank, group_size, shard_sequence
-from .grads import CacheGradSink, move_grad_into
+from .grads import CacheGradSink, StagedGradSink, move_grad_into
 from .latent import latent_grad, latent_leaf
 from .offload import HostStager
 
@@ -82,10 +82,13 @@ class PromptState:
 
     def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
         """The gradient summed over the group so far of layer ``layer``'s state tensor ``which`` (attention:
-        0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail); on the host when offloaded."""
+        0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail); on the host when offloaded
+        (its copies landed: this waits for them)."""
         if isinstance(self.caches[layer], MLAState):
             return latent_grad(self, layer, which)
         if (layer, which) in self.grads:
+            if self.stager is not None:
+                self.stager.synchronize()
             return self.grads[(layer, which)]
         cache = self.caches[layer]
         return cache[which].grad if isinstance(cache, LinearState) else None
@@ -113,27 +116,49 @@ class PromptState:
         if isinstance(cache, _LEAF_STATES):
             return cache
         sink = None
-        if self.cache_requires_grad:
-            device = "cpu" if self.stager is not None else cache[0].device
-            sink = CacheGradSink(self.grads, layer, cache[0], self.grad_dtype, device)
+        if self.cache_requires_grad and self.stager is None:
+            sink = CacheGradSink(self.grads, layer, cache[0], self.grad_dtype)
+        elif self.cache_requires_grad:
+            sink = StagedGradSink(lambda: self._device_grad_sums(layer),
+                                  lambda sums: self._store_grad_sums(layer, sums))
         if self.stager is None:
             return PrefixCache(cache, grad_sink=sink)
         return PrefixCache(fetch=lambda backward: self._fetch(layer, -1 if backward else +1), grad_sink=sink)
 
     def _fetch(self, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A device copy of offloaded layer ``layer``'s K/V; the next staged layer in direction ``step`` starts
-        copying on the side stream."""
+        copying (backward, ``step=-1``: with its gradient sums so far, which its backward adds to next)."""
         nxt = self._staged_neighbour(layer, step)
         if nxt is not None:
             self.stager.prefetch(("cache", nxt), list(self.caches[nxt]))
+            if step < 0 and self.cache_requires_grad and (nxt, 0) in self.grads:
+                self.stager.prefetch(("grad", nxt), [self.grads[(nxt, 0)], self.grads[(nxt, 1)]])
         return tuple(self.stager.fetch(("cache", layer), list(self.caches[layer])))
+
+    def _device_grad_sums(self, layer: int) -> list[torch.Tensor]:
+        """Offloaded layer ``layer``'s K/V gradient sums so far on the device (zeros before its first branch)."""
+        if (layer, 0) not in self.grads:
+            keys = self.caches[layer][0]
+            return [torch.zeros(keys.shape, dtype=self.grad_dtype, device=self.stager.device) for _ in range(2)]
+        return self.stager.fetch(("grad", layer), [self.grads[(layer, 0)], self.grads[(layer, 1)]])
+
+    def _store_grad_sums(self, layer: int, sums: list[torch.Tensor]) -> None:
+        """Write a branch's updated sums of offloaded layer ``layer`` back to its host buffers (pinned, in
+        flight); a prefetch of the old sums still pending is dropped."""
+        self.stager.discard(("grad", layer))
+        for which, t in enumerate(sums):
+            host = self.grads.get((layer, which))
+            if host is None:
+                self.grads[(layer, which)] = self.stager.to_host(t)
+            else:
+                self.stager.store(host, t)
 
     def device_cache_grads(self, layer: int, device) -> list[torch.Tensor | None]:
         """Layer ``layer``'s summed state gradients on ``device`` (for the grouped backward); offloaded ones come
-        from the host, and the previous offloaded layer's start copying on the side stream."""
-        grads = [self.cache_grad(layer, which) for which in (0, 1)]
+        from the host, and the previous offloaded layer's start copying."""
         if self.stager is None or isinstance(self.caches[layer], _LEAF_STATES):
-            return grads
+            return [self.cache_grad(layer, which) for which in (0, 1)]
+        grads = [self.grads.get((layer, which)) for which in (0, 1)]  # host buffers, in flight: fetched in order
         prev = self._staged_neighbour(layer, -1)
         pending = [] if prev is None else [self.grads.get((prev, w)) for w in (0, 1)]
         if pending and all(g is not None for g in pending):

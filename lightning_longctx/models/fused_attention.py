@@ -96,8 +96,10 @@ class PrefixCache:
     ``tensors``: ``(keys, values)``; or ``fetch(backward: bool) -> (keys, values)`` brings them to the device
     when needed (an offloaded cache: the forward and the backward each fetch, nothing keeps the device copy in
     between). ``grad_sink(stage, dk, dv)``: receives each stage's gradient ``[b, S', m, d]`` (None: the cache
-    gets no gradient). Indexable like the ``(keys, values)`` tuple. Not a tuple on purpose: FSDP2 rebuilds
-    tuples and dataclasses among forward arguments (casting their tensors), which would drop the sink.
+    gets no gradient); its ``flush()``, if it has one, is called once after the backward's last stage (an
+    offloaded cache writes its device sums back then). Indexable like the ``(keys, values)`` tuple. Not a tuple
+    on purpose: FSDP2 rebuilds tuples and dataclasses among forward arguments (casting their tensors), which
+    would drop the sink.
     """
 
     __slots__ = ("_tensors", "_fetch", "grad_sink")
@@ -111,6 +113,12 @@ class PrefixCache:
 
     def get(self, backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return self._tensors if self._fetch is None else self._fetch(backward)
+
+    def backward_done(self) -> None:
+        """The backward gave its last stage's gradient to the sink: let it flush."""
+        flush = getattr(self.grad_sink, "flush", None)
+        if flush is not None:
+            flush()
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return self.get()[index]
@@ -278,6 +286,8 @@ class FusedAttention(torch.autograd.Function):
             grad_out = None
         run_backward(call.stages, call.group, project, attention, push, lses=lses, out=out, kept=prompt.saved,
                      grad_out=grad_out, kv_grads=kv_grads)
+        if call.cache is not None:
+            call.cache.backward_done()
         return (*grads, *prefix_grads, None)
 
 

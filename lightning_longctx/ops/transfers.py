@@ -1,0 +1,131 @@
+"""Host<->device bytes and host syncs, counted per step phase.
+
+:class:`TransferCounter` (a context manager) counts, for each phase the step marks
+(:func:`lightning_longctx.parallel.phases.phase`: ``"replay"``, ``"grouped backward"``, ``"rollouts"``...):
+
+- every copy between the host and a device that torch dispatches (``aten._to_copy`` / ``aten.copy_`` whose
+  source and destination devices differ), its bytes by direction; works on a GPU and under
+  ``FakeTensorMode`` with fake CUDA tensors (a fake ``"cuda"`` tensor copied to ``"cpu"`` is a D2H copy);
+- host syncs: ``.item()`` / ``aten._local_scalar_dense`` (on any device: it reads a value into Python), a
+  blocking device-to-host copy, ``nonzero`` on a device (its output shape waits for the data), and each
+  :func:`host_list` (the code's designated reads of device values; ``.tolist()`` itself dispatches nothing on
+  the CPU);
+- the copies :class:`~lightning_longctx.longstraw.offload.DeferredStreams` (the CPU stand-in of the CUDA
+  copy streams) simulates, through :func:`record_transfer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+_COPIES = (_aten._to_copy.default, _aten.copy_.default)
+_active: list[TransferCounter] = []
+_quiet = [0]  # >0 inside host_list: its own read is counted once, as a sync, not again as a copy
+
+
+@dataclass
+class PhaseTransfers:
+    """One phase's host<->device traffic: bytes and copies each way, and host syncs."""
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_copies: int = 0
+    d2h_copies: int = 0
+    syncs: int = 0
+
+
+def _phase_name() -> str:
+    from ..parallel.phases import current_phase
+
+    return current_phase().split(" (")[0]
+
+
+def record_transfer(direction: str, nbytes: int) -> None:
+    """Count one copy (``direction`` ``"h2d"`` or ``"d2h"``) of ``nbytes`` in every active counter."""
+    for counter in _active:
+        counter._add(direction, nbytes)
+
+
+def record_sync() -> None:
+    for counter in _active:
+        counter._phase().syncs += 1
+
+
+def host_list(t: torch.Tensor) -> list:
+    """``t.tolist()``, counted as one host sync (the sampler's one read of the drawn tokens per step)."""
+    record_sync()
+    _quiet[0] += 1
+    try:
+        return t.tolist()
+    finally:
+        _quiet[0] -= 1
+
+
+def _device(t) -> torch.device | None:
+    return t.device if isinstance(t, torch.Tensor) else None
+
+
+class TransferCounter(TorchDispatchMode):
+    """``with TransferCounter() as c: ...``; then ``c.phases[name]`` (:class:`PhaseTransfers`) and
+    :meth:`summary`. Phases not marked count as ``"outside any marked phase"``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phases: dict[str, PhaseTransfers] = {}
+
+    def _phase(self) -> PhaseTransfers:
+        return self.phases.setdefault(_phase_name(), PhaseTransfers())
+
+    def _add(self, direction: str, nbytes: int) -> None:
+        counts = self._phase()
+        setattr(counts, f"{direction}_bytes", getattr(counts, f"{direction}_bytes") + nbytes)
+        setattr(counts, f"{direction}_copies", getattr(counts, f"{direction}_copies") + 1)
+
+    def __enter__(self):
+        _active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _quiet[0]:
+            self._count(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _count(self, func, args, kwargs) -> None:
+        if func is _aten._local_scalar_dense.default:
+            self._phase().syncs += 1
+            return
+        if func is _aten.nonzero.default and args[0].device.type != "cpu":
+            self._phase().syncs += 1
+            return
+        if func not in _COPIES:
+            return
+        if func is _aten._to_copy.default:
+            src, dst_device = args[0], kwargs.get("device") or args[0].device
+            non_blocking = kwargs.get("non_blocking", False)
+        else:
+            dst, src = args[0], args[1]
+            dst_device = dst.device
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        src_device = _device(src)
+        if src_device is None or (src_device.type == "cpu") == (torch.device(dst_device).type == "cpu"):
+            return
+        to_host = torch.device(dst_device).type == "cpu"
+        self._add("d2h" if to_host else "h2d", src.numel() * src.element_size())
+        if to_host and not non_blocking:
+            self._phase().syncs += 1
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """``{phase: {h2d_bytes, d2h_bytes, h2d_copies, d2h_copies, syncs}}`` (JSON-able)."""
+        return {name: asdict(counts) for name, counts in self.phases.items()}
+
+
+__all__ = ["PhaseTransfers", "TransferCounter", "host_list", "record_sync", "record_transfer"]
