@@ -1,0 +1,115 @@
+"""``offload_prompt_cache`` under copies that really defer: offload on and off give bitwise equal steps and samples.
+
+On a CPU the host stager is an identity, so no ordering bug can show. Here every offloaded state stages
+through :class:`~lightning_longctx.longstraw.offload.DeferredStreams` (``simulated_streams``): a copy lands in
+its destination only when its event is waited on (or at a synchronize), and fresh buffers hold NaN, so a read
+before its copy landed poisons the result. float32 models: "equal" means ``torch.equal``, not a tolerance.
+:class:`UnorderedHostCopies` replays issue 22's race (the prefill's device-to-host copies left on the compute
+stream, which the side stream's prefetches never wait for) and the same check catches it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_longctx.longstraw import longstraw_step, sample
+from lightning_longctx.longstraw.offload import DeferredStreams, HostStager, simulated_streams
+from lightning_longctx.longstraw.step import prefill_for_step
+from models_common import single_thread  # noqa: F401 - autouse fixture
+from test_longstraw import make_group, tiny_model
+
+
+class UnorderedHostCopies(DeferredStreams):
+    """The pre-fix ordering: device-to-host copies queue apart (on the compute stream) and land only at a
+    synchronize; waiting on a side-stream event does not wait for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._to_host: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def copy(self, dst, src):
+        if id(dst) in self._host:
+            self._to_host.append((dst, src))
+            return self._landed + len(self._queue)
+        return super().copy(dst, src)
+
+    def synchronize(self) -> None:
+        for dst, src in self._to_host:
+            dst.copy_(src)
+        self._to_host.clear()
+        super().synchronize()
+
+
+def float_model(chunk=1, seed=0):
+    return tiny_model(seed=seed, head_chunk_size=chunk).float()
+
+
+def run_step(offload: bool, streams=None, *, prefilled: bool = False, **options):
+    """Loss, log-probs and every parameter gradient of one exact step (a fresh model, same seed)."""
+    model = float_model(options.pop("chunk", 1))
+    prompt, responses, advantages = make_group(3, prompt_len=23)
+    with simulated_streams(streams):
+        state = None
+        if prefilled:  # the prompt state made ahead (as sample / score share it), then the step
+            state = prefill_for_step(model, prompt, prompt_grad="full", offload_prompt_cache=offload, **{
+                k: v for k, v in options.items() if k == "keep_attention_output"})
+        out = longstraw_step(model, prompt, responses, advantages.float(), offload_prompt_cache=offload,
+                             measure_memory=False, prompt_state=state, **options)
+    return out.loss, out.logprobs, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_bitwise_equal(a, b) -> None:
+    loss_a, logp_a, grads_a = a
+    loss_b, logp_b, grads_b = b
+    assert loss_a == loss_b
+    assert all(torch.equal(x, y) for x, y in zip(logp_a, logp_b))
+    differ = [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
+    assert not differ, f"gradients differ: {differ}"
+
+
+def test_deferred_copies_land_only_when_waited_on():
+    streams = DeferredStreams()
+    stager = HostStager("cpu", streams)
+    t = torch.arange(6.0)
+    host = stager.to_host(t)
+    assert torch.isnan(host).all()  # in flight
+    stager.prefetch("k", [host])
+    copy, = stager._inflight["k"][0]
+    assert torch.isnan(copy).all()
+    fetched, = stager.fetch("k", [host])  # waits for its event: the host copy first (FIFO), then the prefetch
+    assert fetched is copy and torch.equal(fetched, t) and torch.equal(host, t)
+
+
+@pytest.mark.parametrize("options", [
+    dict(chunk=1), dict(chunk=None, replay_checkpointing=True), dict(chunk=1, keep_attention_output="host"),
+    dict(chunk=1, prefilled=True),
+])
+def test_offload_on_and_off_give_bitwise_equal_steps(options):
+    assert_bitwise_equal(run_step(False, **options), run_step(True, **options))
+
+
+def test_the_unordered_host_copies_of_issue_22_are_caught():
+    loss, _, grads = run_step(True, UnorderedHostCopies())
+    assert any(not torch.isfinite(g).all() for g in grads.values()) or loss != run_step(False)[0]
+
+
+@pytest.mark.parametrize("prompt_cache", ["device", "stream"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_offloaded_sampling_equals_the_device_cache(prompt_cache, temperature):
+    def responses(offload):
+        model = float_model()
+        prompt, _, _ = make_group(1, prompt_len=23)
+        with simulated_streams():
+            state = prefill_for_step(model, prompt, prompt_grad="full", offload_prompt_cache=offload)
+            return sample(model, prompt, 3, max_new_tokens=6, temperature=temperature, prompt_state=state,
+                          generator=torch.Generator().manual_seed(5), prompt_cache=prompt_cache)
+
+    assert all(torch.equal(a, b) for a, b in zip(responses(False), responses(True)))
+
+
+def test_a_bad_prompt_cache_mode_is_refused():
+    model = float_model()
+    prompt, _, _ = make_group(1, prompt_len=9)
+    with pytest.raises(ValueError, match="prompt_cache='host'"):
+        sample(model, prompt, 2, max_new_tokens=2, prompt_cache="host")
