@@ -19,7 +19,7 @@ import signal
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from distributed import run_distributed
+from lightning_longctx.parallel.spawn import run_distributed  # fresh processes, not the tests' pool
 
 VOCAB = 32
 

@@ -357,7 +357,7 @@ def test_the_mesh_passes_the_timeout_to_its_subgroups_only(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_mesh_subgroups_take_the_timeout_and_the_error_names_the_phase():
-    from distributed import run_distributed
+    from lightning_longctx.parallel.spawn import run_distributed  # a process of its own after a timeout
 
     result = run_distributed(_subgroup_timeout, 4, timeout=120)[0]
     seconds, message = result.split(" ", 1)

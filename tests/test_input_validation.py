@@ -27,10 +27,10 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from safetensors.torch import load_file, save_file
 
+from distributed import run_distributed
 from lightning_longctx.longstraw import longstraw_step, sample, score
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
 from lightning_longctx.parallel import shard_batch, ulysses_attention
-from lightning_longctx.parallel.spawn import run_distributed
 
 VOCAB = 64
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

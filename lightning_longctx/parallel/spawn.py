@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 
 import torch.distributed as dist
@@ -22,11 +23,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, threads, init_group, fn, args, queue):
-    os.environ.update(
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun would set for ``rank`` of a one-node job whose TCPStore listens on ``port``."""
+    return dict(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0",
     )
+
+
+def _flush_output() -> None:
+    """Before the result leaves: the parent does not wait for the worker's exit, which would flush these."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _worker(rank, world_size, port, threads, init_group, fn, args, queue):
+    os.environ.update(rank_environment(rank, world_size, port))
     try:
         import torch
 
@@ -34,8 +46,10 @@ def _worker(rank, world_size, port, threads, init_group, fn, args, queue):
         if init_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
+        _flush_output()
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
+        _flush_output()
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -75,7 +89,9 @@ def run_distributed(
         errors.append(f"timed out after {timeout}s waiting for workers ({exc!r})")
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            # Every result is in, tensors included (unpickling fetched them): a worker still tearing down its
+            # interpreter (seconds in a process that ran torch and gloo) is not worth waiting for.
+            p.join(timeout=0.5)
             if p.is_alive():
                 p.kill()
                 p.join()
