@@ -14,7 +14,8 @@ Check levels:
    kv heads 8/2/1 for 8 query heads, causal and not, seq 37 and 45: not multiples of 32, head_dim 12 padded);
 3. segmented: two key segments merged by LSE, backward per segment with the merged out/lse;
 4. ``resolve_backend`` choices with a faked CUDA predicate, and errors for impossible explicit backends;
-5. no host syncs (``aten._local_scalar_dense`` / ``nonzero``) in the glue;
+5. no host syncs (``aten._local_scalar_dense`` / ``nonzero``), device copies (``.cpu()``) or host-made tensors
+   (``lift_fresh``) in the glue, run on ``meta`` tensors standing for CUDA ones;
 6. on a real GPU only: torch_cuda and blockwise against eager attention.
 """
 
@@ -41,7 +42,7 @@ def _eager_BHSD(q, k, v, causal, scale):
     k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
     s = torch.matmul(q.double(), k.transpose(-1, -2)) * scale
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse[..., None]), v), lse
 
@@ -53,7 +54,7 @@ def _eager_grads_BHSD(do, q, k, v, out, lse, causal, scale):
     k_e, v_e = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
     p = torch.exp(torch.matmul(q, k_e.transpose(-1, -2)) * scale - lse[..., None])
     if causal:
-        p = p.masked_fill(torch.ones(p.shape[-2:], dtype=torch.bool).triu(1), 0.0)
+        p = p.masked_fill(torch.ones(p.shape[-2:], dtype=torch.bool, device=p.device).triu(1), 0.0)
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, v_e.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
     dq = torch.matmul(ds, k_e) * scale
@@ -72,10 +73,15 @@ class StandIns:
 
     @staticmethod
     def _kernel_ready(*tensors):
-        # What the CUDA code checks: last dim contiguous, head_dim % 8 == 0 (flash: "ensured by padding").
+        # What the CUDA code checks: last dim contiguous, head_dim % 8 == 0 (flash: "ensured by padding"); and
+        # what its 128-bit loads need: the storage offset and every stride (of a dim longer than 1) a multiple
+        # of 8 elements (16 bytes in fp16/bf16; a misaligned pointer faults or reads the wrong elements).
         for t in tensors:
             assert t.stride(-1) == 1, f"last dim not contiguous: stride {t.stride()}"
             assert t.shape[-1] % 8 == 0, f"head_dim {t.shape[-1]} not a multiple of 8"
+            assert t.storage_offset() % 8 == 0, f"storage offset {t.storage_offset()} not a multiple of 8"
+            odd = [stride for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1 and stride % 8]
+            assert not odd, f"strides {t.stride()} of shape {tuple(t.shape)}: {odd} not multiples of 8"
 
     # aten._scaled_dot_product_flash_attention, [b, h, s, d], GQA native
     def sdpa_flash_forward(self, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
@@ -85,9 +91,9 @@ class StandIns:
         assert query.shape[1] % key.shape[1] == 0
         self.calls.append(("sdpa_flash_forward", key.shape[1], key.shape[-1]))
         out, lse = _eager_BHSD(query, key, value, is_causal, scale)
-        seed, offset = torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64)
+        seed, offset = (torch.zeros(n, dtype=torch.uint64, device=query.device) for n in (2, ()))
         return (out.to(query.dtype), lse.float(), None, None, query.shape[2], key.shape[2], seed, offset,
-                torch.empty(0, dtype=query.dtype))
+                torch.empty(0, dtype=query.dtype, device=query.device))
 
     def sdpa_flash_backward(self, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                             dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
@@ -110,9 +116,11 @@ class StandIns:
         self.calls.append(("sdpa_efficient_forward", key.shape[1], key.shape[-1]))
         out, lse = _eager_BHSD(query, key, value, is_causal, scale)
         b, h, s_q = lse.shape
-        padded = torch.full((b, h, -(-s_q // 32) * 32), float("nan"), dtype=torch.float32)  # garbage padding
+        padded = torch.full((b, h, -(-s_q // 32) * 32), float("nan"), dtype=torch.float32,
+                            device=query.device)  # garbage padding
         padded[:, :, :s_q] = lse
-        return out.to(query.dtype), padded, torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        rng = torch.zeros((), dtype=torch.int64, device=query.device)
+        return out.to(query.dtype), padded, rng, rng.clone()
 
     def sdpa_efficient_backward(self, grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed,
                                 philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None):
@@ -136,7 +144,8 @@ class StandIns:
         assert alibi_slopes is None and not return_softmax
         self.calls.append(("flash_attn_forward", k.shape[2], k.shape[-1]))
         out, lse = _eager_BHSD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale)
-        return out.transpose(1, 2).to(q.dtype), lse.float(), torch.empty(0), torch.zeros(2, dtype=torch.int64)
+        return (out.transpose(1, 2).to(q.dtype), lse.float(), torch.empty(0, device=q.device),
+                torch.zeros(2, dtype=torch.int64, device=q.device))
 
     def flash_attn_backward(self, dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                             window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
@@ -150,7 +159,7 @@ class StandIns:
                                   softmax_scale)
         for buf, g in zip((dq, dk, dv), grads):
             buf.copy_(g.transpose(1, 2))
-        return torch.empty(0)
+        return torch.empty(0, device=q.device)
 
 
 @pytest.fixture
@@ -368,11 +377,13 @@ def test_flash_attn_not_installed_is_named(monkeypatch, fake_cuda):
 
 # ------------------------------------------------------------------------------------------ 5. host syncs
 class _SyncOps(TorchDispatchMode):
-    """Records the ops that force a device -> host sync on CUDA (``.item()``, ``int(t)``, ``bool(t)``,
-    boolean-mask indexing, ``.cpu()``)."""
+    """Records what would stall or copy between host and device on CUDA: host syncs (``.item()``, ``int(t)``,
+    ``bool(t)``, boolean-mask indexing), copies to another device (``.cpu()``, ``.to(other)``, ``copy_`` across
+    devices) and tensors made from host data (``torch.tensor(...)``: ``lift_fresh``, a host -> device copy)."""
 
     SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-             torch.ops.aten.masked_select.default}
+             torch.ops.aten.masked_select.default, torch.ops.aten.lift_fresh.default,
+             torch.ops.aten.lift_fresh_copy.default}
 
     def __init__(self):
         super().__init__()
@@ -380,16 +391,20 @@ class _SyncOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        moves = func is torch.ops.aten._to_copy.default and kwargs.get("device") not in (None, args[0].device)
+        moves = (func is torch.ops.aten._to_copy.default and kwargs.get("device") not in (None, args[0].device)
+                 or func is torch.ops.aten.copy_.default and args[0].device != args[1].device)
         if func in self.SYNCS or moves:
             self.seen.append(func)
+            # on the meta tensors of the test the op could not run anyway (no data): stop here, naming it
+            raise AssertionError(f"host sync or device copy in the CUDA glue: {func}")
         return func(*args, **kwargs)
 
 
 @pytest.mark.parametrize("backend, kernel", PATHS)
 def test_cuda_glue_has_no_host_sync(monkeypatch, fake_cuda, backend, kernel):
+    """The glue on ``meta`` tensors standing for CUDA ones (CPU tensors would hide ``.cpu()``: a no-op there)."""
     _use(monkeypatch, backend, kernel)
-    q, k, v = (t.detach() for t in _qkv(d=12, h_kv=2))
+    q, k, v = (t.detach().to("meta") for t in _qkv(d=12, h_kv=2))
     # only the glue runs under the mode: the stand-ins' own eager math is not what is tested here
     for name in cuda_mod.KERNELS:
         inner = cuda_mod.KERNELS[name]
@@ -401,8 +416,9 @@ def test_cuda_glue_has_no_host_sync(monkeypatch, fake_cuda, backend, kernel):
         monkeypatch.setitem(cuda_mod.KERNELS, name, outside)
     with _SyncOps() as mode:
         out, lse = attention_forward(q, k, v, backend=backend)
-        attention_backward(torch.ones_like(out), q, k, v, out, lse, backend=backend)
+        dq, _, _ = attention_backward(torch.ones_like(out), q, k, v, out, lse, backend=backend)
     assert mode.seen == [], f"host-sync ops in the {backend}/{kernel} glue: {mode.seen}"
+    assert out.device == lse.device == dq.device == torch.device("meta")
 
 
 # --------------------------------------------------------------------------------------------- 6. real GPU
