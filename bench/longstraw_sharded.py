@@ -94,7 +94,8 @@ def planned_bytes(args, mode: str) -> tuple[int, str]:
     if mode.endswith("lora"):
         fields["lora"] = dict(r=args.lora_r, target_modules=LORA_TARGETS)
     knobs = dict(budget_gib=1e6, precision="32-true", attention_backend="eager", **memory_knobs(args))
-    p = plan(fields, dict(devices=2, sharding="fsdp" if mode.startswith("fsdp") else "replicate"), knobs,
+    sharding = "fsdp" if mode.startswith("fsdp") else "replicate"
+    p = plan(fields, dict(devices=2, sharding=sharding, accelerator="cpu"), knobs,
              seq_len=args.prompt, mode="longstraw", group_size=args.group, response_len=args.response)
     return p.total_bytes - p.breakdown["optimizer"], p.peak_phase
 

@@ -135,8 +135,10 @@ class ClusterConf:
 class MemoryConf:
     """A per-rank budget and the memory knobs (``MemoryConfig`` + what the planner needs).
 
-    ``budget_gib``: usable device memory per rank; ``reserve_gib``: what the runtime holds outside tensors
-    (CUDA context, NCCL, fragmentation). ``attention_backend``: ``eager`` (CPU / pure-torch kernels) or
+    ``budget_gib``: usable device memory per rank. The CUDA runtime's reserve outside the counted tensors (the
+    CUDA context, NCCL's buffers per communicator, cuBLAS workspaces, the allocator's fragmentation share of the
+    largest transient) is planned term by term (``memory.reserve``, on a ``cluster.accelerator`` other than
+    ``cpu``); ``reserve_gib`` (>= 0) is an extra margin on top of it. ``attention_backend``: ``eager`` (CPU / pure-torch kernels) or
     ``flash`` (flash-attn), for the planner's counts.
 
     ``precision``: Lightning's ``Trainer(precision=...)``, the one setting for dtypes (the planner derives the
@@ -276,6 +278,8 @@ class ExportConf:
     or a run directory: its ``checkpoints/last.ckpt``). ``config``: the run's config; null = the
     ``.hydra/config.yaml`` of the run directory above ``ckpt``. ``adapter_only``: with LoRA, write the PEFT
     adapter (``save_adapter``) instead of merged weights. ``dtype``: cast before writing (null = as trained).
+    ``trust_checkpoint``: the checkpoint may unpickle any type (a pickle can run code: only for files you trust);
+    false = tensors, numbers, strings and containers only (:mod:`lightning_longctx.safe_load`).
     """
 
     ckpt: str = MISSING
@@ -283,6 +287,7 @@ class ExportConf:
     adapter_only: bool = False
     dtype: str | None = None
     config: str | None = None
+    trust_checkpoint: bool = False
 
 
 @dataclass
@@ -302,6 +307,8 @@ class Config:
 
     ``ckpt_path``: resume from ``last`` (the newest complete checkpoint in ``checkpoint.dir``), a checkpoint path
     (file or sharded directory) or a run directory (its ``checkpoints/last.ckpt``); null = start fresh.
+    ``trust_checkpoint``: the resumed checkpoint may unpickle any type (a pickle can run code: only for files you
+    trust); false = tensors, numbers, strings and containers only (:mod:`lightning_longctx.safe_load`).
     ``on_nonfinite``: a non-finite loss or gradient on any rank, found before the optimizer step: ``raise``
     (default: stop, naming the global step and the first non-finite parameter; resume from the last checkpoint,
     e.g. with ``on_nonfinite=skip``) or ``skip`` (no update: parameters and optimizer state untouched, counted
@@ -319,6 +326,7 @@ class Config:
     plan: PlanConf = field(default_factory=PlanConf)
     seed: int = 0
     ckpt_path: str | None = None
+    trust_checkpoint: bool = False
     on_nonfinite: str = "raise"
 
 

@@ -40,7 +40,8 @@ QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, 
                   layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16, linear_num_key_heads=16,
                   linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128)
 FP32_EAGER = dict(budget_gib=1.0, precision="32-true", attention_backend="eager")
-ONE = ClusterShape(devices=1, sharding="replicate")
+CPU = dict(accelerator="cpu")  # the tracker runs on CPU: no CUDA runtime reserve in their plans
+ONE = ClusterShape(devices=1, sharding="replicate", **CPU)
 
 
 # ------------------------------------------------------------------------------------------------ formulas
@@ -312,8 +313,8 @@ def test_plan_matches_the_tracker_on_tiny_cpu_runs():
     measured += [max(per_rank) for per_rank in zip(*run_distributed(measured_peaks, 2, two, TINY, timeout=120))]
     failures = []
     for (mode, world, seq, knobs), peak in zip([c for c in CASES if c[1] == 1] + two, measured):
-        p = plan(TINY, dict(devices=world, sharding="replicate"), dict(FP32_EAGER, **knobs), seq_len=seq, mode=mode,
-                 group_size=4, response_len=8)
+        p = plan(TINY, dict(CPU, devices=world, sharding="replicate"), dict(FP32_EAGER, **knobs), seq_len=seq,
+                 mode=mode, group_size=4, response_len=8)
         planned = p.total_bytes
         if mode == "longstraw":  # the step's own tracker sees neither the parameters nor the optimizer states
             planned -= p.breakdown["params"] + p.breakdown["optimizer"]
@@ -340,7 +341,7 @@ def test_plan_matches_the_tracker_on_sharded_and_lora_longstraw_steps():
     for rows in zip(*per_rank):
         mode = rows[0]["mode"]
         fields = dict(SHAPE, lora=dict(r=LORA_R, target_modules=LORA_TARGETS)) if mode.endswith("lora") else SHAPE
-        p = plan(fields, dict(devices=2, sharding="fsdp"), dict(FP32_EAGER, **KNOBS), seq_len=prompt,
+        p = plan(fields, dict(CPU, devices=2, sharding="fsdp"), dict(FP32_EAGER, **KNOBS), seq_len=prompt,
                  mode="longstraw", group_size=group, response_len=response)
         planned = p.total_bytes - p.breakdown["optimizer"]
         assert p.breakdown["params"] == rows[0]["held"], (mode, p.breakdown["params"], rows[0]["held"])

@@ -141,8 +141,8 @@ def test_plan_matches_the_tracker_on_tiny_mla_moe_cpu_runs():
         max(r) for r in zip(*run_distributed(measured_peaks, 2, two, TINY_MLA, timeout=240))]
     failures = []
     for (mode, world, seq, knobs), peak in zip(one + two, measured):
-        p = plan(TINY_MLA, dict(devices=world, sharding="replicate"), dict(FP32_EAGER, **knobs), seq_len=seq,
-                 mode=mode, group_size=4, response_len=8)
+        p = plan(TINY_MLA, dict(devices=world, sharding="replicate", accelerator="cpu"), dict(FP32_EAGER, **knobs),
+                 seq_len=seq, mode=mode, group_size=4, response_len=8)
         planned = p.total_bytes
         if mode == "longstraw":  # the step's own tracker sees neither the parameters nor the optimizer states
             planned -= p.breakdown["params"] + p.breakdown["optimizer"]

@@ -51,13 +51,15 @@ from .phases import (
     static_bytes,
     weight_copies_bytes,
 )
+from .reserve import reserve_terms
 from .shapes import FULL_ATTENTION, GIB, INT64, LINEAR_ATTENTION, MLA_ATTENTION, ClusterShape, MemoryKnobs, ModelShape
 
 
 def choose_keep_attention_output(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int,
                                  group_size: int, response_len: int, prompt_grad: str = "full") -> str:
     """What ``memory.keep_attention_output=auto`` runs as: ``"device"`` when the step's plan with the prompt's
-    attention outputs kept on the device fits ``budget_gib`` (peak phase + ``reserve_gib``), else ``"off"``
+    attention outputs kept on the device fits ``budget_gib`` (peak phase + the runtime reserve of that plan,
+    :func:`.reserve.reserve_terms`), else ``"off"``
     (the grouped backward then attends over the prompt again: slower, exact). ``"host"`` is never chosen: it
     trades PCIe traffic and host memory for device memory, an explicit setting. Without the grouped backward
     (``prompt_grad="none"``) nothing is kept: ``"off"``. An explicit setting is returned as it is."""
@@ -65,9 +67,10 @@ def choose_keep_attention_output(model: ModelShape, cluster: ClusterShape, knobs
         return knobs.keep_attention_output
     if prompt_grad != "full" or not model.full_layers:
         return "off"
-    _, phases, _ = longstraw_phases(model, cluster, replace(knobs, keep_attention_output="device"), seq_len,
-                                    group_size, response_len, prompt_grad)
-    fits = max(phases.values()) + int(knobs.reserve_gib * GIB) <= int(knobs.budget_gib * GIB)
+    comp, phases, _ = longstraw_phases(model, cluster, replace(knobs, keep_attention_output="device"), seq_len,
+                                       group_size, response_len, prompt_grad)
+    reserve = sum(reserve_terms(cluster, knobs, comp).values())
+    fits = max(phases.values()) + reserve <= int(knobs.budget_gib * GIB)
     return "device" if fits else "off"
 
 

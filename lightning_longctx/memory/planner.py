@@ -23,6 +23,7 @@ from typing import Any
 from .longstraw import longstraw_phases
 from .mla_moe import mla_layout
 from .phases import sft_phases, stage_layout
+from .reserve import RESERVE_TERMS, reserve_terms
 from .shapes import BACKENDS, GIB, MODES, PRECISIONS, ClusterShape, MemoryKnobs, ModelShape
 
 
@@ -35,8 +36,9 @@ class PlanError(RuntimeError):
 class Plan:
     """Per-rank bytes of one configuration at one sequence length.
 
-    ``breakdown``: every component (persistent ones and each transient), bytes per rank. ``phases``: the
-    total of each phase of the step; ``peak_phase`` the largest; ``total_bytes`` = its total + reserve.
+    ``breakdown``: every component (persistent ones, each transient and the reserve's terms,
+    :data:`.reserve.RESERVE_TERMS`), bytes per rank. ``phases``: the total of each phase of the step;
+    ``peak_phase`` the largest; ``total_bytes`` = its total + the reserve (:attr:`reserve_bytes`).
     ``host_bytes``: offloaded checkpoints (pinned host memory, not in the budget).
     """
 
@@ -56,6 +58,11 @@ class Plan:
     host_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     precision: str = "bf16-mixed"
+
+    @property
+    def reserve_bytes(self) -> int:
+        """The runtime reserve planned on top of the peak phase: the sum of the reserve's terms."""
+        return sum(self.breakdown.get(name, 0) for name in RESERVE_TERMS)
 
     @property
     def fits(self) -> bool:
@@ -136,8 +143,8 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         held = replace(cluster, sharding=param_sharding or longstraw_sharding(model, cluster))
         comp, phases, host = longstraw_phases(model, held, knobs, seq_len, group_size, response_len, prompt_grad)
         local = (seq_len - 1) // cluster.sp
-    reserve = int(knobs.reserve_gib * GIB)
-    comp["reserve"] = reserve
+    comp.update(reserve_terms(cluster, knobs, comp))  # the CUDA runtime's share and memory.reserve_gib
+    reserve = sum(comp[name] for name in RESERVE_TERMS)
     peak_phase = max(phases, key=phases.get)
     notes = []
     if mode == "longstraw" and cluster.world > 1 and param_sharding is None and held.sharding == "replicate":
@@ -240,7 +247,8 @@ def check_budget(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: 
                  **kwargs) -> Plan:
     """:func:`plan`, raising :class:`PlanError` with what to change when it does not fit.
 
-    The message names the peak and the budget, e.g. ``plan needs 97.3 GiB per rank > budget 80 GiB: set
+    The message names the peak, its phase and the runtime reserve's terms (:mod:`.reserve`), and the budget,
+    e.g. ``plan needs 97.3 GiB per rank > budget 80 GiB (...): set
     memory.head_chunk_size=1 or cluster.devices=16 ...``, and the largest context that fits as is.
     """
     p = plan(model_cfg, cluster_cfg, memory_cfg, seq_len=seq_len, mode=mode, **kwargs)
@@ -249,9 +257,11 @@ def check_budget(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: 
     fixes = suggestions(model_cfg, cluster_cfg, memory_cfg, seq_len=seq_len, mode=mode, **kwargs)
     longest = max_context(model_cfg, cluster_cfg, memory_cfg, mode=mode, **kwargs)
     what = " or ".join(f"set {o} ({g:.1f} GiB)" for o, g in fixes[:4]) or "no knob or scale-out up to 64x fits"
+    reserve = ", ".join(f"{name} {p.breakdown[name] / GIB:.2f}" for name in RESERVE_TERMS if p.breakdown.get(name))
     raise PlanError(
         f"plan needs {p.total_gib:.1f} GiB per rank > budget {p.budget_bytes / GIB:.1f} GiB "
-        f"({p.mode}, {seq_len:,} tokens, peak in {p.peak_phase}): {what}; "
+        f"({p.mode}, {seq_len:,} tokens, peak in {p.peak_phase} {p.phases[p.peak_phase] / GIB:.2f} GiB + runtime "
+        f"reserve {p.reserve_bytes / GIB:.2f} GiB{f' ({reserve})' if reserve else ''}): {what}; "
         f"or shorten the context to <= {longest:,} tokens. Run longctx-plan with the same overrides for the "
         "breakdown."
     )

@@ -281,18 +281,23 @@ class ModelShape(MLAMoEShape):
 
 @dataclass(frozen=True)
 class ClusterShape:
-    """``devices`` per node x ``num_nodes``; ``sp_size`` ranks per sequence-parallel group (None = devices)."""
+    """``devices`` per node x ``num_nodes``; ``sp_size`` ranks per sequence-parallel group (None = devices).
+
+    ``accelerator`` (``cluster.accelerator``): ``gpu`` (the default here: plans are for GPUs), ``cuda`` or
+    ``auto`` plan the CUDA runtime's reserve (:mod:`.reserve`); ``cpu`` none of it."""
 
     devices: int = 1
     num_nodes: int = 1
     sp_size: int | None = None
     sharding: str = "fsdp"
+    accelerator: str = "gpu"
 
     @classmethod
     def from_config(cls, cfg: Any) -> ClusterShape:
         sp = _get(cfg, "sp_size", None)
         return cls(devices=int(_get(cfg, "devices", 1)), num_nodes=int(_get(cfg, "num_nodes", 1)),
-                   sp_size=None if sp is None else int(sp), sharding=str(_get(cfg, "sharding", "fsdp")))
+                   sp_size=None if sp is None else int(sp), sharding=str(_get(cfg, "sharding", "fsdp")),
+                   accelerator=str(_get(cfg, "accelerator", "gpu")))
 
     @property
     def world(self) -> int:
@@ -321,7 +326,11 @@ class MemoryKnobs:
 
     ``attention_backend``: ``"eager"`` counts the copies of this package's CPU/pure-torch kernels (GQA K/V
     expanded per stage, transposed copies); ``"flash"`` those of flash-attn on GPU (native GQA).
-    ``reserve_gib``: what the runtime holds outside tensors (CUDA context, allocator fragmentation, NCCL).
+    ``reserve_gib``: an extra margin on top of the planned runtime reserve (the CUDA context, NCCL's buffers,
+    cuBLAS workspaces and the allocator's fragmentation share: :mod:`.reserve`), for what no term counts.
+    ``expandable_segments``: whether the CUDA caching allocator runs with ``expandable_segments:True`` (a
+    smaller fragmentation share); None = from ``PYTORCH_CUDA_ALLOC_CONF`` as the console scripts set it
+    (:func:`.reserve.expandable_segments`).
     ``precision``: one of :data:`PRECISIONS` (Lightning's precision string; ``bf16-mixed`` by default).
     ``offload_prompt_cache``: LongStraw's prompt K/V and their gradient sums in host memory, staged per layer.
     ``keep_attention_output``: LongStraw's exact step keeps each attention layer's prompt attention output and
@@ -343,6 +352,7 @@ class MemoryKnobs:
     keep_attention_output: str = "off"
     reserve_gib: float = 0.0
     optimizer_states: int = 2
+    expandable_segments: bool | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> MemoryKnobs:
@@ -361,10 +371,15 @@ class MemoryKnobs:
             attention_backend=str(_get(cfg, "attention_backend", "flash")),
             reserve_gib=float(_get(cfg, "reserve_gib", 0.0)), optimizer_states=int(_get(cfg, "optimizer_states", 2)),
             keep_attention_output=str(_get(cfg, "keep_attention_output", "off")),
+            expandable_segments=None if _get(cfg, "expandable_segments") is None
+            else bool(_get(cfg, "expandable_segments")),
         )
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
+        if self.reserve_gib < 0:
+            raise ValueError(f"memory.reserve_gib={self.reserve_gib} must be >= 0 (an extra margin on top of the "
+                             "planned runtime reserve)")
         if self.keep_attention_output not in KEEP_ATTENTION_OUTPUT:
             raise ValueError(f"memory.keep_attention_output={self.keep_attention_output!r} must be one of "
                              f"{list(KEEP_ATTENTION_OUTPUT)}")
