@@ -138,8 +138,8 @@ class MemoryConf:
     ``budget_gib``: usable device memory per rank. The CUDA runtime's reserve outside the counted tensors (the
     CUDA context, NCCL's buffers per communicator, cuBLAS workspaces, the allocator's fragmentation share of the
     largest transient) is planned term by term (``memory.reserve``, on a ``cluster.accelerator`` other than
-    ``cpu``); ``reserve_gib`` (>= 0) is an extra margin on top of it. ``attention_backend``: ``eager`` (CPU / pure-torch kernels) or
-    ``flash`` (flash-attn), for the planner's counts.
+    ``cpu``); ``reserve_gib`` (>= 0) is an extra margin on top of it. ``attention_backend``: ``eager`` (CPU /
+    pure-torch kernels) or ``flash`` (flash-attn), for the planner's counts.
 
     ``precision``: Lightning's ``Trainer(precision=...)``, the one setting for dtypes (the planner derives the
     compute dtype from it): ``bf16-mixed`` (GPU default: fp32 master parameters, gradients and AdamW states,
