@@ -51,11 +51,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _loss_value(loss: Any) -> float | None:
+    """The loss as a Python number for the failure report (a host sync: only once a step is known bad)."""
     if loss is None:
         return None
     if torch.is_tensor(loss):
         return float(loss.detach().float().sum()) if loss.numel() else None
     return float(loss) if isinstance(loss, (int, float)) else None
+
+
+def _loss_flag(loss: Any, device: torch.device) -> torch.Tensor:
+    """``[1.]`` on ``device`` when the loss (a tensor of any shape, or a number) has a NaN or inf, else ``[0.]``;
+    a tensor loss is checked on its device, without a host sync (the guard's one sync is the reduced flag)."""
+    if torch.is_tensor(loss) and loss.numel():
+        return (~loss.detach().isfinite().all()).float().reshape(1).to(device)
+    bad = isinstance(loss, (int, float)) and not math.isfinite(loss)
+    return torch.tensor([float(bad)], device=device)
 
 
 def _world() -> int:
@@ -79,24 +89,26 @@ class NonfiniteGuard:
         collectives' device; default that of the gradients). A collective: call it on every rank."""
         named = [(name, _local(p.grad)) for name, p in module.named_parameters() if p.grad is not None]
         named = [(name, g) for name, g in named if g.numel()]  # an empty FSDP2 shard has no inf-norm
-        value = _loss_value(loss)
         if device is None:
             device = named[0][1].device if named else torch.device("cpu")
-        bad_loss = value is not None and not math.isfinite(value)
+        loss_flag = _loss_flag(loss, device)
         norms = torch._foreach_norm([g for _, g in named], ord=math.inf) if named else []
         grads_ok = torch.stack([n.float() for n in norms]).isfinite() if norms else torch.ones(0, dtype=torch.bool)
-        flag = torch.tensor([float(bad_loss)], device=device)
+        flag = loss_flag.clone()
         if len(grads_ok):
             flag = torch.maximum(flag, (~grads_ok.all()).float().reshape(1).to(device))
         if _world() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0.0:  # the step's one host sync
+        if flag.item() == 0.0:  # the step's one host sync (the loss is in the flag: no float(loss) before it)
             return True
+        # the failure path: the rank's own loss flag and value, for the report (more syncs, once)
+        bad_loss = bool(loss_flag.item())
+        value = _loss_value(loss) if bad_loss else None
         first = None
         if len(grads_ok) and not bool(grads_ok.all()):
             index = int((~grads_ok).nonzero()[0])
             first = (self._order(module, named[index][0]), named[index][0])
-        report = self._gather(first, value if bad_loss else None)
+        report = self._gather(first, value)
         message = self._message(report, step)
         if self.policy == "raise":
             raise NonFiniteError(message + "; on_nonfinite=skip skips such steps instead")
