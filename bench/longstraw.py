@@ -22,6 +22,11 @@ with ``--model attention`` at the same width.
 FSDP2-sharded parameters vs FSDP2 + LoRA at the same prompt and model (``bench/longstraw_sharded.py``: held
 parameter bytes + the step's peak, and the planner's prediction of it); ``--no-step --sharded`` runs only those.
 
+``--transfers N``: also the host<->device bytes, copies and host syncs per phase (``prefill``, ``rollouts``,
+``replay``, ``grouped backward``) of one rollout of ``N`` new tokens over an offloaded prefill and the exact step
+(largest G) over the same prompt state (:func:`gpu_offload.traffic`; on the CPU the copies go through the
+deferring stand-in of the CUDA streams, which counts them).
+
 ``--prefill-lengths L1 L2 ...``: also time the no-grad prefill per layer type at those prompt lengths, each
 layer run as ``prefill`` runs it (``layer(h, pos, return_state=True, state_every=state_segment)``) and its
 token mixer alone, and print seconds per 1K (1024) tokens per layer: attention grows with the prompt length
@@ -54,6 +59,7 @@ from lightning_longctx.models.config import FULL_ATTENTION, LINEAR_ATTENTION, ML
 from lightning_longctx.ops import chunked_token_logprobs, track_memory  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_offload  # noqa: E402
 import longstraw_sharded  # noqa: E402
 
 MIB = 2.0**20
@@ -259,6 +265,8 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads; on a shared CPU use 1 (several OpenMP threads competing with "
                              "other processes for the cores make the many small ops of the scan erratically slow)")
+    parser.add_argument("--transfers", type=int, default=0, metavar="N",
+                        help="also host<->device bytes and syncs per phase: offloaded rollout of N tokens + step")
     parser.add_argument("--json", default=None, help="write every number here")
     parser.add_argument("--sharded", action="store_true",
                         help="also dp1 x sp2 replicated vs FSDP2 vs FSDP2 + LoRA per-rank memory (2 processes)")
@@ -333,6 +341,12 @@ def main(argv=None):
             f"exact_over_detached_time_G{g_hi}": ratio(("exact", g_hi), ("detached", g_hi), 1),
         }
 
+    if args.transfers:
+        g = max(args.groups)
+        report["transfers"] = gpu_offload.traffic(model, prompt, all_responses[:g], all_advantages[:g],
+                                                  args.transfers, simulate=prompt.device.type == "cpu")
+        print(f"\nhost<->device per phase, offload_prompt_cache, rollout of {args.transfers} tokens + step, G={g}:")
+        gpu_offload.print_traffic(report["transfers"])
     if args.sharded:
         report["sharded"] = sharded_rows(args)
     if args.prefill_lengths:
