@@ -26,21 +26,28 @@ same ``experts``; one ``shared_expert`` (a SwiGLU MLP of width ``shared_expert_i
 ``sigmoid(shared_expert_gate(x))`` (``shared_expert_gate.weight [1, E]``). No auxiliary load-balancing loss
 (transformers adds it only with ``output_router_logits``).
 
-Experts are token-wise: under sequence parallelism each rank runs them on its own tokens (no all-to-all).
-``experts.backend``: ``"grouped"`` sorts the (token, expert) pairs by expert and runs two
-``torch._grouped_mm`` calls (float32/bf16/fp16, where torch has it), ``"loop"`` one matmul pair per expert with
-tokens gathered by ``index_select`` and scattered back by ``index_add``; ``"auto"`` picks grouped on CUDA, else
-loop (the CPU path, any dtype).
+Experts are token-wise: under sequence parallelism each rank runs them on its own tokens (no all-to-all). The
+(token, slot) pairs are sorted by expert into a row buffer (:func:`expert_layout`, on the device: a stable sort
+and a ``searchsorted``, no ``bincount``), the matmuls run in :func:`compute_dtype` (autocast's dtype, cast
+explicitly), and the outputs come back by a gather and a sum over the ``k`` slots (:func:`combine`; the
+dispatch's backward likewise): no ``index_add`` into shared rows, so forward and backward are deterministic on
+CUDA too. ``experts.backend``: ``"grouped"`` pads each expert's group to 16 bytes of rows (8 in bf16) and runs
+two ``torch._grouped_mm`` (no host sync where the kernel is native, :func:`grouped_mm_is_native`); ``"loop"``
+runs one matmul pair per expert over its rows, reading the group ends on the host once per call (any dtype);
+``"auto"``: grouped where native (bf16 on sm90 / sm100, e.g. under bf16-mixed), else the loop (the CPU path;
+float32 / fp16 on CUDA, where torch's own grouped fallback would sync too, and then once per group).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 EXPERT_BACKENDS = ("auto", "grouped", "loop")
-_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GROUP_ALIGNMENT_BYTES = 16  # the grouped GEMM's TMA loads: every group's first element 16-byte aligned
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
@@ -58,7 +65,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, top_k: i
             group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False)[1], True)
-            choice = choice.masked_fill(~keep.repeat_interleave(experts // n_group, dim=1), float("-inf"))
+            keep = keep.unsqueeze(-1).expand(n, n_group, experts // n_group).reshape(n, experts)  # [N, X]
+            choice = torch.where(keep, choice, float("-inf"))
         indices = choice.topk(top_k, dim=-1, sorted=False)[1]  # [N, k]
     weights = scores.gather(1, indices)
     if norm_topk_prob:
@@ -114,13 +122,112 @@ class SoftmaxRouter(nn.Module):
         return softmax_route(x, self.weight, self.top_k)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the routed experts' matmuls run in: autocast's for ``x``'s device while autocast is on (as it
+    casts a linear; float64 is left alone, as autocast does), else ``x``'s. Explicit because ``aten::_grouped_mm``
+    has no autocast kernel (torch 2.13): under autocast it would run in whatever dtype it is handed."""
+    kind = x.device.type
+    if x.dtype != torch.float64 and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def grouped_mm_is_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs its own kernel (CUTLASS, offsets read on the device, no host sync): bf16
+    operands on CUDA (not ROCm) with compute capability 9.x or 10.x (H100 / H200, B200). Anywhere else (float32 or
+    fp16, sm80, sm120, ROCm) torch 2.13 takes its fallback: ``offs.cpu()`` (a host sync) and one ``mm`` per group."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] in (9, 10))
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where the ``N k`` (token, slot) pairs of ``indices [N, k]`` sit in the expert-sorted row buffer ``[M, E]``
+    that the expert matmuls run on.
+
+    Rows are grouped by expert (ascending), tokens in order inside a group, and each group is padded to a multiple
+    of ``align`` rows. ``M = N k + X (align - 1)`` is static (no host sync to size it): the rows after the last
+    group are unused. ``row_token [M]``: the token each row copies (pad and unused rows copy token 0 and are never
+    read back); ``pair_row [N k]``: the row of pair ``(n, j)`` at ``n k + j``, all distinct; ``ends [X]`` (int64):
+    each group's end row, padding included (the grouped kernel's offsets; with ``align = 1`` the cumulative token
+    counts)."""
+
+    row_token: torch.Tensor
+    pair_row: torch.Tensor
+    ends: torch.Tensor
+
+
+def expert_layout(indices: torch.Tensor, num_experts: int, align: int = 1) -> ExpertLayout:
+    """The :class:`ExpertLayout` of ``indices [N, k]`` (int64 expert ids), computed on their device: a stable
+    sort, a ``searchsorted`` for the group ends and a scatter to unique positions (no ``bincount``, nothing that
+    reads a value on the host, nothing that sums into a shared address)."""
+    n, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [N k] the pair at each sorted position
+    experts = flat.index_select(0, order)  # [N k] ascending expert ids
+    ends = torch.searchsorted(experts, torch.arange(num_experts, device=flat.device), right=True)  # [X]
+    positions = torch.arange(n * k, device=flat.device)
+    if align > 1:
+        counts = ends.diff(prepend=ends.new_zeros(1))
+        padded = (counts + align - 1) // align * align
+        padded_ends = padded.cumsum(0)
+        # a sorted position moves by its group's padded start minus its unpadded start
+        shift = (padded_ends - padded) - (ends - counts)
+        positions = positions + shift.index_select(0, experts)
+        ends = padded_ends
+    rows = n * k + num_experts * (align - 1)
+    row_token = torch.zeros(rows, dtype=order.dtype, device=flat.device).scatter_(0, positions, order // k)
+    pair_row = torch.empty_like(order).scatter_(0, order, positions)
+    return ExpertLayout(row_token, pair_row, ends)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x [N, E]`` -> ``x[row_token] [M, E]`` (the dispatch). The backward reads each token's ``k`` rows back
+    by ``pair_row`` and sums them in slot order: a gather and a fixed-order sum, deterministic on every device,
+    where ``index_select``'s backward would ``index_add`` ``k`` rows into each token (atomics on CUDA, in no fixed
+    order). Pad and unused rows are skipped: their outputs are never read, so their gradients are zero."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, row_token: torch.Tensor, pair_row: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(pair_row)
+        ctx.k = k
+        return x.index_select(0, row_token)
+
+    @staticmethod
+    def backward(ctx, grad_rows: torch.Tensor):
+        (pair_row,) = ctx.saved_tensors
+        grad = grad_rows.index_select(0, pair_row)  # [N k, E]
+        return grad.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+def combine(y_rows: torch.Tensor, pair_row: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[n] = sum_j weights[n, j] * y_rows[pair_row[n k + j]]``: ``y_rows [M, E]``, ``indices, weights [N, k]`` ->
+    ``[N, E]`` in their promoted dtype (bf16 expert outputs times float32 router weights sum in float32).
+
+    A gather of distinct rows, then each token's ``k`` terms added one by one in ascending expert order: the order
+    of transformers' per-expert ``index_add_`` (bitwise its sum on the CPU), but fixed, where an ``index_add`` into
+    the tokens runs on CUDA in no fixed order."""
+    n, k = indices.shape
+    by_expert = indices.argsort(dim=1)  # [N, k] each token's slots, ascending expert (its experts are distinct)
+    rows = pair_row.view(n, k).gather(1, by_expert).reshape(-1)
+    y_pairs = y_rows.index_select(0, rows).view(n, k, y_rows.shape[-1])  # [N, k, E]
+    terms = (y_pairs * weights.gather(1, by_expert).unsqueeze(-1)).unbind(1)
+    out = terms[0]
+    for term in terms[1:]:
+        out = out + term
+    return out
+
+
 class Experts(nn.Module):
-    """The routed experts as 3-D weights: ``gate_up_proj [X, 2I, E]``, ``down_proj [X, E, I]``."""
+    """The routed experts as 3-D weights: ``gate_up_proj [X, 2I, E]``, ``down_proj [X, E, I]``.
+
+    ``backend`` (see the module docstring): ``"grouped"`` needs ``E`` and ``I`` multiples of 16 bytes of the compute
+    dtype (the kernel's stride rule); ``"auto"`` takes it only where it is native (:func:`grouped_mm_is_native`)."""
 
     def __init__(self, config) -> None:
         super().__init__()
         x, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.num_experts, self.intermediate = x, i
+        self.num_experts, self.hidden, self.intermediate = x, e, i
         self.gate_up_proj = nn.Parameter(torch.empty(x, 2 * i, e))
         self.down_proj = nn.Parameter(torch.empty(x, e, i))
         self.std = config.initializer_range
@@ -130,42 +237,50 @@ class Experts(nn.Module):
         nn.init.normal_(self.gate_up_proj, std=self.std)
         nn.init.normal_(self.down_proj, std=self.std)
 
-    def _backend(self, x: torch.Tensor) -> str:
+    def _backend(self, device: torch.device, dtype: torch.dtype) -> str:
         if self.backend not in EXPERT_BACKENDS:
             raise ValueError(f"experts.backend={self.backend!r}; choose one of {EXPERT_BACKENDS}")
-        grouped_ok = hasattr(torch, "_grouped_mm") and x.dtype in _GROUPED_DTYPES
-        if self.backend == "grouped" and not grouped_ok:
-            raise ValueError(f"experts.backend='grouped' needs torch._grouped_mm and one of {_GROUPED_DTYPES}, "
-                             f"got dtype {x.dtype}")
+        align = GROUP_ALIGNMENT_BYTES // dtype.itemsize
+        aligned = self.hidden % align == 0 and self.intermediate % align == 0
+        if self.backend == "grouped" and not aligned:
+            raise ValueError(f"experts.backend='grouped' in {dtype} needs hidden_size and moe_intermediate_size "
+                             f"multiples of {align} ({GROUP_ALIGNMENT_BYTES} bytes), got {self.hidden} and "
+                             f"{self.intermediate}")
         if self.backend == "auto":
-            return "grouped" if grouped_ok and x.is_cuda else "loop"
+            return "grouped" if aligned and grouped_mm_is_native(device, dtype) else "loop"
         return self.backend
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``sum_j weights[n, j] * expert_{indices[n, j]}(x[n])``: ``x [N, E]``, ``indices, weights [N, k]`` ->
-        ``[N, E]`` in ``x``'s dtype."""
-        n, k = indices.shape
-        flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order inside
-        tokens = order // k
-        x_sorted = x.index_select(0, tokens)  # [N k, E]
-        w_sorted = weights.reshape(-1).index_select(0, order).to(x.dtype)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        if self._backend(x) == "grouped":
-            offsets = counts.cumsum(0).to(torch.int32)
-            gate_up = torch._grouped_mm(x_sorted, self.gate_up_proj.transpose(1, 2), offs=offsets)
-            gate, up = gate_up.chunk(2, dim=-1)
-            y = torch._grouped_mm((F.silu(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=offsets)
-        else:
-            pieces, start = [], 0
-            for expert, count in enumerate(counts.tolist()):  # one host sync per layer call
-                if count:
-                    seg = x_sorted[start:start + count]
-                    gate, up = F.linear(seg, self.gate_up_proj[expert]).chunk(2, dim=-1)
-                    pieces.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
-                start += count
-            y = torch.cat(pieces) if pieces else x_sorted
-        return x.new_zeros(n, x.shape[-1]).index_add(0, tokens, y * w_sorted[:, None])
+        ``[N, E]`` in ``x``'s dtype; the matmuls in :func:`compute_dtype`."""
+        dtype = compute_dtype(x)
+        backend = self._backend(x.device, dtype)
+        # grouped: every group starts 16 bytes into the weight-gradient GEMM's K dimension (TMA's alignment rule)
+        align = GROUP_ALIGNMENT_BYTES // dtype.itemsize if backend == "grouped" else 1
+        layout = expert_layout(indices, self.num_experts, align)
+        x_rows = _GatherRows.apply(x.to(dtype), layout.row_token, layout.pair_row, indices.shape[1])  # [M, E]
+        run = self._grouped if backend == "grouped" else self._loop
+        return combine(run(x_rows, layout.ends, dtype), layout.pair_row, indices, weights).to(x.dtype)
+
+    def _grouped(self, x_rows: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Two ``torch._grouped_mm`` over the padded groups: ``x_rows [M, E]`` -> ``[M, E]`` (rows past the last
+        group are left unwritten by the CUDA kernel; nothing reads them)."""
+        offsets = ends.to(torch.int32)
+        gate_up = torch._grouped_mm(x_rows, self.gate_up_proj.to(dtype).transpose(1, 2), offs=offsets)  # [M, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch._grouped_mm((F.silu(gate) * up).contiguous(), self.down_proj.to(dtype).transpose(1, 2),
+                                 offs=offsets)
+
+    def _loop(self, x_rows: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One matmul pair per expert that has tokens, over its rows of ``x_rows [N k, E]`` -> ``[N k, E]``. Reads
+        the group ends on the host: one sync per call on CUDA (none on the CPU)."""
+        pieces, start = [], 0
+        for expert, end in enumerate(ends.tolist()):
+            if end > start:
+                gate, up = F.linear(x_rows[start:end], self.gate_up_proj[expert].to(dtype)).chunk(2, dim=-1)
+                pieces.append(F.linear(F.silu(gate) * up, self.down_proj[expert].to(dtype)))
+            start = end
+        return torch.cat(pieces) if pieces else x_rows
 
 
 class MoE(nn.Module):
@@ -214,5 +329,6 @@ def build_moe(config) -> nn.Module:
     return QwenMoE(config) if config.moe_style == "qwen" else MoE(config)
 
 
-__all__ = ["EXPERT_BACKENDS", "Experts", "MoE", "QwenMoE", "SoftmaxRouter", "TopKRouter", "build_moe", "route",
+__all__ = ["EXPERT_BACKENDS", "GROUP_ALIGNMENT_BYTES", "ExpertLayout", "Experts", "MoE", "QwenMoE", "SoftmaxRouter",
+           "TopKRouter", "build_moe", "combine", "compute_dtype", "expert_layout", "grouped_mm_is_native", "route",
            "softmax_route"]
