@@ -183,6 +183,7 @@ class LongStrawModule(pl.LightningModule):
         self.max_grad_norm = max_grad_norm
         self.lr_warmup_steps, self.lr_schedule, self.max_steps = lr_warmup_steps, lr_schedule, max_steps
         self._generator: torch.Generator | None = None
+        self._restored_rng: torch.Tensor | None = None  # a checkpoint's generator state, set on first use
         self.reward_history: list[float] = []  # mean reward of every group this rank trained on
         self.progress = None  # optional callable(str) for the long phases, e.g. lightning.progress.PhaseProgress
 
@@ -279,7 +280,14 @@ class LongStrawModule(pl.LightningModule):
 
     def _sampling_generator(self) -> torch.Generator:
         if self._generator is None:
-            self._generator = torch.Generator().manual_seed(self.seed + 1000 * self._dp_rank())
+            # on the model's device, where the draws run (a CUDA generator's state is checkpointed the same way);
+            # a restored state is set here, not at load time, which may come before the model moves to its device
+            self._generator = torch.Generator(self.device)
+            if self._restored_rng is not None:
+                self._generator.set_state(self._restored_rng)
+            else:
+                self._generator.manual_seed(self.seed + 1000 * self._dp_rank())
+            self._restored_rng = None
         return self._generator
 
     def _dp_rank(self) -> int:
@@ -292,7 +300,7 @@ class LongStrawModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Save every DP rank's sampling-generator state (``{dp_rank: ByteTensor or None}``). Lightning calls
         this hook on every rank, so the gather is a collective they all join."""
-        state = self._generator.get_state() if self._generator is not None else None
+        state = self._generator.get_state() if self._generator is not None else self._restored_rng
         entry = (self._dp_rank(), state)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list = [None] * dist.get_world_size()
@@ -311,11 +319,10 @@ class LongStrawModule(pl.LightningModule):
         if not states:
             return
         state = states.get(self._dp_rank())
+        self._generator = self._restored_rng = None
         if state is None:
-            self._generator = None
             return
-        self._generator = torch.Generator()
-        self._generator.set_state(torch.as_tensor(state, dtype=torch.uint8).cpu())
+        self._restored_rng = torch.as_tensor(state, dtype=torch.uint8).cpu()
 
     def reference_logprobs(self, prompt, responses, sp_group=None, prompt_state=None) -> list[torch.Tensor]:
         """The KL reference's log-probs ``[T_i]``: ``ref_model``'s, or with LoRA and no ``ref_model`` the frozen
