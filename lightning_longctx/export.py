@@ -10,7 +10,9 @@ loads (or a PEFT adapter).
    from a ``torch.save`` file (``UlyssesStrategy`` with replicas: rank 0 writes one file; memory-mapped), or
    from a sharded checkpoint directory (FSDP2: ``torch.distributed.checkpoint`` shards plus ``meta.pt``), read
    offline with ``torch.distributed.checkpoint.load`` (no process group), only the model's entries (not the
-   optimizer states). The LightningModule's prefix (``model.``) is found by matching the model's own keys.
+   optimizer states). Neither can run code from the file (:mod:`.safe_load`: weights-only, DCP metadata types
+   only) unless ``trust_checkpoint=true``. The LightningModule's prefix (``model.``) is found by matching the
+   model's own keys.
 3. Written with ``DecoderLM.save_pretrained`` (config.json + safetensors); with LoRA, merged into the base
    weights (``merge_lora``) by default, or ``adapter_only=true``: the PEFT adapter (``save_adapter``, with
    ``base_model_name_or_path`` = the run's ``model.pretrained``). The run's tokenizer files are copied along.
@@ -21,18 +23,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .safe_load import is_sharded, load_sharded, load_torch_file, read_dcp_metadata
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's metadata file in a sharded checkpoint directory
-LIGHTNING_META = "meta.pt"  # the non-tensor part of a Lightning sharded checkpoint
 
 
 class ExportError(ValueError):
@@ -91,29 +92,22 @@ def load_run_config(config_path: Path) -> DictConfig:
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _is_sharded(path: Path) -> bool:
-    return path.is_dir() and (path / DCP_METADATA).is_file()
-
-
-def checkpoint_keys(path: Path) -> list[str]:
+def checkpoint_keys(path: Path, *, trust: bool = False) -> list[str]:
     """The LightningModule state-dict keys of a checkpoint (file or sharded directory)."""
-    if _is_sharded(path):
-        from torch.distributed.checkpoint import FileSystemReader
-
-        metadata = FileSystemReader(str(path)).read_metadata()
+    if is_sharded(path):
+        metadata = read_dcp_metadata(path, trust=trust)
         return [k[len("state_dict."):] for k in metadata.state_dict_metadata if k.startswith("state_dict.")]
-    return list(_load_file(path)["state_dict"])
+    return list(_load_file(path, trust)["state_dict"])
 
 
-_FILE_CACHE: dict[str, Any] = {}
+_FILE_CACHE: dict[tuple[str, bool], Any] = {}
 
 
-def _load_file(path: Path) -> dict[str, Any]:
-    key = str(path)
+def _load_file(path: Path, trust: bool) -> dict[str, Any]:
+    key = (str(path), trust)
     if key not in _FILE_CACHE:
         _FILE_CACHE.clear()
-        # a Lightning checkpoint holds loop and callback state besides tensors: the user's own file, not weights_only
-        _FILE_CACHE[key] = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        _FILE_CACHE[key] = load_torch_file(path, trust=trust, mmap=True)
     return _FILE_CACHE[key]
 
 
@@ -129,23 +123,19 @@ def module_prefix(model_keys: list[str], ckpt_keys: list[str]) -> str:
                       f"it has {sorted(present)[:5]} ...): was it written by this run's config?")
 
 
-def load_checkpoint_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load ``model``'s parameters and buffers from a ``longctx-train`` checkpoint (file or sharded directory)."""
+def load_checkpoint_weights(model: torch.nn.Module, path: Path, *, trust: bool = False) -> None:
+    """Load ``model``'s parameters and buffers from a ``longctx-train`` checkpoint (file or sharded directory);
+    ``trust``: the file may unpickle any type (see :mod:`.safe_load`)."""
     expected = model.state_dict()
     aliases = _aliases(model)
     names = [k for k in expected if k not in aliases]
-    prefix = module_prefix(names, checkpoint_keys(path))
-    if _is_sharded(path):
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint import load as dcp_load
-
-        target = {"state_dict": {prefix + k: torch.empty_like(expected[k], device="cpu") for k in names}}
-        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp_load(target, storage_reader=FileSystemReader(str(path)), no_dist=True)
-        loaded = {k: target["state_dict"][prefix + k] for k in names}
+    prefix = module_prefix(names, checkpoint_keys(path, trust=trust))
+    if is_sharded(path):
+        target = {f"state_dict.{prefix}{k}": torch.empty_like(expected[k], device="cpu") for k in names}
+        load_sharded(path, target, trust=trust)  # the flattened names DCP stores
+        loaded = {k: target[f"state_dict.{prefix}{k}"] for k in names}
     else:
-        state = _load_file(path)["state_dict"]
+        state = _load_file(path, trust)["state_dict"]
         loaded = {k: state[prefix + k] for k in names}
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if k not in aliases]
@@ -179,18 +169,21 @@ def copy_tokenizer(source: str | None, out: Path) -> list[str]:
 
 
 def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, adapter_only: bool = False,
-                      dtype: str | None = None, config: str | os.PathLike | None = None) -> Path:
-    """Export ``ckpt`` to ``out`` (see the module docstring); returns ``out``."""
+                      dtype: str | None = None, config: str | os.PathLike | None = None,
+                      trust_checkpoint: bool = False) -> Path:
+    """Export ``ckpt`` to ``out`` (see the module docstring); returns ``out``. ``trust_checkpoint``: the file
+    may unpickle any type (only for files one trusts: a pickle can run code)."""
     from .app import build_model
 
     path = resolve_checkpoint(ckpt)
+    checkpoint_keys(path, trust=trust_checkpoint)  # a refused file fails here, before the model is built
     config_path = Path(config) if config else find_run_config(path)
     cfg = load_run_config(config_path)
     if cfg.get("memory") is not None and "keep_attention_output" in cfg.memory:
         cfg.memory.keep_attention_output = "off"  # a training-time knob: no plan to run, weights unaffected
     out = Path(out)
     model = build_model(cfg)
-    load_checkpoint_weights(model, path)
+    load_checkpoint_weights(model, path, trust=trust_checkpoint)
     has_lora = bool(getattr(model, "has_lora", lambda: False)())
     if adapter_only and not has_lora:
         raise ExportError("adapter_only=true needs a LoRA run (model.lora.r set); this checkpoint has full weights")

@@ -97,7 +97,10 @@ def test_ckpt_path_last_resumes_an_interrupted_job_exactly(fsdp_run, tmp_path):
     assert (step2 / "meta.pt").is_file() and (step2 / ".metadata").is_file()  # a sharded (DCP) directory
     assert os.readlink(run / "checkpoints" / "last.ckpt") == "step_00000004.ckpt"
     assert not list((run / "checkpoints").glob(".*partial"))
-    meta = torch.load(step2 / "meta.pt", weights_only=False)
+    from lightning_longctx.safe_load import check_sharded_checkpoint
+
+    check_sharded_checkpoint(step2)  # ours holds nothing outside the allowlists: it resumes untrusted (weights-only)
+    meta = torch.load(step2 / "meta.pt", weights_only=True)
     rng = meta["longstraw_sampling_rng"]  # one generator per DP rank, both saved although rank 0 writes meta.pt
     assert sorted(rng) == [0, 1] and not torch.equal(rng[0], rng[1])
     assert meta["global_step"] == 2 and meta["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"batches": 2}]
@@ -141,7 +144,7 @@ def test_export_of_a_full_checkpoint_loads_in_transformers(tmp_path):
     assert ckpt.resolve().is_file()  # one process: a one-file checkpoint
     export_checkpoint(run, tmp_path / "hf")  # a run directory: its last.ckpt
     reference = tiny_decoder()
-    reference.load_state_dict(module_weights(torch.load(ckpt, weights_only=False)["state_dict"]))
+    reference.load_state_dict(module_weights(torch.load(ckpt, weights_only=True)["state_dict"]))  # tensors only
     assert_same_logits(hf_logits(tmp_path / "hf"), ours_logits(reference), "full checkpoint -> transformers")
     export_checkpoint(ckpt, tmp_path / "bf16", dtype="bfloat16")
     assert hf_logits(tmp_path / "bf16").dtype == torch.float32  # loaded, cast back by hf_logits

@@ -51,6 +51,7 @@ from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..parallel.phases import phase
+from ..safe_load import load_resume_checkpoint
 from .common import UlyssesMixin
 from .nonfinite import NonfiniteGuard
 from .parallelize import broadcast_replicas, check_attention_heads, register_prefix_state_methods
@@ -231,8 +232,9 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
             self._checkpointing().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        # untrusted unless weights_only=False (longctx-train's trust_checkpoint=true): nothing runs code from it
         with self._guard("checkpoint load"):
-            return self._checkpointing().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return load_resume_checkpoint(self._checkpointing().load_checkpoint, checkpoint_path, weights_only)
 
     def _replicas_of_a_self_sharding_module(self) -> bool:
         """A module that handles SP itself keeps plain replicas, unless it declares ``shards_with_fsdp = True``

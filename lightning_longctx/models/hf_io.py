@@ -236,8 +236,9 @@ def _check_safetensors_header(file: Path) -> None:
         f.keys()
 
 
-def _read_tensors(path: Path, hf: dict) -> dict[str, torch.Tensor]:
-    """The decoder's tensors of the checkpoint at ``path``, under DecoderLM names (see :func:`checkpoint_key`)."""
+def _read_tensors(path: Path, hf: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The decoder's tensors of the checkpoint at ``path``, under DecoderLM names (see :func:`checkpoint_key`),
+    and the file each came from (for the errors)."""
     if (path / SINGLE_FILE).exists():
         files = [path / SINGLE_FILE]
     elif (path / INDEX_FILE).exists():
@@ -250,7 +251,7 @@ def _read_tensors(path: Path, hf: dict) -> dict[str, torch.Tensor]:
             raise FileNotFoundError(f"{path / INDEX_FILE} names shard files that do not exist: {absent}")
     else:
         raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors is read)")
-    tensors, skipped = {}, []
+    tensors, sources, skipped = {}, {}, []
     for file in files:
         try:
             _check_safetensors_header(file)
@@ -261,12 +262,21 @@ def _read_tensors(path: Path, hf: dict) -> dict[str, torch.Tensor]:
                 name = checkpoint_key(hf, key)
                 if name is not None:
                     tensors[name] = f.get_tensor(key)
+                    sources[name] = file.name
                 elif not key.endswith(_IGNORED_KEYS):
                     skipped.append(key)
     if skipped:
         groups = sorted({".".join(k.split(".")[:2]) if k.startswith("model.") else k.split(".")[0] for k in skipped})
         logger.info("%s: skipped %d tensors outside the text decoder (%s)", path, len(skipped), ", ".join(groups))
-    return tensors
+    return tensors, sources
+
+
+def _dtype_mismatch(stored: torch.dtype, expected: torch.dtype) -> bool:
+    """A stored dtype that cannot be the parameter's: integer/bool for a floating tensor or the other way round,
+    or another integer type (any floating dtype may stand for another: a bf16 checkpoint of a float32 model)."""
+    if stored.is_floating_point or expected.is_floating_point:
+        return stored.is_floating_point != expected.is_floating_point
+    return stored != expected
 
 
 def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None):
@@ -293,7 +303,7 @@ def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None)
     except KeyError as err:
         raise ValueError(f"{path / 'config.json'} has no field {err.args[0]!r}, which model_type="
                          f"{hf.get('model_type')!r} needs") from err
-    tensors = _read_tensors(path, hf)
+    tensors, sources = _read_tensors(path, hf)
     if config.has_moe:  # one module per expert on disk, two 3-D weights per layer in the model
         tensors = hf_moe.merge_experts(tensors, config.n_routed_experts)
     if config.tie_word_embeddings:
@@ -304,11 +314,13 @@ def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None)
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
-    wrong = [f"{k}: checkpoint {tuple(tensors[k].shape)} vs model {tuple(v.shape)}"
+    wrong = [f"{k}: checkpoint {tuple(tensors[k].shape)} vs model {tuple(v.shape)} (in {sources.get(k, '?')})"
              for k, v in expected.items() if k in tensors and tensors[k].shape != v.shape]
+    wrong += [f"{k}: checkpoint dtype {tensors[k].dtype} vs model {v.dtype} (in {sources.get(k, '?')})"
+              for k, v in expected.items() if k in tensors and _dtype_mismatch(tensors[k].dtype, v.dtype)]
     if missing or unexpected or wrong:
         raise ValueError(f"checkpoint {path} does not match the {config.shape_model_type()} architecture: "
-                         f"missing {missing}, unexpected {unexpected}, wrong shapes {wrong}")
+                         f"missing {missing}, unexpected {unexpected}, wrong shapes or dtypes {wrong}")
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     model.load_state_dict(tensors, strict=False, assign=True)

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -89,6 +90,17 @@ def read_adapter_config(path) -> dict:
     return config
 
 
+def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``adapter_model.safetensors``; only safetensors is read (a ``.bin`` pickle can run code)."""
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist (only safetensors is read: a PEFT adapter_model.bin is a "
+                                "pickle, which could run code; convert it with PEFT's save_pretrained)")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{file} is not a readable safetensors file ({err})") from err
+
+
 def load_adapter(model: nn.Module, path, *, ignore_dropout: bool = False) -> None:
     """Attach the adapters of a PEFT LoRA directory (ours or PEFT's ``save_pretrained``) to ``model``.
 
@@ -100,7 +112,7 @@ def load_adapter(model: nn.Module, path, *, ignore_dropout: bool = False) -> Non
     if dropout and not ignore_dropout:
         raise ValueError(f"adapter_config.json: lora_dropout={dropout!r} is not supported (see add_lora); pass "
                          "ignore_dropout=True to load it without dropout")
-    state = load_file(str(Path(path) / WEIGHTS_FILE))
+    state = _read_weights(Path(path) / WEIGHTS_FILE)
     add_lora(model, config["r"], config["lora_alpha"], config["target_modules"],
              on_prompt=config.get(ON_PROMPT_KEY, True))
     try:
