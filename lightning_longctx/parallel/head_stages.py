@@ -49,7 +49,8 @@ class Stage:
     rank by rank (None: already in order). Each rank receives ``kv_per_rank`` (``m``) K/V heads;
     ``cache_start`` is where they sit in its cache layout and ``cache_new`` whether this stage is the first
     to deliver them. ``q_span`` / ``kv_sent`` (built by :func:`build_stages`; derived when None) address the
-    local heads of projected ``[b, s_l, heads, d]`` tensors.
+    local heads of projected ``[b, s_l, heads, d]`` tensors; ``kv_adds`` (:func:`kv_add_levels`; None: no head is
+    sent twice) is how :meth:`add_kv` sums the copies of a head sent to several ranks.
     """
 
     q_index: torch.Tensor
@@ -60,6 +61,7 @@ class Stage:
     cache_new: bool
     q_span: tuple[int, int] | None = None
     kv_sent: torch.Tensor | None = None  # [P * m] local K/V head of each head sent: kv_heads[kv_send]
+    kv_adds: tuple[tuple[torch.Tensor | None, torch.Tensor], ...] | None = None  # see :func:`kv_add_levels`
 
     def take_q(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's query heads of ``x [b, s_l, H, d]``: ``[b, s_l, C*P, d]`` (a view when consecutive)."""
@@ -82,12 +84,35 @@ class Stage:
         return x.index_select(2, self._sent())
 
     def add_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst[:, :, sent] += src``, summing a K/V head sent to several ranks."""
-        dst.index_add_(2, self._sent(), src)
+        """``dst[:, :, sent] += src`` for ``src [b, s_l, P*m, d]``, summing a K/V head sent to several ranks (fewer
+        K/V heads than ranks) copy by copy in rank order: each ``index_add_`` has distinct targets, so the sum has
+        one order on every device (one ``index_add_`` with repeated targets adds by atomics on CUDA, in no fixed
+        order) and, on the CPU, the order it always had."""
+        for positions, heads in self.kv_adds or ((None, self._sent()),):
+            dst.index_add_(2, heads, src if positions is None else src.index_select(2, positions))
 
     def cache_slice(self, x: torch.Tensor) -> torch.Tensor:
         """This stage's K/V heads of a cache-layout ``x [b, s, n_r, d]``: ``[b, s, m, d]`` (a view)."""
         return x.narrow(2, self.cache_start, self.kv_per_rank)
+
+
+def kv_add_levels(sent: Sequence[int], device) -> tuple[tuple[torch.Tensor | None, torch.Tensor], ...]:
+    """The heads a stage sends (``P * m`` local K/V heads, rank by rank) as levels of distinct heads: level ``o``
+    is ``(positions in the sent list, heads)`` of every head's ``o``-th copy (positions None: all of them, when no
+    head repeats). :meth:`Stage.add_kv` adds level by level."""
+    levels: list[tuple[list[int], list[int]]] = []
+    copies: dict[int, int] = {}
+    for position, head in enumerate(sent):
+        level = copies.get(head, 0)
+        copies[head] = level + 1
+        if level == len(levels):
+            levels.append(([], []))
+        levels[level][0].append(position)
+        levels[level][1].append(head)
+    as_index = lambda ints: torch.tensor(ints, dtype=torch.long, device=device)  # noqa: E731
+    if len(levels) == 1:
+        return ((None, as_index(list(sent))),)
+    return tuple((as_index(positions), as_index(heads_)) for positions, heads_ in levels)
 
 
 def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, device) -> list[Stage]:
@@ -111,7 +136,7 @@ def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, d
         send = None if list(kv_heads_sent) == distinct else [distinct.index(h) for h in kv_heads_sent]
         q_index = as_index(q_heads)
         stages.append(Stage(q_index, as_index(distinct), None if send is None else as_index(send), m, cache_heads,
-                            new, _span(q_index), as_index(kv_heads_sent)))
+                            new, _span(q_index), as_index(kv_heads_sent), kv_add_levels(kv_heads_sent, device)))
     return stages
 
 
