@@ -228,7 +228,9 @@ def longstraw_step(
             ``MemoryConfig.activation_checkpointing``.
         measure_memory: track the step's peak live tensor bytes (``StepOutput.peak_bytes``; on CPU a dispatch
             mode that sees every op, which costs time on small ops): False for training loops, which read the
-            device's own peak (``ops.memory.device_peak_bytes``).
+            device's own peak (``ops.memory.device_peak_bytes``). On CUDA the allocator's peak counter is read,
+            never reset (the caller's ``max_memory_allocated`` window stays as it was): exact when the counter
+            was reset before the step or the step sets a new high (``ops.memory.CudaMemoryTracker``).
     Returns:
         :class:`StepOutput`. Raises ValueError on bad input before touching the model.
     """
@@ -269,7 +271,7 @@ def longstraw_step(
     start = time.perf_counter()
     totals = torch.zeros(4, dtype=torch.float64, device=prompt_ids.device)  # loss, KL, clipped, entropy sums
     logprobs_out = []
-    tracker = track_memory(prompt_ids.device) if measure_memory else contextlib.nullcontext()
+    tracker = track_memory(prompt_ids.device, reset_peak=False) if measure_memory else contextlib.nullcontext()
     with tracker as memory, step_grads, phase("replay"):
         state = prompt_state
         if state is None:

@@ -12,7 +12,9 @@
   pass, so gradients and backward temporaries are counted. Numbers are storage bytes (``nbytes``), with
   no allocator rounding, so tests can pin them exactly.
 - :class:`CudaMemoryTracker`: reads the CUDA caching allocator (``memory_allocated`` and
-  ``max_memory_allocated``) relative to the amount allocated on entry.
+  ``max_memory_allocated``) relative to the amount allocated on entry; it resets the allocator's (global)
+  peak counter on entry unless ``reset_peak=False`` (what ``longstraw_step(measure_memory=True)`` uses, so a
+  caller's own ``max_memory_allocated`` window is left as it was).
 
 Limits of :class:`MemoryTracker`: it sees only what crosses the dispatcher, so workspaces a fused
 kernel allocates and frees internally, tensors built without dispatch (``torch.from_numpy``) and
@@ -169,11 +171,16 @@ class CudaMemoryTracker:
 
     Args:
         device: a CUDA device; ``None`` means the current one.
+        reset_peak: reset the allocator's peak counter on entry (``torch.cuda.reset_peak_memory_stats``), so
+            the peak is exactly the block's. False leaves the counter alone: the peak is then
+            ``max_memory_allocated`` on exit less the bytes allocated on entry, exact when the counter had no
+            higher earlier peak than the allocation on entry (the caller reset it before the block, or the
+            block sets a new high), else that earlier peak (an upper bound of the block's).
     Raises:
         ValueError: if ``device`` is not a CUDA device.
     """
 
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
+    def __init__(self, device: torch.device | str | int | None = None, reset_peak: bool = True) -> None:
         self.device = torch.device("cuda" if device is None else device)
         if self.device.type != "cuda":
             raise ValueError(f"CudaMemoryTracker needs a cuda device, got {self.device}")
@@ -183,6 +190,7 @@ class CudaMemoryTracker:
         self._folded_peak = 0  # allocator peak seen before another tracker reset the global counter
         self._tracked: dict[int, int] = {}  # data_ptr -> rounded bytes of track()-ed storages
         self._frozen: tuple[int, int] | None = None
+        self._reset_on_enter = reset_peak
 
     def _allocator_peak(self) -> int:
         return max(self._folded_peak, torch.cuda.max_memory_allocated(self.device))
@@ -228,7 +236,8 @@ class CudaMemoryTracker:
 
     def __enter__(self) -> CudaMemoryTracker:
         self._frozen = None
-        self._reset_allocator_peak()
+        if self._reset_on_enter:
+            self._reset_allocator_peak()
         self._baseline = torch.cuda.memory_allocated(self.device)
         _ACTIVE_CUDA_TRACKERS.append(self)
         return self
@@ -280,16 +289,19 @@ def device_peak_bytes(device: torch.device | str) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def track_memory(device: torch.device | str | None = None) -> MemoryTracker | CudaMemoryTracker:
+def track_memory(device: torch.device | str | None = None, reset_peak: bool = True
+                 ) -> MemoryTracker | CudaMemoryTracker:
     """A memory tracker for ``device``.
 
     Args:
         device: ``"cuda"``/``"cuda:N"`` for the allocator-based :class:`CudaMemoryTracker`; ``"cpu"`` (or any
             other device) for the dispatch-based :class:`MemoryTracker`; ``None`` picks cuda when available.
+        reset_peak: CUDA: reset the allocator's peak counter on entry (see :class:`CudaMemoryTracker`); the
+            CPU tracker has its own counter and touches nothing global.
     Returns:
         A tracker to use as ``with track_memory() as mem: ...``; read ``mem.peak_bytes`` afterwards.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    return CudaMemoryTracker(device) if device.type == "cuda" else MemoryTracker()
+    return CudaMemoryTracker(device, reset_peak=reset_peak) if device.type == "cuda" else MemoryTracker()
