@@ -78,27 +78,32 @@ def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
 
     ``memory.keep_attention_output`` (LongStraw): ``auto`` becomes what the planner chooses for this config's
     step (``device`` when it fits the budget, else ``off``: ``memory.longstraw.choose_keep_attention_output``,
-    the same choice ``longctx-plan`` plans with); SFT tasks never keep them (``off``).
+    the same choice ``longctx-plan`` plans with); SFT tasks never keep them (``off``). ``rollout_prompt_cache``
+    (LongStraw with ``memory.offload_prompt_cache``): the planner's choice,
+    ``memory.longstraw.choose_rollout_prompt_cache``.
     """
     knobs = {k: cfg.memory[k] for k in ("head_chunk_size", "activation_checkpointing", "offload_checkpoints",
                                         "mlp_chunk_size", "logits_chunk_size")}
     keep = str(cfg.memory.get("keep_attention_output") or "auto")
     if cfg.task.mode == "longstraw":
         knobs["offload_checkpoints"] = bool(knobs["offload_checkpoints"] and knobs["activation_checkpointing"])
-        knobs["keep_attention_output"] = _planned_keep_attention_output(cfg) if keep == "auto" else keep
+        knobs["keep_attention_output"] = _planned(cfg, "choose_keep_attention_output") if keep == "auto" else keep
+        if cfg.memory.get("offload_prompt_cache"):
+            knobs["rollout_prompt_cache"] = _planned(cfg, "choose_rollout_prompt_cache")
     else:
         knobs["keep_attention_output"] = "off" if keep == "auto" else keep
     return knobs
 
 
-def _planned_keep_attention_output(cfg: DictConfig) -> str:
-    """The planner's choice for ``keep_attention_output=auto`` at the task's prompt, G and response length."""
+def _planned(cfg: DictConfig, choice: str) -> str:
+    """The planner's ``memory.longstraw.<choice>`` (``choose_keep_attention_output`` for
+    ``keep_attention_output=auto``, ``choose_rollout_prompt_cache``) at the task's prompt, G and response length."""
     from .cli import model_shape, plan_request  # the planner's view of the config (cli imports this module)
     from .memory import ClusterShape, MemoryKnobs
-    from .memory.longstraw import choose_keep_attention_output
+    from .memory import longstraw as planned
 
     request = plan_request(cfg, mode="longstraw")
-    return choose_keep_attention_output(
+    return getattr(planned, choice)(
         model_shape(cfg), ClusterShape.from_config(cfg.cluster), MemoryKnobs.from_config(cfg.memory),
         request["seq_len"], request["group_size"], request["response_len"], request["prompt_grad"])
 

@@ -7,7 +7,10 @@
   go back to the host once per attention layer and branch (not once per head stage), as many bytes as the
   sums, and no host sync.
 - Rollouts over an offloaded prompt state with ``prompt_cache="device"``: the prompt cache crosses once per
-  rollout, however many tokens are decoded; each further decoded token costs at most one host sync.
+  rollout, however many tokens are decoded; each further decoded token costs at most one host sync. With
+  ``"stream"`` (the model's ``MemoryConfig.rollout_prompt_cache``) it crosses once per decoded token.
+- The planner's rollouts phase chooses between them (Llama3-8B on 8 ranks: the whole 16 GiB cache at 1M
+  tokens, two layers at 2M) and a LongStraw task's model gets that choice.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_longctx.longstraw import longstraw_step, sample
 from lightning_longctx.longstraw.offload import simulated_streams
 from lightning_longctx.longstraw.step import prefill_for_step
+from lightning_longctx.memory import plan
+from lightning_longctx.memory.shapes import GIB
 from lightning_longctx.ops.transfers import TransferCounter
 from lightning_longctx.parallel.phases import phase
 from models_common import single_thread  # noqa: F401 - autouse fixture
@@ -62,8 +67,9 @@ def test_an_offloaded_replay_writes_each_layers_sums_back_once_per_branch():
     assert replay.syncs == replay_traffic(2)[0]["replay"].syncs  # the input checks' only: none per branch
 
 
-def rollout_traffic(max_new_tokens: int):
+def rollout_traffic(max_new_tokens: int, prompt_cache: str = "device"):
     model = tiny_model(head_chunk_size=1).float()
+    model.memory.rollout_prompt_cache = prompt_cache
     prompt, _, _ = make_group(1, prompt_len=PROMPT)
     with simulated_streams():
         state = prefill_for_step(model, prompt, prompt_grad="full", offload_prompt_cache=True)
@@ -78,3 +84,39 @@ def test_rollouts_fetch_the_prompt_cache_once_and_sync_once_per_token():
     long, _ = rollout_traffic(8)
     assert short.h2d_bytes == long.h2d_bytes == whole_cache
     assert long.syncs - short.syncs <= 8 - 2
+
+
+def test_streamed_rollouts_fetch_the_prompt_cache_per_token():
+    streamed, whole_cache = rollout_traffic(4, "stream")
+    assert streamed.h2d_bytes == 4 * whole_cache  # the shared prompt-tail step and 3 decode steps
+
+
+def test_the_planner_keeps_the_rollouts_prompt_cache_on_the_device_when_it_fits():
+    from test_planner import LLAMA3_8B
+
+    knobs = dict(precision="bf16-mixed", budget_gib=80.0, offload_prompt_cache=True)
+    kwargs = dict(mode="longstraw", group_size=8, response_len=1024)
+    fits = plan(LLAMA3_8B, dict(devices=8), knobs, seq_len=2**20 + 1, **kwargs)
+    streamed = plan(LLAMA3_8B, dict(devices=8), knobs, seq_len=2**21 + 1, **kwargs)
+    layer = 2**20 * 128 * 2 * 2  # one layer's K and V at 1M tokens: this rank's 1 K/V head of 128, bf16
+    assert fits.breakdown["rollout_prompt_kv"] == 32 * layer == 16 * GIB
+    assert streamed.breakdown["rollout_prompt_kv"] == 2 * (2 * layer)
+    on_device = plan(LLAMA3_8B, dict(devices=8), dict(knobs, offload_prompt_cache=False), seq_len=2**20 + 1,
+                     **kwargs)
+    assert "rollout_prompt_kv" not in on_device.breakdown
+
+
+def test_a_longstraw_task_model_follows_the_planners_rollout_choice():
+    from hydra import compose, initialize_config_module
+
+    from lightning_longctx import cli
+
+    def model_for(budget_gib):
+        with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[
+                "task=needle_grpo", "memory.offload_prompt_cache=true", "task.seq_len=32", "task.group_size=2",
+                f"memory.budget_gib={budget_gib}"])
+        return cli.build_model(cfg)
+
+    assert model_for(8).memory.rollout_prompt_cache == "device"
+    assert model_for(1e-6).memory.rollout_prompt_cache == "stream"  # nothing fits: the cache streams

@@ -196,7 +196,7 @@ def sample(
     model, prompt_ids: torch.Tensor, num_responses: int, *, max_new_tokens: int, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int | None = 0, eos_token_id: StopIds = None, group=None,
     generator: torch.Generator | None = None, prompt_state: PromptState | None = None,
-    on_step: StepHook | None = None, prompt_cache: str = "device",
+    on_step: StepHook | None = None, prompt_cache: str | None = None,
 ) -> list[torch.Tensor]:
     """Sample ``num_responses`` responses to ``prompt_ids``, decoded together over one prefill.
 
@@ -220,6 +220,7 @@ def sample(
             ``step``-th token from (one-hot when greedy). For tests and diagnostics.
         prompt_cache: ``"device"``: each layer's prompt K/V fetched once and kept for the rollout; ``"stream"``:
             fetched per decoded token, two layers on the device (only differs for an offloaded prompt state).
+            None = the model's ``MemoryConfig.rollout_prompt_cache`` (the planner's choice; else ``"device"``).
     Returns:
         G tensors ``[T_i]`` (``1 <= T_i <= max_new_tokens``), ``prompt_ids``' dtype and device.
     Raises:
@@ -232,6 +233,8 @@ def sample(
     if generator is not None and generator.device.type != prompt_ids.device.type:
         raise ValueError(f"generator is on {generator.device}, prompt_ids on {prompt_ids.device}: the draws run "
                          "on the prompt's device (torch.Generator(device=prompt_ids.device))")
+    if prompt_cache is None:
+        prompt_cache = getattr(getattr(model, "memory", None), "rollout_prompt_cache", "device")
     if prompt_cache not in PROMPT_CACHE:
         raise ValueError(f"prompt_cache={prompt_cache!r}; choose one of {PROMPT_CACHE}")
     if on_step is not None and not callable(on_step):

@@ -74,8 +74,23 @@ def choose_keep_attention_output(model: ModelShape, cluster: ClusterShape, knobs
     return "device" if fits else "off"
 
 
+def choose_rollout_prompt_cache(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int,
+                                group_size: int, response_len: int, prompt_grad: str = "full") -> str:
+    """Where the rollouts read an offloaded prompt cache from (``sample(prompt_cache=...)``): ``"device"`` (each
+    attention layer's K/V fetched once per rollout and kept: the whole cache on the device while decoding) when
+    the step's plan with that fits ``budget_gib`` (peak phase + the runtime reserve), else ``"stream"`` (two
+    layers on the device, re-fetched per decoded token: the cache crosses PCIe once per token). A prompt cache
+    that is not offloaded is on the device anyway: ``"device"``."""
+    if not (knobs.offload_prompt_cache and model.full_layers):
+        return "device"
+    comp, phases, _ = longstraw_phases(model, cluster, knobs, seq_len, group_size, response_len, prompt_grad,
+                                       rollout_prompt_cache="device")
+    reserve = sum(reserve_terms(cluster, knobs, comp).values())
+    return "device" if max(phases.values()) + reserve <= int(knobs.budget_gib * GIB) else "stream"
+
+
 def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int, group_size: int,
-                     response_len: int, prompt_grad: str = "full"):
+                     response_len: int, prompt_grad: str = "full", rollout_prompt_cache: str | None = None):
     """Components and phases of one exact LongStraw group step on one rank (``seq_len`` = prompt tokens).
 
     Persistent through the step: ``static``, the KV cache of the cached prompt ``S' = P floor((S-1)/P)``
@@ -100,7 +115,9 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
       checkpoints, the layer input's device copy).
 
     - rollouts: the batched sampler's response caches (:func:`lightning_longctx.longstraw.sample`: G rows
-      decoded together over the same prefill), the one phase where G counts.
+      decoded together over the same prefill), the one phase where G counts; an offloaded prompt cache adds
+      ``rollout_prompt_kv``: the whole K/V cache (``rollout_prompt_cache="device"``) or two layers of it
+      (``"stream"``); None: :func:`choose_rollout_prompt_cache` decides.
 
     Otherwise G never appears: nothing of a branch outlives its replay.
 
@@ -267,6 +284,13 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     comp["response_caches"] = response_caches
     comp["attention_outputs"] = sum(out_dev)
     rollout = nograd + kv + state + ckpt_dev + sum(out_dev) + response_caches + 3 * rows * model.vocab_size * A
+    if staged:  # an offloaded cache read during the rollouts: fetched whole once, or streamed two layers at a time
+        if rollout_prompt_cache is None:
+            rollout_prompt_cache = choose_rollout_prompt_cache(model, cluster, knobs, seq_len, group_size, response_len,
+                                                               prompt_grad)
+        whole = kv_cache_bytes(model, knobs, sp, cached)
+        comp["rollout_prompt_kv"] = whole if rollout_prompt_cache == "device" else 2 * whole // model.full_layers
+        rollout += comp["rollout_prompt_kv"] - kv  # in place of the two staged layers counted above
     phases = {
         "prefill": nograd + max(prefill),
         "rollouts": rollout,

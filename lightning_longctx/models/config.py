@@ -290,6 +290,10 @@ class MemoryConfig:
             values in the compute dtype plus ``S' H/P`` fp32, about ``H / H_kv`` times its K cache) there, so the
             grouped backward recomputes only the token-wise parts and runs the attention backward directly;
             ``"off"`` = the grouped backward attends over the prompt again.
+        rollout_prompt_cache: LongStraw rollouts over an offloaded prompt cache (``sample``'s ``prompt_cache``):
+            ``"device"`` = each layer's K/V fetched once per rollout and kept; ``"stream"`` = re-fetched per
+            decoded token, two layers on the device (the planner's ``rollouts`` phase chooses, see
+            ``memory.longstraw.choose_rollout_prompt_cache``).
     """
 
     head_chunk_size: int | None = None
@@ -298,12 +302,15 @@ class MemoryConfig:
     mlp_chunk_size: int | None = None
     logits_chunk_size: int | None = None
     keep_attention_output: str = "off"
+    rollout_prompt_cache: str = "device"
 
     def __post_init__(self) -> None:
         for name in ("head_chunk_size", "mlp_chunk_size", "logits_chunk_size"):
             _positive(name, getattr(self, name), allow_none=True)
         if self.keep_attention_output not in ("off", "device", "host"):
             raise ValueError(f"keep_attention_output={self.keep_attention_output!r} must be 'off', 'device' or 'host'")
+        if self.rollout_prompt_cache not in ("device", "stream"):
+            raise ValueError(f"rollout_prompt_cache={self.rollout_prompt_cache!r} must be 'device' or 'stream'")
         if self.offload_checkpoints and not self.activation_checkpointing:
             raise ValueError(
                 "offload_checkpoints=True offloads the activation checkpoints: set activation_checkpointing=True"
