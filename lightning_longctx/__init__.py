@@ -9,12 +9,15 @@ classes themselves, eagerly (:func:`lightning_longctx.lightning.register_strateg
 
 Main entry points: :class:`UlyssesStrategy`, :class:`LongStrawModule` (lazy attributes: first access imports
 :mod:`lightning_longctx.lightning`), :func:`lightning_longctx.parallel.ulysses_attention`,
-:func:`lightning_longctx.longstraw.longstraw_step`, :class:`lightning_longctx.models.DecoderLM`.
+:func:`lightning_longctx.longstraw.longstraw_step`, :class:`lightning_longctx.models.DecoderLM`. The
+subpackages and modules are lazy attributes too (PEP 562): ``lightning_longctx.models.DecoderLM`` works after a
+bare ``import lightning_longctx``, importing :mod:`lightning_longctx.models` on first access.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from ._registration import register_lazily
@@ -30,8 +33,13 @@ _LAZY_ATTRIBUTES = {
     "LongStrawModule": "lightning_longctx.lightning.longstraw_module",
 }
 
+def _submodule(name: str) -> bool:
+    return not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None
+
 
 def __getattr__(name: str) -> Any:
+    if name not in _LAZY_ATTRIBUTES and _submodule(name):
+        return importlib.import_module(f"{__name__}.{name}")  # which binds it here: later look-ups skip this
     module = _LAZY_ATTRIBUTES.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -41,7 +49,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_ATTRIBUTES))
+    import pkgutil
+
+    return sorted(set(globals()) | set(_LAZY_ATTRIBUTES) | {m.name for m in pkgutil.iter_modules(__path__)})
 
 
 register_lazily()
