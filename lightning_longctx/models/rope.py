@@ -18,6 +18,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..parallel import group_size
 
@@ -106,12 +107,26 @@ def transformers_rope_config(config):
                             rope_parameters=params)
 
 
+# position_ids tensor -> (its version counter, the group, the all-reduced length); entries go with the tensor
+_GLOBAL_LENGTHS = WeakIdKeyDictionary()
+
+
 def global_seq_len(position_ids: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``max(position_ids) + 1`` over the whole sequence: all-reduced (MAX) over ``group`` when it has more than
-    one rank. A 0-dim tensor on ``position_ids``' device (no host sync)."""
+    one rank. A 0-dim tensor on ``position_ids``' device (no host sync).
+
+    The all-reduced length is kept per ``position_ids`` tensor (and group) until the tensor changes in place or is
+    freed: every layer of a forward, and its recomputation, gets the same tensor, so a forward all-reduces once,
+    not once per layer. Every rank of the group calls with its own tensor of the same history, so all hit or all
+    miss and the collective stays matched."""
+    if group_size(group) <= 1:
+        return position_ids.max() + 1
+    cached = _GLOBAL_LENGTHS.get(position_ids)
+    if cached is not None and cached[0] == position_ids._version and cached[1] is group:
+        return cached[2]
     seq_len = position_ids.max() + 1
-    if group_size(group) > 1:
-        dist.all_reduce(seq_len, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(seq_len, op=dist.ReduceOp.MAX, group=group)
+    _GLOBAL_LENGTHS[position_ids] = (position_ids._version, group, seq_len)
     return seq_len
 
 
@@ -174,7 +189,7 @@ class RotaryEmbedding:
         ``dynamic``: transformers' growth rule, recomputed at ``seq_len = global max(position_ids) + 1`` when it
         exceeds ``max_position_embeddings``; ``longrope``: the long factors when ``seq_len`` exceeds
         ``original_max_position_embeddings``, else the short ones. ``group`` (the SP group) makes ``seq_len``
-        global with one tiny all-reduce.
+        global with one tiny all-reduce per ``position_ids`` tensor (:func:`global_seq_len`: once per forward).
         """
         device = position_ids.device
         if self.rope_type == "default":
