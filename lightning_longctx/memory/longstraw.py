@@ -294,8 +294,9 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     phases = {
         "prefill": nograd + max(prefill),
         "rollouts": rollout,
-        # offloaded: two staged layers' K/V on the device, their gradients summed on the host
-        "replay": persistent + (state if staged and full else acc) + branch + replay_backward,
+        # offloaded: two staged layers' K/V on the device and, in the backward, the sums of the layer the stages
+        # add into and of the next one in flight (``acc``: two layers' then)
+        "replay": persistent + acc + branch + replay_backward,
     }
     if full:
         phases["grouped backward"] = base - reduce_input + max(grouped)
