@@ -41,13 +41,18 @@ class UnorderedHostCopies(DeferredStreams):
         super().synchronize()
 
 
-def float_model(chunk=1, seed=0):
+def float_model(chunk=1, seed=0, hybrid=False):
+    """The tiny GQA model, or (``hybrid``) linear, attention, attention layers: float32."""
+    if hybrid:
+        from longstraw_fused_workers import step_model
+
+        return step_model("hybrid", chunk, seed=seed).float()
     return tiny_model(seed=seed, head_chunk_size=chunk).float()
 
 
 def run_step(offload: bool, streams=None, *, prefilled: bool = False, **options):
     """Loss, log-probs and every parameter gradient of one exact step (a fresh model, same seed)."""
-    model = float_model(options.pop("chunk", 1))
+    model = float_model(options.pop("chunk", 1), hybrid=options.pop("hybrid", False))
     prompt, responses, advantages = make_group(3, prompt_len=23)
     with simulated_streams(streams):
         state = None
@@ -83,7 +88,7 @@ def test_deferred_copies_land_only_when_waited_on():
 
 @pytest.mark.parametrize("options", [
     dict(chunk=1), dict(chunk=None, replay_checkpointing=True), dict(chunk=1, keep_attention_output="host"),
-    dict(chunk=1, prefilled=True),
+    dict(chunk=1, prefilled=True), dict(chunk=1, hybrid=True, offload_checkpoints=True),
 ])
 def test_offload_on_and_off_give_bitwise_equal_steps(options):
     assert_bitwise_equal(run_step(False, **options), run_step(True, **options))
