@@ -34,9 +34,10 @@ from ..ops.merge import merge_attention_outputs, shared_kv_backward, shared_kv_f
 from .all_to_all import group_size, head_to_seq, seq_to_head
 
 
-def _span(index: torch.Tensor) -> tuple[int, int] | None:
-    """``(start, length)`` when ``index`` lists consecutive heads (a narrow view instead of a gather)."""
-    ints = index.tolist()
+def _span(heads: Sequence[int]) -> tuple[int, int] | None:
+    """``(start, length)`` when ``heads`` lists consecutive heads (a narrow view instead of a gather). From the
+    schedule's Python ints: reading the index tensor back would be a host sync on the device."""
+    ints = list(heads)
     return (ints[0], len(ints)) if ints == list(range(ints[0], ints[0] + len(ints))) else None
 
 
@@ -136,7 +137,7 @@ def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, d
         send = None if list(kv_heads_sent) == distinct else [distinct.index(h) for h in kv_heads_sent]
         q_index = as_index(q_heads)
         stages.append(Stage(q_index, as_index(distinct), None if send is None else as_index(send), m, cache_heads,
-                            new, _span(q_index), as_index(kv_heads_sent), kv_add_levels(kv_heads_sent, device)))
+                            new, _span(q_heads), as_index(kv_heads_sent), kv_add_levels(kv_heads_sent, device)))
     return stages
 
 
