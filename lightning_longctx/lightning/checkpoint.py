@@ -33,10 +33,15 @@ import shutil
 from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import CheckpointException
 
 from ..parallel.phases import collective_guard
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save that failed part-way (the message names the checkpoint, the cause and ``last.ckpt``)."""
 
 LAST = "last.ckpt"
 PARTIAL_SUFFIX = ".partial"
@@ -165,8 +170,11 @@ class AtomicCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("AtomicCheckpoint.prepare")
         # the paths as they will be once complete: they are part of the saved state (ModelCheckpoint.state_dict)
         self.best_model_path = self.last_model_path = str(final)
-        with self._guard(trainer, f"checkpoint save {final.name}"):
-            trainer.save_checkpoint(partial, self.save_weights_only)  # every rank; ends with the strategy's barrier
+        try:
+            with self._guard(trainer, f"checkpoint save {final.name}"):
+                trainer.save_checkpoint(partial, self.save_weights_only)  # every rank; ends with the barrier
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+            raise self._save_failed(trainer, directory, partial, final, err) from err
         if trainer.is_global_zero:
             _fsync_tree(partial)
             os.replace(partial, final)
@@ -188,6 +196,22 @@ class AtomicCheckpoint(ModelCheckpoint):
                 logger.after_save_checkpoint(self)
             log.info("checkpoint %s (step %d)", final, trainer.global_step)
         return str(final)
+
+    @staticmethod
+    def _save_failed(trainer, directory: Path, partial: Path, final: Path, err: BaseException) -> CheckpointSaveError:
+        """A save that failed part-way (a full disk: ``OSError: [Errno 27] File too large`` / ``ENOSPC``, or
+        whatever the writer raised): rank 0 removes the partial checkpoint (the next run would, but its bytes
+        may be what fills the disk), ``last.ckpt`` is untouched; the error to raise names both."""
+        if trainer.is_global_zero and (partial.exists() or partial.is_symlink()):
+            _remove(partial)
+        last = directory / LAST
+        previous = os.readlink(last) if last.is_symlink() else None
+        cause = str(err).strip().splitlines()
+        return CheckpointSaveError(
+            f"checkpoint {final.name} failed part-way on rank {trainer.global_rank} ({type(err).__name__}: "
+            f"{cause[-1] if cause else ''}); the partial {partial.name} was removed and {LAST} still points at "
+            f"{previous or 'nothing (no complete checkpoint yet)'}: free space in {directory} and resume with "
+            "ckpt_path=last")
 
     def _prune(self, trainer, directory: Path, keep: Path) -> None:
         """Delete step checkpoints older than the newest ``self.keep`` (never ``keep``, what ``last.ckpt`` points
@@ -253,4 +277,4 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | os.PathLike) 
     return str(path.resolve())
 
 
-__all__ = ["AtomicCheckpoint", "LAST", "checkpoint_step", "resolve_ckpt_path"]
+__all__ = ["AtomicCheckpoint", "CheckpointSaveError", "LAST", "checkpoint_step", "resolve_ckpt_path"]
