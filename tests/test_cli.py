@@ -43,7 +43,7 @@ def test_plan_command_prints_the_planners_numbers(tmp_path):
     assert f"SFT:       {sft:>14,} tokens" in text, text
     assert "8.03B parameters" in text and "KV 128 KiB/token" in text, text
     assert "precision=bf16-mixed (parameters, gradients, optimizer states fp32; compute bf16)" in text, text
-    assert "memory h100_80g: budget 79 GiB/rank (reserve 5), precision=bf16-mixed" in text, text
+    assert "memory h100_80g: budget 79 GiB/rank (reserve 0.5), precision=bf16-mixed" in text, text
     for component in ("params", "grads", "optimizer", "attention_stage", "mlp_tiles", "logits_chunk"):
         assert component in text, component
     assert "LongStraw:" in text
