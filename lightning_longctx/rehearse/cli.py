@@ -1,0 +1,41 @@
+"""``longctx-rehearse``: the same Hydra config tree and overrides as ``longctx-train`` / ``longctx-plan``
+(``conf/rehearse.yaml``), rehearsed at full size for rank 0 on fake tensors (:func:`.run.rehearse`); prints the
+per-phase table, and with ``rehearsal.out=<file.json>`` writes every figure as JSON."""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+from omegaconf import DictConfig
+
+from . import config as _config  # noqa: F401  (registers rehearse_schema before Hydra composes)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="rehearse")
+def _rehearse(cfg: DictConfig) -> None:
+    from ..cli import _fail_cleanly
+    from ..memory import PlanError
+    from .run import rehearse
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the carrier Trainer's banner
+    try:
+        result = rehearse(cfg)
+    except (ValueError, PlanError, NotImplementedError) as err:  # ConfigError is a ValueError: the message alone
+        _fail_cleanly(err)
+    print(result.table(), flush=True)
+    if cfg.rehearsal.out:
+        result.write(cfg.rehearsal.out)
+        print(f"longctx-rehearse: wrote {cfg.rehearsal.out}", flush=True)
+
+
+def rehearse() -> None:
+    """``longctx-rehearse [overrides]``, e.g. ``longctx-rehearse model=llama3_8b cluster=node_8gpu
+    memory=h100_80g task=long_sft task.seq_len=5242880 rehearsal.out=llama.json``."""
+    from ..app import importable_cwd
+
+    importable_cwd()  # a task.module._target_ from the current directory, as for longctx-train
+    _rehearse()
+
+
+__all__ = ["rehearse"]

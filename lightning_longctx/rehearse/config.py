@@ -1,0 +1,38 @@
+"""The ``rehearsal`` node of ``longctx-rehearse``'s config (``conf/rehearse.yaml``): the ``longctx-train`` tree
+(:class:`~lightning_longctx.config_schema.Config`, same groups, same overrides) plus the rehearsal's options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from ..config_schema import OPEN_NODES, Config, _open
+
+
+@dataclass
+class RehearsalConf:
+    """``out``: write every figure as JSON to this file (null: print only). ``steps``: training steps rehearsed
+    (the last is reported: the first allocates the optimizer states, so the second runs with them alive, as
+    every later step does)."""
+
+    out: str | None = None
+    steps: int = 2
+
+
+@dataclass
+class RehearseConfig(Config):
+    rehearsal: RehearsalConf = field(default_factory=RehearsalConf)
+
+
+def register() -> None:
+    """Store ``rehearse_schema`` (idempotent)."""
+    ConfigStore.instance().store(name="rehearse_schema", node=_open(OmegaConf.structured(RehearseConfig),
+                                                                     *OPEN_NODES))
+
+
+register()
+
+__all__ = ["RehearsalConf", "RehearseConfig", "register"]

@@ -1,0 +1,138 @@
+"""What a rehearsal measures per phase of the step: live bytes (device and host), FLOPs, collectives.
+
+The phase is the one the step code marks (:func:`lightning_longctx.parallel.phases.phase`: ``"prefill"``,
+``"replay"``, ``"grouped backward"``...; the rehearsal marks SFT's ``"forward"``, ``"backward"``,
+``"optimizer step"``), without its detail (``"replay (replay branch 3/8 done)"`` counts as ``"replay"``).
+
+- :class:`PhaseTracker`: the project's live-tensor tracker (:class:`~lightning_longctx.ops.memory.MemoryTracker`,
+  one count per storage, fake storages included: a fake tensor's storage has its ``nbytes`` and dies with its
+  last tensor) with each phase's peak, split into the rehearsal device and the host (tensors on the CPU while
+  the step computes on CUDA: pinned, offloaded).
+- :class:`StepCounters`: a dispatch mode counting FLOPs (``torch.utils.flop_counter``'s formulas: matmuls,
+  convolutions, the SDPA aten ops) and the ``c10d`` collectives by kind (count, bytes of the tensors handed
+  to them), each per phase.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from ..ops.memory import MemoryTracker, _storage
+from ..parallel.phases import current_phase
+
+
+def phase_name() -> str:
+    """The current phase without its detail."""
+    return current_phase().split(" (")[0]
+
+
+class PhaseTracker(MemoryTracker):
+    """A :class:`MemoryTracker` that also keeps, per phase, the peak live bytes on the device and on the host.
+
+    Args:
+        host: the device type counted as host memory (``"cpu"`` when the step computes on CUDA; None when it
+            computes on the CPU, where every byte is device memory).
+    """
+
+    def __init__(self, host: str | None = None) -> None:
+        super().__init__()
+        self.host = host
+        self._host_live: dict[int, int] = {}  # id(storage) -> nbytes of the host storages recorded
+        self.host_current = 0
+        self.device_peaks: dict[str, int] = {}
+        self.host_peaks: dict[str, int] = {}
+
+    @property
+    def device_current(self) -> int:
+        return self.current_bytes - self.host_current
+
+    def _note(self, tensors) -> None:
+        """Record which of ``tensors``' newly counted storages live on the host, then each phase's peaks."""
+        if self.host is not None:
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.device.type == self.host and (st := _storage(t)) is not None:
+                    key = id(st)
+                    if key in self._live and key not in self._host_live:
+                        self._host_live[key] = self._live[key][1]
+                        self.host_current += self._live[key][1]
+        name = phase_name()
+        self.device_peaks[name] = max(self.device_peaks.get(name, 0), self.device_current)
+        self.host_peaks[name] = max(self.host_peaks.get(name, 0), self.host_current)
+
+    def _on_free(self, key: int, _ref) -> None:
+        super()._on_free(key, _ref)
+        self.host_current -= self._host_live.pop(key, 0)
+
+    def _on_resize(self, st: torch.UntypedStorage) -> None:
+        super()._on_resize(st)
+        key = id(st)
+        if key in self._host_live:
+            self.host_current += self._live[key][1] - self._host_live[key]
+            self._host_live[key] = self._live[key][1]
+        self._note(())
+
+    def track(self, *tensors: torch.Tensor) -> PhaseTracker:
+        super().track(*tensors)
+        self._note(tensors)
+        return self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is not NotImplemented:
+            self._note(tree_leaves(out))
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class StepCounters(TorchDispatchMode):
+    """``flops[phase]`` and ``collectives[phase][kind] = {"count", "bytes"}`` of the ops run inside the block.
+
+    A collective's kind is its ``c10d`` op (``allreduce_``, ``_allgather_base_``, ``_reduce_scatter_base_``,
+    ``alltoall_base_``...) and its bytes those of its input tensors (the output of an all-gather, the input of
+    a reduce-scatter: the larger side). ``device``: the device a collective's tensors must be on
+    (``check_devices``); a tensor elsewhere raises naming the phase and the op (NCCL refuses host tensors;
+    gloo on CPU would hide it).
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.device = device
+        self.flops: dict[str, int] = defaultdict(int)
+        self.collectives: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
+        self.unknown_ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            self.flops[phase_name()] += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif func.namespace == "c10d":
+            self._collective(func, args, kwargs)
+        return out
+
+    def _collective(self, func, args, kwargs) -> None:
+        kind = func._overloadpacket.__name__
+        if kind in ("barrier", "monitored_barrier"):
+            tensors = []
+        else:
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if self.device is not None:
+            for t in tensors:
+                if t.device != self.device and t.device.type != "meta":
+                    raise RuntimeError(f"collective {kind} during {current_phase()} got a tensor on {t.device}, not "
+                                       f"on the rank's device {self.device}: shape {tuple(t.shape)}, {t.dtype}")
+        entry = self.collectives[phase_name()].setdefault(kind, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += max((_nbytes(t) for t in tensors), default=0)
+
+
+__all__ = ["PhaseTracker", "StepCounters", "phase_name"]

@@ -1,0 +1,126 @@
+"""A rehearsal's figures: per phase measured vs planned, as text and as JSON (``rehearsal.out``).
+
+Measured bytes are storage bytes of the live tensors (no allocator rounding, no CUDA context); planned bytes
+are the planner's phase totals (:func:`lightning_longctx.memory.plan`) without its runtime reserve, which is
+added to both sides for the verdict (``fits``: the measured peak + the reserve <= the budget). A measured
+phase maps to the planner's phase of the same name, or to the largest of those it splits into
+(SFT's ``"forward"`` = max of ``"forward attention"`` / ``"forward layer"`` and ``"forward logits"``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from ..memory import GIB, Plan
+
+
+@dataclass
+class PhaseRow:
+    """One phase of the rehearsed step (bytes per rank)."""
+
+    name: str
+    measured_bytes: int
+    planned_bytes: int | None
+    host_bytes: int
+    flops: int
+    h2d_bytes: int
+    d2h_bytes: int
+    host_syncs: int
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def difference(self) -> float | None:
+        """(measured - planned) / planned, or None without a planned figure."""
+        if not self.planned_bytes:
+            return None
+        return (self.measured_bytes - self.planned_bytes) / self.planned_bytes
+
+
+def planned_phase(plan: Plan, name: str) -> int | None:
+    """The planner's bytes for the measured phase ``name`` (see the module docstring)."""
+    if name in plan.phases:
+        return plan.phases[name]
+    parts = [value for key, value in plan.phases.items() if key.startswith(name + " ")]
+    return max(parts) if parts else None
+
+
+def phase_rows(names, tracker, counters, transfers, plan: Plan) -> list[PhaseRow]:
+    """A :class:`PhaseRow` per phase of ``names`` (in that order), then any other phase the step marked."""
+    seen = list(names) + [n for n in tracker.device_peaks if n not in names]
+    rows = []
+    for name in seen:
+        moved = transfers.phases.get(name)
+        rows.append(PhaseRow(
+            name=name, measured_bytes=tracker.device_peaks.get(name, 0), planned_bytes=planned_phase(plan, name),
+            host_bytes=tracker.host_peaks.get(name, 0), flops=counters.flops.get(name, 0),
+            h2d_bytes=moved.h2d_bytes if moved else 0, d2h_bytes=moved.d2h_bytes if moved else 0,
+            host_syncs=moved.syncs if moved else 0, collectives=dict(counters.collectives.get(name, {}))))
+    return rows
+
+
+@dataclass
+class Rehearsal:
+    """Everything a rehearsal measured, with the plan it is compared with."""
+
+    rows: list[PhaseRow]
+    plan: Plan
+    seconds: float
+    device: str
+    world_size: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(row.measured_bytes for row in self.rows)
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return max(row.host_bytes for row in self.rows)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes + self.plan.reserve_bytes <= self.plan.budget_bytes
+
+    def to_json(self) -> dict:
+        """The figures of issue 24's item 8 (bytes per rank; ``seconds``: the rehearsal's own wall time)."""
+        phases = []
+        for row in self.rows:
+            entry = asdict(row)
+            entry["difference"] = row.difference
+            phases.append(entry)
+        return {"peak_bytes": self.peak_bytes, "budget_bytes": self.plan.budget_bytes,
+                "reserve_bytes": self.plan.reserve_bytes, "planned_peak_bytes": self.plan.phases[self.plan.peak_phase],
+                "host_peak_bytes": self.host_peak_bytes, "planned_host_bytes": self.plan.host_bytes,
+                "fits": self.fits, "seconds": self.seconds, "device": self.device, "world_size": self.world_size,
+                "mode": self.plan.mode, "seq_len": self.plan.seq_len, "phases": phases, "notes": self.notes}
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+            f.write("\n")
+
+    def table(self) -> str:
+        """What ``longctx-rehearse`` prints."""
+        scale, unit = (GIB, "GiB") if self.peak_bytes >= GIB else (2**20, "MiB")
+        p = self.plan
+        lines = [f"rehearsal: {p.mode}, {p.seq_len:,} tokens, rank 0 of {self.world_size} on fake {self.device} "
+                 f"(sp={p.sp} x dp={p.dp}), {self.seconds:.1f} s",
+                 f"  {'phase':<20}{'measured':>11}{'planned':>11}{'diff':>8}{'host':>10}{'GFLOP':>11}"
+                 f"{'h2d MiB':>10}{'d2h MiB':>10}{'syncs':>7}  collectives ({unit} per rank; bytes in MiB)"]
+        for row in self.rows:
+            planned = f"{row.planned_bytes / scale:>11.3f}" if row.planned_bytes is not None else f"{'-':>11}"
+            diff = f"{100 * row.difference:>7.1f}%" if row.difference is not None else f"{'-':>8}"
+            coll = ", ".join(f"{kind} x{c['count']} {c['bytes'] / 2**20:.1f}" for kind, c in row.collectives.items())
+            lines.append(f"  {row.name:<20}{row.measured_bytes / scale:>11.3f}{planned}{diff}"
+                         f"{row.host_bytes / scale:>10.3f}{row.flops / 1e9:>11.1f}{row.h2d_bytes / 2**20:>10.1f}"
+                         f"{row.d2h_bytes / 2**20:>10.1f}{row.host_syncs:>7}  {coll or '-'}")
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(f"  peak {self.peak_bytes / scale:.3f} {unit} + runtime reserve {p.reserve_bytes / GIB:.2f} GiB "
+                     f"vs budget {p.budget_bytes / GIB:.2f} GiB: {verdict} (planned peak "
+                     f"{p.phases[p.peak_phase] / scale:.3f} {unit}, {p.peak_phase})")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+__all__ = ["PhaseRow", "Rehearsal", "phase_rows", "planned_phase"]

@@ -1,0 +1,211 @@
+"""Rehearse a ``longctx-train`` job: rank 0 of the cluster's world runs the job's own step on fake tensors.
+
+:func:`rehearse` (the body of ``longctx-rehearse``), in the order ``longctx-train`` does it, through the same
+functions:
+
+1. the config checks (:func:`~lightning_longctx.cli.trainer_precision`, :func:`~lightning_longctx.app.
+   check_config`, :func:`~lightning_longctx.cli.model_shape`) and the plan (:func:`~lightning_longctx.cli.
+   plan_request`; a plan over budget is rehearsed too: the rehearsal says whether it fits);
+2. the fake world (:class:`.fake_world.FakeWorld`: the ``fake`` backend with ``devices x num_nodes`` ranks)
+   and the strategy's ``("dp", "sp")`` mesh (:func:`~lightning_longctx.parallel.build_dp_sp_mesh`);
+3. the model from its real builder (:func:`~lightning_longctx.app.build_model`; ``model.pretrained``: only its
+   config.json is read, no weights) on the meta device, given fake storages on the cluster's device (fake
+   ``cuda:0`` for the GPU presets), the task's module and data (:func:`~lightning_longctx.app.build_task`);
+4. what ``UlyssesStrategy.setup`` runs: :func:`~lightning_longctx.lightning.parallelize.parallelize` pieces
+   (SP group wired in, FSDP2 over the ``dp x sp`` ranks with the precision's ``MixedPrecisionPolicy``), the
+   precision plugin's ``convert_module``, ``configure_optimizers``;
+5. SFT: ``steps`` training steps as Lightning's automatic optimisation runs them: the first batch through
+   ``on_before_batch_transfer``, to the device, :func:`~lightning_longctx.lightning.batch.shard_sequence_batch`
+   (the strategy's ``batch_to_device``), then ``training_step`` (phase ``"forward"``), ``zero_grad`` and
+   ``loss.backward()`` (``"backward"``), ``optimizer.step()`` (``"optimizer step"``). The module is attached to
+   a barebones ``Trainer`` carrying the job's ``UlyssesStrategy``, so ``self.trainer.strategy.reduce_loss``
+   (a collective) runs and ``self.log`` is a no-op (its host read happens after the step in a real run).
+
+Measured (:mod:`.measure`) during the last step: live bytes per phase on the device and the host, FLOPs,
+collectives by kind, host<->device bytes and syncs (:class:`~lightning_longctx.ops.transfers.TransferCounter`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ..parallel.phases import phase
+from . import config as _config  # noqa: F401  (registers rehearse_schema)
+from .fake_world import FakeWorld, materialize, world_device
+from .measure import PhaseTracker, StepCounters
+from .report import Rehearsal, phase_rows
+
+SFT_PHASES = ("forward", "backward", "optimizer step")
+STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here): this package's CPU attention "
+            "kernels run, so the plan compared is memory.attention_backend=eager's; offloaded tensors count as device "
+            "memory (docs/rehearsal.md)")
+SKIPPED_CHECK = ("batch sharding: the SP ranks' shape agreement check (one all-gather of the shard's shape and its "
+                 "host read, once per step before training_step) is not rehearsed: the read has no value on fake "
+                 "tensors, and every fake rank holds rank 0's shapes")
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """``longctx-rehearse``'s config for ``overrides`` (outside a Hydra run: tests, notebooks, bench)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
+        return hydra_compose(config_name="rehearse", overrides=list(overrides))
+
+
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """The optimizer ``configure_optimizers`` returned (alone, in a list/tuple, or in Lightning's dict)."""
+    while not isinstance(configured, torch.optim.Optimizer):
+        if isinstance(configured, dict):
+            configured = configured["optimizer"]
+        elif isinstance(configured, (list, tuple)) and configured:
+            configured = configured[0]
+        else:
+            raise TypeError(f"configure_optimizers returned {type(configured).__name__}: no optimizer to rehearse")
+    return configured
+
+
+def _carrier_trainer(cfg: DictConfig, precision: str):
+    """A barebones ``Trainer`` with the job's ``UlyssesStrategy`` (never fitted): what ``training_step`` reads
+    through ``self.trainer``; on the CPU accelerator (the step runs on the fake world's device, not on it)."""
+    import lightning.pytorch as pl
+
+    from ..lightning import UlyssesStrategy
+
+    cluster = cfg.cluster
+    strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
+                               sharding=cluster.sharding, on_nonfinite=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pl.Trainer(strategy=strategy, accelerator="cpu", devices=cluster.devices, num_nodes=cluster.num_nodes,
+                          precision=precision, barebones=True, max_steps=1)
+
+
+def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh):
+    """Steps 3-4 of the module docstring: ``(module, data, optimizer, trainer)``."""
+    from ..app import build_model, build_task
+    from ..lightning.parallelize import (
+        check_attention_heads,
+        mixed_precision_policy,
+        register_prefix_state_methods,
+        shard_modules,
+        wire_sequence_parallel,
+    )
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    materialize(model, world)
+    module, data = build_task(cfg, model)
+    trainer = _carrier_trainer(cfg, precision)
+    module.trainer = trainer
+    sp = mesh["sp"].size()
+    sp_group = mesh.get_group("sp") if sp > 1 else None
+    roots = [child for child in module.children() if any(True for _ in child.parameters())]
+    with world.mode:
+        # UlyssesStrategy._setup -> parallelize(): the same three steps, on the fake world's FSDP mesh
+        check_attention_heads(module, sp, cfg.memory.head_chunk_size)
+        wire_sequence_parallel(module, sp_group, sp, cfg.memory.head_chunk_size)
+        shard_modules(module, roots, sharding=cfg.cluster.sharding, mesh=world.fsdp_mesh,
+                      mp_policy=mixed_precision_policy(precision))
+        if getattr(module, "handles_sequence_parallel", False):
+            register_prefix_state_methods(roots)
+        module = trainer.strategy.precision_plugin.convert_module(module)
+        optimizer = _first_optimizer(module.configure_optimizers())
+    return module, data, optimizer, trainer
+
+
+def _device_batch(module, data, world: FakeWorld, mesh) -> dict:
+    """The first batch as ``UlyssesStrategy.batch_to_device`` hands it to ``training_step``: the module's
+    ``on_before_batch_transfer``, each tensor to the device, this rank's shard, ``on_after_batch_transfer``."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    from ..lightning.batch import shard_sequence_batch
+
+    loader = data.train_dataloader() if hasattr(data, "train_dataloader") else data
+    batch = module.on_before_batch_transfer(next(iter(loader)), 0)
+    with world.mode, phase("batch to device"):
+        batch = apply_to_collection(batch, torch.Tensor, lambda t: world.mode.from_tensor(t).to(world.device))
+        # sp_group=None: the SP ranks' shape agreement check (one tiny all-gather and its host read) is not run,
+        # its read has no value on fake tensors (SKIPPED_CHECK)
+        batch = shard_sequence_batch(batch, sp_rank=mesh.get_local_rank("sp"), sp_size=mesh["sp"].size(),
+                                     sp_group=None, dp_group=mesh.get_group("dp") if mesh["dp"].size() > 1 else None)
+    return module.on_after_batch_transfer(batch, 0)
+
+
+def sft_step(module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """One step of Lightning's automatic optimisation for ``module`` (its closure: ``training_step``, then
+    ``zero_grad``, so the last step's gradients live through the forward, then ``backward``), phases marked."""
+    with phase("forward"):
+        loss = module.training_step(batch, 0)
+    with phase("backward"):
+        optimizer.zero_grad()
+        loss.backward()
+    with phase("optimizer step"):
+        optimizer.step()
+
+
+def rehearse(cfg: DictConfig) -> Rehearsal:
+    """Rehearse ``cfg`` (see the module docstring); returns the measured and planned figures."""
+    from ..app import check_config
+    from ..cli import model_shape, plan_request, trainer_precision
+    from ..memory import plan as make_plan
+    from ..ops.transfers import TransferCounter
+
+    start = time.perf_counter()
+    precision = trainer_precision(cfg.memory)
+    check_config(cfg)
+    shape = model_shape(cfg)
+    if cfg.task.mode != "sft":
+        raise NotImplementedError(f"task.mode={cfg.task.mode!r}: longctx-rehearse rehearses SFT tasks so far")
+    cluster = cfg.cluster
+    device = world_device(cluster.accelerator)
+    notes = []
+    memory = cfg.memory
+    if cluster.accelerator in ("gpu", "cuda") and device.type == "cpu":
+        # the step runs this package's CPU kernels: plan what runs (the GPU's reserve terms stay in the plan)
+        memory = OmegaConf.merge(cfg.memory, {"attention_backend": "eager"})
+        notes.append(STAND_IN)
+    planned = make_plan(shape, cluster, memory, **plan_request(cfg))
+    steps = int(cfg.rehearsal.steps)
+    if steps < 1:
+        raise ValueError(f"rehearsal.steps={steps} must be >= 1")
+    with FakeWorld(cluster.devices * cluster.num_nodes, device, sp_size=cluster.sp_size or cluster.devices,
+                   fsdp_sharding=cluster.sharding) as world:
+        mesh = world.dp_sp_mesh
+        module, data, optimizer, _ = _setup(cfg, world, precision, mesh)
+        batch = _device_batch(module, data, world, mesh)
+        with world.mode, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*barebones=True.*")  # self.log: a no-op here
+            for _ in range(steps - 1):
+                sft_step(module, batch, optimizer)
+            tracker = PhaseTracker(host="cpu" if device.type != "cpu" else None)
+            counters = StepCounters(device)
+            with TransferCounter() as transfers, counters, tracker:
+                with phase(SFT_PHASES[0]):  # what the step starts with: the state of the steps before
+                    tracker.track(*_local_tensors(module, optimizer))
+                sft_step(module, batch, optimizer)
+    rows = phase_rows(SFT_PHASES, tracker, counters, transfers, planned)
+    notes += [SKIPPED_CHECK] if world.sp_size > 1 else []
+    return Rehearsal(rows=rows, plan=planned, seconds=time.perf_counter() - start, device=str(device),
+                     world_size=world.world_size, notes=notes)
+
+
+def _local_tensors(module, optimizer) -> list[torch.Tensor]:
+    """This rank's parameters (an FSDP2 shard's local tensor), gradients and optimizer states."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    tensors = [local(p) for p in module.parameters()]
+    tensors += [local(p.grad) for p in module.parameters() if p.grad is not None]
+    tensors += [local(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+__all__ = ["SFT_PHASES", "compose", "rehearse", "sft_step"]
