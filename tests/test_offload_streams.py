@@ -29,7 +29,7 @@ class UnorderedHostCopies(DeferredStreams):
         self._to_host: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def copy(self, dst, src):
-        if id(dst) in self._host:
+        if self.is_host(dst):
             self._to_host.append((dst, src))
             return self._landed + len(self._queue)
         return super().copy(dst, src)

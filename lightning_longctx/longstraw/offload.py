@@ -31,6 +31,7 @@ read before that sees NaN), so an ordering bug fails a CPU test.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -85,7 +86,7 @@ class DeferredStreams:
         self.device = torch.device("cpu")
         self._queue: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._landed = 0  # copies [0, _landed) of all ever queued have landed
-        self._host: set[int] = set()  # ids of the buffers standing for host memory
+        self._host: dict[int, weakref.ref] = {}  # the buffers standing for host memory, by id
 
     @staticmethod
     def _garbage(like: torch.Tensor) -> torch.Tensor:
@@ -94,14 +95,18 @@ class DeferredStreams:
 
     def host_empty(self, like: torch.Tensor) -> torch.Tensor:
         host = self._garbage(like)
-        self._host.add(id(host))
+        self._host[id(host)] = weakref.ref(host)
         return host
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t
 
     def device_empty(self, like: torch.Tensor) -> torch.Tensor:
         return self._garbage(like)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> int:
-        record_transfer("d2h" if id(dst) in self._host else "h2d", src.numel() * src.element_size())
+        record_transfer("d2h" if self.is_host(dst) else "h2d", src.numel() * src.element_size())
         self._queue.append((dst, src))
         return self._landed + len(self._queue)
 
