@@ -143,7 +143,7 @@ def test_close_leaves_no_worker_behind(pool):
 def test_a_hung_call_times_out_and_kills_every_rank(pool):
     pids = [pid for pid, _, _ in pool.run(pid_and_group)]
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"timed out after 3s waiting for ranks \[1\]"):
-        pool.run(hang_on_rank_1, timeout=3)
-    assert 3 <= time.monotonic() - start < 20
+    with pytest.raises(AssertionError, match=r"timed out after 10s waiting for ranks \[(0, )?1\]"):
+        pool.run(hang_on_rank_1, timeout=10)  # rank 0 answers unless the machine is too busy for 10 s
+    assert 10 <= time.monotonic() - start < 40
     assert alive(pids) == [] and pool.pids == []
