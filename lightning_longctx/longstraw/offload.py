@@ -6,13 +6,14 @@ tens of GiB per rank). With offload they live in (pinned, on CUDA) host memory:
 - prefill: each attention layer's K/V go to the host as they are made;
 - replay: layer ``l``'s keys and values are copied to the device when the branch's forward reaches layer
   ``l``, while layer ``l + 1``'s copy is already in flight (double buffering). The fused attention does not
-  keep that copy for its backward: the backward fetches layer ``l`` again (layer ``l - 1`` in flight, with its
-  gradient sums so far), adds each stage's cache gradient into the device copy of the layer's sums, and writes
-  the sums back to the host once per layer and branch (``grads.StagedGradSink``);
+  keep that copy for its backward: the backward fetches layer ``l`` again (layer ``l - 1`` in flight) with
+  the layer's gradient sums so far, adds each stage's cache gradient into that device copy of the sums, and
+  writes them back to the host once per layer and branch (``grads.StagedGradSink``);
 - grouped backward: layer ``l``'s summed gradient comes back to the device while layer ``l - 1``'s is
   prefetched.
 
-So the device holds two layers' K/V and one layer's sums instead of all of them.
+So the device holds two layers' K/V and (briefly two, while the layer above's copy back runs) one layer's
+sums instead of all of them.
 
 **Ordering.** Every host<->device copy runs on one side stream (:class:`CudaStreams`), which first waits for
 the work queued so far on the compute stream (the producer of the source, the last user of a recycled

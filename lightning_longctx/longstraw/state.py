@@ -127,12 +127,14 @@ class PromptState:
 
     def _fetch(self, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A device copy of offloaded layer ``layer``'s K/V; the next staged layer in direction ``step`` starts
-        copying (backward, ``step=-1``: with its gradient sums so far, which its backward adds to next)."""
+        copying. Backward (``step=-1``): first the layer's own gradient sums so far start copying, for its sink
+        (they overlap the first stage's recomputation; one layer's sums on the device, plus the layer above's
+        until their copy back has run)."""
+        if step < 0 and self.cache_requires_grad and (layer, 0) in self.grads:
+            self.stager.prefetch(("grad", layer), [self.grads[(layer, 0)], self.grads[(layer, 1)]])
         nxt = self._staged_neighbour(layer, step)
         if nxt is not None:
             self.stager.prefetch(("cache", nxt), list(self.caches[nxt]))
-            if step < 0 and self.cache_requires_grad and (nxt, 0) in self.grads:
-                self.stager.prefetch(("grad", nxt), [self.grads[(nxt, 0)], self.grads[(nxt, 1)]])
         return tuple(self.stager.fetch(("cache", layer), list(self.caches[layer])))
 
     def _device_grad_sums(self, layer: int) -> list[torch.Tensor]:
