@@ -1,0 +1,67 @@
+"""Real runs the rehearsal is validated against (tests/test_rehearse.py): the same config on real tensors,
+each phase's peak read with the project's live-tensor tracker at the step's phase boundaries. No test here."""
+
+from __future__ import annotations
+
+import torch
+
+PHASES = ("forward", "backward", "optimizer step")
+
+
+def _boundary_peaks(tracker, marks: list[str]):
+    """A function to call at each phase boundary: records the peak since the last one, then resets it."""
+    peaks: dict[str, int] = {}
+
+    def boundary():
+        peaks[marks[len(peaks)]] = tracker.peak_bytes
+        tracker.reset_peak()
+
+    return peaks, boundary
+
+
+def sharded_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
+    """A gloo rank: the config's model and task parallelized as ``UlyssesStrategy.setup`` does, the first batch
+    sharded as its ``batch_to_device`` does, then two steps of Lightning's automatic optimisation by hand; the
+    second step's peaks per phase."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from lightning_longctx.app import build_model, build_task
+    from lightning_longctx.lightning import UlyssesStrategy
+    from lightning_longctx.lightning.batch import shard_sequence_batch
+    from lightning_longctx.lightning.parallelize import parallelize
+    from lightning_longctx.ops import track_memory
+    from lightning_longctx.parallel import build_dp_sp_mesh
+    from lightning_longctx.rehearse import compose
+
+    cfg = compose(overrides)
+    torch.manual_seed(0)
+    module, data = build_task(cfg, build_model(cfg))
+    module.trainer = pl.Trainer(strategy=UlyssesStrategy(sharding=cfg.cluster.sharding, on_nonfinite=None),
+                                accelerator="cpu", devices=world, barebones=True)
+    mesh = build_dp_sp_mesh(world, "cpu")
+    roots = [child for child in module.children() if any(True for _ in child.parameters())]
+    parallelize(module, roots, sp_group=mesh.get_group("sp"), sp_size=world, sharding=cfg.cluster.sharding,
+                head_chunk_size=cfg.memory.head_chunk_size, device_type="cpu", precision=cfg.memory.precision)
+    optimizer = module.configure_optimizers()
+    batch = module.on_before_batch_transfer(next(iter(data)), 0)
+    batch = shard_sequence_batch(batch, sp_rank=rank, sp_size=world, sp_group=mesh.get_group("sp"))
+
+    def step(boundary=lambda: None):
+        loss = module.training_step(batch, 0)
+        boundary()
+        optimizer.zero_grad()
+        loss.backward()
+        boundary()
+        optimizer.step()
+        boundary()
+
+    step()
+    with track_memory("cpu") as mem:
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        mem.track(*[local(p) for p in module.parameters()], *[local(p.grad) for p in module.parameters()],
+                  *[local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
+        peaks, boundary = _boundary_peaks(mem, list(PHASES))
+        step(boundary)
+    dist.barrier()
+    return peaks
