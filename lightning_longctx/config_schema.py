@@ -183,12 +183,16 @@ class TaskConf:
 
 @dataclass
 class LongStrawTaskConf(TaskConf):
-    """A LongStraw (GRPO-family) task: the planner also reads G, the response length and ``prompt_grad``."""
+    """A LongStraw (GRPO-family) task: the planner also reads G, the response length and ``prompt_grad``.
+    ``reward_timeout_s``: each reward call's limit (null = none); ``on_reward_error``: ``raise`` (default) or
+    ``skip_group`` for a reward that raises, times out or returns the wrong thing (``LongStrawModule``)."""
 
     mode: str = "longstraw"
     group_size: int = 8
     max_new_tokens: int = 1024
     prompt_grad: str = "full"
+    reward_timeout_s: float | None = None
+    on_reward_error: str = "raise"
 
 
 @dataclass

@@ -46,6 +46,7 @@ the responses the uninterrupted run would have sampled.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -62,7 +63,12 @@ from ..models.lora import prompt_frozen
 from ..ops.memory import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
 from ..parallel.phases import phase
+from ..tasks.rewards import RewardFunctionError, call_with_timeout, check_timeout
 from .longstraw_options import check_longstraw_arguments, lr_factor
+
+log = logging.getLogger(__name__)
+
+REWARD_ERROR_POLICIES = ("raise", "skip_group")
 
 
 def _returns(value):
@@ -96,6 +102,11 @@ class LongStrawModule(pl.LightningModule):
         lr_warmup_steps, lr_schedule: see :func:`lr_factor` (``"constant"`` or ``"cosine"``).
         max_steps: the cosine's length in optimizer steps; None = the Trainer's ``max_steps``.
         seed: sampling seed, identical on all ranks of an SP group.
+        reward_timeout_s: each :meth:`reward` call's limit in seconds (run in a worker thread, abandoned after
+            it: :func:`~lightning_longctx.tasks.rewards.call_with_timeout`); None = no limit.
+        on_reward_error: a :meth:`reward` that raises, times out or returns the wrong shape: ``"raise"`` (stop,
+            naming the step and the prompt) or ``"skip_group"`` (the group gets no update, on every rank alike:
+            under DP the step is skipped on every DP rank; counted in ``train/reward_skipped_groups``).
     """
 
     # The strategy hands us the DP x SP mesh and the DP sampler but leaves the batch whole: longstraw_step shards
@@ -146,8 +157,15 @@ class LongStrawModule(pl.LightningModule):
         lr_schedule: str = "constant",
         max_steps: int | None = None,
         seed: int = 0,
+        reward_timeout_s: float | None = None,
+        on_reward_error: str = "raise",
     ) -> None:
         super().__init__()
+        if on_reward_error not in REWARD_ERROR_POLICIES:
+            raise ValueError(f"on_reward_error={on_reward_error!r} must be one of {list(REWARD_ERROR_POLICIES)}")
+        self.reward_timeout_s, self.on_reward_error = check_timeout(reward_timeout_s), on_reward_error
+        self.reward_context = ""  # what the current reward() call is about (the step, the prompt): for its errors
+        self.skipped_reward_groups = 0
         self.check_arguments(group_size=group_size, loss_type=loss_type, prompt_grad=prompt_grad, beta=beta,
                              clip_eps=clip_eps, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k, logprob_temperature=logprob_temperature, logits_chunk_size=logits_chunk_size,
@@ -241,34 +259,84 @@ class LongStrawModule(pl.LightningModule):
         return float(norm)
 
     def group_rewards(self, prompt: torch.Tensor, responses: list[torch.Tensor], fields: dict,
-                      sp_group: dist.ProcessGroup | None) -> torch.Tensor:
+                      sp_group: dist.ProcessGroup | None, context: str = "") -> torch.Tensor | None:
         """``[G]`` float32 rewards on ``prompt.device``: :meth:`reward` on the SP group's first rank, broadcast
-        to the others. Every SP rank calls the broadcast (a failure on the first rank travels with it)."""
+        to the others. Every SP rank calls the broadcast (a failure on the first rank travels with it). A
+        failure (``context`` names the step and prompt) raises, or with ``on_reward_error="skip_group"``
+        returns None on every SP rank."""
         expected = len(responses)
         if sp_group is None:
-            return self._checked_rewards(self.reward(prompt, responses, **fields), expected).to(prompt.device)
+            try:
+                return self._call_reward(prompt, responses, fields, context).to(prompt.device)
+            except Exception as exc:  # noqa: BLE001 - the policy decides
+                return self._reward_failed(exc)
         check_group_agrees(prompt, responses, sp_group)  # same G everywhere before a [G+1] broadcast
         payload = torch.zeros(expected + 1, dtype=torch.float32, device=prompt.device)  # [rewards..., failed]
         failure: BaseException | None = None
         if dist.get_rank(sp_group) == 0:
             try:
-                payload[:expected] = self._checked_rewards(self.reward(prompt, responses, **fields), expected)
+                payload[:expected] = self._call_reward(prompt, responses, fields, context)
             except Exception as exc:  # noqa: BLE001 - re-raised after the broadcast, which must still happen
                 failure = exc
                 payload[expected] = 1.0
         dist.broadcast(payload, src=dist.get_global_rank(sp_group, 0), group=sp_group)
         if failure is not None:
-            raise failure
+            return self._reward_failed(failure)
         if payload[expected].item() != 0.0:
-            raise RuntimeError("reward() failed on the first rank of this sequence-parallel group (its traceback "
-                               "is in that rank's log); no rank trains on this group")
+            return self._reward_failed(RuntimeError(
+                "reward() failed on the first rank of this sequence-parallel group (its traceback is in that "
+                f"rank's log); no rank trains on this group ({context})"), logged_elsewhere=True)
         return payload[:expected]
+
+    def _call_reward(self, prompt: torch.Tensor, responses: list[torch.Tensor], fields: dict,
+                     context: str) -> torch.Tensor:
+        """:meth:`reward` with ``reward_timeout_s``, checked: ``[G]`` float32 on the CPU; a failure is a
+        :class:`~lightning_longctx.tasks.rewards.RewardFunctionError` naming the method and ``context``."""
+        self.reward_context = context
+        name = f"{type(self).__name__}.reward"
+        try:
+            out = call_with_timeout(self.reward, dict(prompt_ids=prompt, responses=responses, **fields),
+                                    self.reward_timeout_s, name)
+            return self._checked_rewards(out, len(responses))
+        except RewardFunctionError as exc:
+            if context and context in str(exc):
+                raise
+            raise type(exc)(f"{exc} ({context})") from exc
+        except Exception as exc:  # noqa: BLE001 - name where it failed
+            raise RewardFunctionError(f"{name} raised {type(exc).__name__}: {exc} ({context})") from exc
+        finally:
+            self.reward_context = ""
+
+    def _reward_failed(self, exc: BaseException, logged_elsewhere: bool = False) -> None:
+        """``on_reward_error``: raise ``exc``, or (``skip_group``) log it and return None."""
+        if self.on_reward_error == "raise":
+            raise exc
+        if not logged_elsewhere:
+            log.warning("on_reward_error=skip_group: skipping the group: %s", exc)
+        return None
+
+    def _skip_failed_group(self, failed: bool, dp_group: dist.ProcessGroup | None, device: torch.device) -> bool:
+        """Whether this step's group is skipped: its reward failed here, or (under DP, where every replica takes
+        the step's gradient all-reduce together) on another DP rank. Counted in ``train/reward_skipped_groups``."""
+        if self.on_reward_error == "raise":
+            return False
+        if dp_group is not None:
+            flag = torch.tensor([1.0 if failed else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dp_group)
+            failed = flag.item() != 0.0
+        if failed:
+            self.skipped_reward_groups += 1
+            self.log("train/reward_skipped_groups", float(self.skipped_reward_groups), on_step=True, batch_size=1,
+                     rank_zero_only=True)
+        return failed
 
     @staticmethod
     def _checked_rewards(rewards: Any, expected: int) -> torch.Tensor:
         rewards = torch.as_tensor(rewards, dtype=torch.float32).detach().cpu()
         if rewards.shape != (expected,):
             raise ValueError(f"reward() returned shape {tuple(rewards.shape)}; expected [G] = [{expected}]")
+        if not bool(rewards.isfinite().all()):
+            raise ValueError(f"reward() returned non-finite rewards {rewards.tolist()}")
         return rewards
 
     def _mesh_group(self, name: str) -> dist.ProcessGroup | None:
@@ -362,8 +430,13 @@ class LongStrawModule(pl.LightningModule):
                     responses = sample(self.model, prompt, self.group_size, group=sp_group, prompt_state=state,
                                        generator=self._sampling_generator(), **self.sample_kwargs)
             fields = {k: v[index] for k, v in extra.items()}
+            context = f"global step {self.global_step}, batch {batch_idx}, prompt {index + 1}/{len(prompts)}"
             with phase("reward"):
-                rewards = self.group_rewards(prompt, responses, fields, sp_group)  # same on every SP rank
+                rewards = self.group_rewards(prompt, responses, fields, sp_group, context)  # same on every SP rank
+            if self._skip_failed_group(rewards is None, dp_group, prompt.device):
+                del state
+                optimizer.zero_grad(set_to_none=True)
+                continue
             advantages = group_advantages(rewards, scale_by_std=self.scale_rewards)
             rewards = rewards.cpu()
             old = None  # on-policy, unless an external engine's behaviour log-probs came with its responses
@@ -401,5 +474,6 @@ class LongStrawModule(pl.LightningModule):
             }
             self.reward_history.append(last["train/reward_mean"])
             self.log_dict(last, on_step=True, prog_bar=False, batch_size=1, rank_zero_only=True)
-        self.log("reward", last["train/reward_mean"], prog_bar=True, batch_size=1, rank_zero_only=True)
+        if last is not None:  # None: every group of the batch was skipped (on_reward_error=skip_group)
+            self.log("reward", last["train/reward_mean"], prog_bar=True, batch_size=1, rank_zero_only=True)
         return None

@@ -16,6 +16,12 @@ called; ``_partial_: true`` binds arguments of a plain function), or as callable
 module that is not importable from ``sys.path`` is looked up in the working directory too (the console
 script's ``sys.path`` does not hold it), so ``longctx-train task.reward_funcs=[rewards.exact_match]`` run
 from the folder holding ``rewards.py`` works.
+
+Misbehaving functions (:meth:`RewardFunctions.call_one`): with ``timeout_s`` each call runs in a worker thread
+and is abandoned after that many seconds (:func:`call_with_timeout`; a Python thread cannot be killed: a hung
+call runs on in the background, as a daemon thread that does not keep the process alive); an exception, a
+timeout, a NaN or infinite reward, the wrong count or a non-number raises :class:`RewardFunctionError` naming
+the function and the call's context (the step, the prompt).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import logging
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +41,45 @@ log = logging.getLogger(__name__)
 
 
 class RewardFunctionError(ValueError):
-    """A reward function that does not import, is not callable, or returns the wrong thing."""
+    """A reward function that does not import, is not callable, raises, hangs, or returns the wrong thing."""
+
+
+class RewardTimeoutError(RewardFunctionError):
+    """A reward call that did not return within its timeout (abandoned: it may still be running)."""
+
+
+def call_with_timeout(func: Callable, kwargs: dict[str, Any], timeout_s: float | None, name: str) -> Any:
+    """``func(**kwargs)``; with ``timeout_s``, in a daemon worker thread that is abandoned (left running: a
+    thread cannot be killed) when it has not returned after ``timeout_s`` seconds: then
+    :class:`RewardTimeoutError` naming ``name``. The call's own exception is re-raised as is."""
+    if timeout_s is None:
+        return func(**kwargs)
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = func(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=run, name=f"reward {name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardTimeoutError(f"{name} did not return within {timeout_s:g} s (task.reward_timeout_s); the call "
+                                 "was abandoned (its thread cannot be killed and may still be running)")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def check_timeout(timeout_s: float | None) -> float | None:
+    """``task.reward_timeout_s``: None or a positive number of seconds."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise RewardFunctionError(f"task.reward_timeout_s={timeout_s!r} must be a positive number of seconds or null")
+    return float(timeout_s)
 
 
 def _search_paths() -> list[str]:
@@ -123,12 +168,15 @@ class RewardFunctions:
     Args:
         funcs: one spec or a list of specs (:func:`resolve_reward_func`).
         weights: one float per function (None = all 1).
+        timeout_s: each call's limit in seconds (None = no limit; see :func:`call_with_timeout`).
     Raises:
         RewardFunctionError: an empty list, a function that does not resolve, or a wrong number of weights.
     """
 
-    def __init__(self, funcs: Any, weights: Sequence[float] | None = None) -> None:
+    def __init__(self, funcs: Any, weights: Sequence[float] | None = None, *, timeout_s: float | None = None) -> None:
         from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        self.timeout_s = check_timeout(timeout_s)
 
         if isinstance(funcs, ListConfig):
             funcs = list(funcs)
@@ -158,14 +206,26 @@ class RewardFunctions:
     def __len__(self) -> int:
         return len(self.funcs)
 
-    def call_one(self, index: int, **kwargs: Any) -> torch.Tensor:
+    def call_one(self, index: int, *, context: str = "", **kwargs: Any) -> torch.Tensor:
         """Function ``index`` on one group: ``[G]`` float32, NaN where it returned None. Raises
-        :class:`RewardFunctionError` naming the function when it does not return G numbers."""
+        :class:`RewardFunctionError` naming the function (and ``context``: the step and prompt) when it raises,
+        does not return within ``timeout_s``, or does not return G finite numbers."""
         name, expected = self.names[index], len(kwargs["completions"])
+        where = f" ({context})" if context else ""
         try:
-            out = self.funcs[index](**kwargs)
+            out = call_with_timeout(self.funcs[index], kwargs, self.timeout_s, f"reward function {name}")
+        except RewardTimeoutError as exc:
+            raise RewardTimeoutError(f"{exc}{where}") from None
         except Exception as exc:  # noqa: BLE001 - name the function that failed
-            raise RewardFunctionError(f"reward function {name} raised {type(exc).__name__}: {exc}") from exc
+            raise RewardFunctionError(f"reward function {name} raised {type(exc).__name__}: {exc}{where}") from exc
+        try:
+            return self._checked(name, out, expected)
+        except RewardFunctionError as exc:
+            raise RewardFunctionError(f"{exc}{where}") from exc.__cause__
+
+    @staticmethod
+    def _checked(name: str, out: Any, expected: int) -> torch.Tensor:
+        """``out`` as ``[expected]`` float32 (None -> NaN), or :class:`RewardFunctionError` naming ``name``."""
         if torch.is_tensor(out):
             out = out.detach().cpu().reshape(-1).tolist() if out.dim() <= 1 else out
         try:
@@ -177,19 +237,26 @@ class RewardFunctions:
             raise RewardFunctionError(f"reward function {name} returned {len(values)} rewards for {expected} "
                                       f"completions; it must return one float (or None) per completion")
         try:
-            return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+            rewards = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
         except (TypeError, ValueError) as exc:
             raise RewardFunctionError(f"reward function {name} returned a non-number among {values[:8]}: "
                                       f"{exc}") from exc
+        given = torch.tensor([v is not None for v in values])
+        bad = (given & ~rewards.isfinite()).nonzero().flatten().tolist()
+        if bad:  # None is "does not apply"; a NaN or inf it computed is a bug that would poison the advantages
+            raise RewardFunctionError(f"reward function {name} returned {values[bad[0]]} for completion {bad[0]} "
+                                      f"(non-finite; return None where the function does not apply)")
+        return rewards
 
     def __call__(self, *, prompts: list, completions: list, completion_ids: list[list[int]],
-                 columns: dict[str, list] | None = None, **extra: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                 columns: dict[str, list] | None = None, context: str = "",
+                 **extra: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(total [G], per_function [F, G])``: every function on one group (lists of length G), then TRL's
-        weighted nansum over the functions."""
+        weighted nansum over the functions. ``context``: for the errors (the step and the prompt)."""
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids)
         kwargs.update(columns or {})
         kwargs.update(extra)
-        per = torch.stack([self.call_one(i, **kwargs) for i in range(len(self))])  # [F, G]
+        per = torch.stack([self.call_one(i, context=context, **kwargs) for i in range(len(self))])  # [F, G]
         if bool(per.isnan().all(0).any()):
             log.warning("every reward function returned None for some completions; their reward is 0 (TRL's rule)")
         return combine_rewards(per, self.weights), per
@@ -211,5 +278,5 @@ def combine_rewards(per_function: torch.Tensor, weights: torch.Tensor) -> torch.
     return (per_function * weights.to(per_function.dtype)[:, None]).nansum(0)
 
 
-__all__ = ["RewardFunctionError", "RewardFunctions", "combine_rewards", "import_object", "resolve_reward_func",
-           "reward_func_name"]
+__all__ = ["RewardFunctionError", "RewardFunctions", "RewardTimeoutError", "call_with_timeout", "check_timeout",
+           "combine_rewards", "import_object", "resolve_reward_func", "reward_func_name"]

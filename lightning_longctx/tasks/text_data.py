@@ -8,11 +8,13 @@ library. :class:`TextPromptData` turns the rows into :class:`~lightning_longctx.
     prompt       list of the raw prompts (str, or a list of chat messages), for the reward functions
     <column>     one list per other column of the data set, one entry per prompt
 
-All checks run when the data module is built, before any Trainer or process group: a missing path, an unknown
-``prompt_field`` or column, a column name the module reserves, a prompt longer than ``seq_len`` (refused,
-naming the rows and their lengths, unless ``truncate="left"`` keeps each prompt's last ``seq_len`` tokens:
-the question usually sits at the end of a long-context prompt), and ``chat_template=True`` on a tokenizer
-without one. Every rank tokenizes the whole data set (the prompts are needed in full on every SP rank).
+All checks run when the data module is built, before any Trainer or process group: a missing path, an empty
+file, bytes that are not UTF-8 and (JSON lines) a line that is not a JSON object or lacks the prompt field,
+named by file and line (:func:`check_text_file`), an unknown ``prompt_field`` or column, a null prompt, a
+column name the module reserves, a prompt longer than ``seq_len`` (refused, naming the rows and their
+lengths, unless ``truncate="left"`` keeps each prompt's last ``seq_len`` tokens: the question usually sits at
+the end of a long-context prompt), and ``chat_template=True`` on a tokenizer without one. Every rank
+tokenizes the whole data set (the prompts are needed in full on every SP rank).
 """
 
 from __future__ import annotations
@@ -40,7 +42,56 @@ RESERVED_COLUMNS = ("prompt_ids", "responses", "old_logprobs", "prompt", "prompt
 TRUNCATE = (None, "left")
 
 
-def load_rows(path: str | os.PathLike, *, split: str = "train", cache_dir: str | None = None):
+def _line_error(file: Path, number: int, what: str) -> ValueError:
+    return ValueError(f"{file}:{number}: {what}")
+
+
+def check_text_file(file: Path, fields: Sequence[str] = ()) -> None:
+    """Refuse a text data file (JSON lines, a JSON array, CSV) that ``datasets`` would misread or reject with an
+    Arrow error naming neither the file nor the line: an empty file, bytes that are not UTF-8, and for JSON lines
+    a line that is not a JSON object or lacks one of ``fields`` that other lines have (``datasets`` would fill
+    it with null; a field no line has is left to the column check). Blank lines are allowed (``datasets`` skips
+    them). ValueError naming the file and the line."""
+    kind = FORMATS[file.suffix]
+    seen = False
+    present: set[str] = set()
+    first_missing: dict[str, tuple[int, list[str]]] = {}
+    with open(file, "rb") as handle:
+        first = handle.read(64).lstrip()
+        array = kind == "json" and first.startswith(b"[")
+        handle.seek(0)
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _line_error(file, number, f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                                  "re-encode the file as UTF-8") from None
+            if not line.strip():
+                continue
+            seen = True
+            if kind != "json" or array:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise _line_error(file, number, f"not JSON ({err.msg} at column {err.colno}): "
+                                  f"{line.strip()[:60]!r}") from None
+            if not isinstance(row, dict):
+                raise _line_error(file, number, f"a JSON {type(row).__name__}, not an object with the row's fields")
+            for name in fields:
+                if row.get(name) is None:
+                    first_missing.setdefault(name, (number, sorted(row)[:8]))
+                else:
+                    present.add(name)
+    if not seen:
+        raise ValueError(f"{file} is empty (no rows)")
+    for name, (number, keys) in first_missing.items():
+        if name in present:
+            raise _line_error(file, number, f"no {name!r} field, or null (the row has {keys})")
+
+
+def load_rows(path: str | os.PathLike, *, split: str = "train", cache_dir: str | None = None,
+              fields: Sequence[str] = ()):
     """The rows at ``path`` as a ``datasets.Dataset``.
 
     Args:
@@ -48,9 +99,11 @@ def load_rows(path: str | os.PathLike, *, split: str = "train", cache_dir: str |
             (``Dataset`` or ``DatasetDict``); or a folder of data files of one of those formats.
         split: the split of a ``DatasetDict`` folder.
         cache_dir: where ``datasets`` writes its Arrow cache of a file (None = its default).
+        fields: the fields every JSON line must have (:func:`check_text_file`).
     Raises:
         FileNotFoundError: the path does not exist (naming it).
-        ValueError: an unknown file format, a folder with no data files or several formats, a missing split.
+        ValueError: an unknown file format, a folder with no data files or several formats, a missing split, a
+            text file :func:`check_text_file` refuses (naming the file and line).
     """
     import datasets
 
@@ -77,6 +130,9 @@ def load_rows(path: str | os.PathLike, *, split: str = "train", cache_dir: str |
             raise ValueError(f"task.data.path={str(path)!r}: unknown format {path.suffix!r}; use one of "
                              f"{sorted(FORMATS)} or a datasets.save_to_disk folder")
         builder, data_files = FORMATS[path.suffix], [str(path)]
+    if builder in ("json", "csv"):
+        for file in data_files:
+            check_text_file(Path(file), fields)
     return datasets.load_dataset(builder, data_files=data_files, split="train", cache_dir=cache_dir)
 
 
@@ -221,7 +277,7 @@ class TextPromptData(pl.LightningDataModule):
         if chat_template and not has_chat_template(self.tokenizer):
             raise ValueError(f"task.data.chat_template=true but the tokenizer at {tokenizer_path!r} has no chat "
                              "template (tokenizer.chat_template is empty): set task.data.chat_template=false")
-        rows = load_rows(path, split=split, cache_dir=cache_dir)
+        rows = load_rows(path, split=split, cache_dir=cache_dir, fields=[prompt_field])
         check_columns(rows.column_names, [prompt_field], what=f"task.data.prompt_field={prompt_field!r}")
         names = [c for c in rows.column_names if c != prompt_field] if columns is None else list(columns)
         check_columns(rows.column_names, names, what=f"task.data.columns={names}")
@@ -232,6 +288,9 @@ class TextPromptData(pl.LightningDataModule):
         if len(rows) == 0:
             raise ValueError(f"task.data.path={path!r} holds no rows")
         prompts = list(rows[prompt_field])
+        null = [i for i, p in enumerate(prompts) if p is None]
+        if null:  # a Parquet / CSV null: would be tokenized as the string "None"
+            raise ValueError(f"task.data.path={path!r}: row(s) {null[:10]} have no {prompt_field!r} (null)")
         ids = [encode_prompt(self.tokenizer, p, chat_template=chat_template) for p in prompts]
         self.prompt_ids = self._fit_lengths(ids, seq_len, truncate, prompt_field)
         self.rows = PromptRows(self.prompt_ids, prompts, {name: list(rows[name]) for name in names})
@@ -261,5 +320,5 @@ class TextPromptData(pl.LightningDataModule):
 
 
 __all__ = ["FORMATS", "RESERVED_COLUMNS", "PromptRows", "TextPromptData", "chat_ids", "check_columns",
-           "encode_prompt", "has_chat_template", "is_conversation", "load_rows", "load_tokenizer",
+           "check_text_file", "encode_prompt", "has_chat_template", "is_conversation", "load_rows", "load_tokenizer",
            "marks_assistant_tokens"]

@@ -53,14 +53,18 @@ class TextGRPOModule(LongStrawModule):
         generation_config_path: the checkpoint directory (``task=text_grpo``: ``model.pretrained``) or its
             ``generation_config.json``; None = the tokenizer's EOS alone.
         check_rewards: the dry call of the reward functions before the first prefill (see the module docstring).
+        reward_timeout_s: each reward function call's limit in seconds (None = none; see
+            :class:`~.rewards.RewardFunctions`: a timeout names the function).
         **kwargs: :class:`~lightning_longctx.LongStrawModule`'s (``group_size``, ``max_new_tokens``, ``lr``, ...).
     """
 
     def __init__(self, model: torch.nn.Module, *, tokenizer_path: str | None = None, tokenizer: Any = None,
                  reward_funcs: Any = None, reward_weights: Any = None, eos_token_id: StopIds = None,
-                 generation_config_path: str | None = None, check_rewards: bool = True, **kwargs: Any) -> None:
+                 generation_config_path: str | None = None, check_rewards: bool = True,
+                 reward_timeout_s: float | None = None, **kwargs: Any) -> None:
         tok = load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path, what="tokenizer_path")
-        rewards = RewardFunctions(reward_funcs, reward_weights)  # import errors before any model work
+        # import errors before any model work; the timeout per function (the base's would be per group)
+        rewards = RewardFunctions(reward_funcs, reward_weights, timeout_s=reward_timeout_s)
         if eos_token_id is None:
             eos_token_id = stop_ids(tok, generation_config_path) or None
             if eos_token_id is None:
@@ -90,8 +94,11 @@ class TextGRPOModule(LongStrawModule):
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversation(prompt) else texts
         columns = {name: [value] * g for name, value in fields.items()}
+        preview = repr(prompt if isinstance(prompt, str) else str(prompt))
+        preview = preview if len(preview) <= 60 else preview[:57] + "..."
+        context = ", ".join(c for c in (self.reward_context, f"prompt {preview}") if c)  # for the errors
         return self.rewards(prompts=[prompt] * g, completions=completions, completion_ids=completion_ids,
-                            columns=columns, trainer_state=self._trainer_state())
+                            columns=columns, trainer_state=self._trainer_state(), context=context)
 
     def reward(self, prompt_ids: torch.Tensor, responses: list[torch.Tensor], prompt: Any = None,
                **fields: Any) -> torch.Tensor:

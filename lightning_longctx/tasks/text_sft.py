@@ -159,8 +159,8 @@ class TextSFTData(pl.LightningDataModule):
             raise ValueError(f"task.seq_len={seq_len} must be >= 2")
         self.batch_size, self.shuffle, self.seed, self.num_workers = batch_size, shuffle, seed, num_workers
         self.tokenizer = load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path)
-        rows = load_rows(path, split=split, cache_dir=cache_dir)
         field = text_field or messages_field
+        rows = load_rows(path, split=split, cache_dir=cache_dir, fields=[field])
         what = f"task.data.text_field={text_field!r}" if text_field else f"task.data.messages_field={messages_field!r}"
         check_columns(rows.column_names, [field], what=what)
         if len(rows) == 0:
