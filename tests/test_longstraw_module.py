@@ -265,3 +265,20 @@ def test_external_engine_responses_with_behaviour_logprobs_clip_against_them(tmp
         torch.testing.assert_close(got, start - 0.1 * want.grad, atol=1e-6, rtol=0, msg=name)
         moved |= bool((want.grad - plain.grad).abs().max() > 1e-4)
     assert moved, "the behaviour log-probs did not change the gradient"
+
+
+def test_a_restored_sampling_generator_state_is_set_on_first_use_and_saved_unchanged_before():
+    """``on_load_checkpoint`` keeps the state until the generator is first needed, then builds it on the model's
+    device (Lightning may load before the model moves there); a save in between writes the restored state."""
+    source = NeedleGRPO(_model(), group_size=2, max_new_tokens=2)
+    torch.rand(5, generator=source._sampling_generator())  # advance it
+    saved = {}
+    source.on_save_checkpoint(saved)
+    resumed = NeedleGRPO(_model(), group_size=2, max_new_tokens=2)
+    resumed.on_load_checkpoint(saved)
+    again = {}
+    resumed.on_save_checkpoint(again)  # before first use: the restored state, unchanged
+    assert torch.equal(again[resumed.RNG_CHECKPOINT_KEY][0], saved[source.RNG_CHECKPOINT_KEY][0])
+    generator = resumed._sampling_generator()
+    assert generator.device == resumed.device
+    assert torch.equal(torch.rand(3, generator=generator), torch.rand(3, generator=source._sampling_generator()))
