@@ -252,7 +252,7 @@ def section_chunk(args, report):
     for keep in ("off", "device") if "keep_attention_output" in PREFILL_ARGS else ("off",):
         for chunk in (1, None):
             # the tiled MLP: its [s, 3E] intermediates would otherwise dominate the peak at any chunk size
-            model = build(args, 16, args.chunk_kv_heads, chunk, mlp_chunk=1024)
+            model = build(args, 16, args.chunk_kv_heads, chunk, mlp_chunk=args.chunk_mlp)
             peak, seconds, attention = grouped_backward_peak(model, prompt, responses, adv, keep)
             out[f"keep={keep} chunk={chunk}"] = dict(peak=peak, seconds=seconds, attention=attention)
             print(f"  16 heads ({args.chunk_kv_heads} kv), keep {keep:>6}, head_chunk_size={chunk!s:>4}: grouped "
@@ -311,6 +311,9 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--chunk-kv-heads", type=int, default=4, help="K/V heads of the 16-head model (chunk)")
+    parser.add_argument("--chunk-mlp", type=int, default=1024,
+                        help="mlp_chunk_size of the 16-head model (chunk): small against the prompt, so that the "
+                             "attention, not one MLP tile, sets the grouped backward's peak")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--replay-layers", type=int, default=4)
     parser.add_argument("--long-response", type=int, default=4096)

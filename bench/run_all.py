@@ -47,16 +47,21 @@ from lightning_longctx.ops.memory import MemoryTracker  # noqa: E402
 
 MIB = 2.0**20
 FULL = dict(seq=[2048, 4096, 8192], attn_heads=8, attn_kv_heads=2, attn_head_dim=32, model_hidden=256,
-            model_heads=8, model_vocab=4096, gsweep_prompt=8192, gsweep_groups=[1, 2, 4, 8], prompts=[16384, 65536],
+            model_heads=8, model_vocab=4096, model_tiles=1024, gsweep_prompt=8192, gsweep_groups=[1, 2, 4, 8],
+            prompts=[16384, 65536],
             long_model=["--hidden", "64", "--heads", "2", "--kv-heads", "1", "--chunk-kv-heads", "4"],
             fused=["--long-response", "4096"], long_sections=["time", "floor"],
             sampling=["--prompt", "4096", "--new-tokens", "32", "64", "--hidden", "128", "--layers", "2",
                       "--heads", "4"])
+# Small, but every knob bites (tests/test_bench_run_all.py asserts each measured ratio): tiles and chunks well
+# below the lengths (a 1024-token MLP tile over a 256-token prompt tiles nothing), a replayed response longer than
+# the prompt over 4 layers, a 512-token prompt for the head-chunking section.
 QUICK = dict(seq=[128, 256], attn_heads=4, attn_kv_heads=2, attn_head_dim=16, model_hidden=64, model_heads=4,
-             model_vocab=256, gsweep_prompt=256, gsweep_groups=[1, 8], prompts=[256, 512],
+             model_vocab=256, model_tiles=32, gsweep_prompt=256, gsweep_groups=[1, 8], prompts=[512, 256],
              long_model=["--hidden", "64", "--heads", "2", "--kv-heads", "1", "--chunk-kv-heads", "4"],
-             fused=["--long-response", "64", "--shared-responses", "8", "16", "--replay-layers", "2",
-                    "--vocab", "256", "--response", "8", "--logits-chunk", "64"], long_sections=["time", "floor"],
+             fused=["--long-response", "512", "--shared-responses", "8", "32", "--replay-layers", "4",
+                    "--vocab", "256", "--response", "8", "--logits-chunk", "64", "--chunk-mlp", "32"],
+             long_sections=["time", "floor"],
              sampling=["--prompt", "128", "--new-tokens", "4", "--hidden", "64", "--layers", "2", "--heads", "4",
                        "--vocab", "256"])
 
@@ -89,14 +94,16 @@ def run_attention(sizes) -> list[dict]:
     return rows
 
 
-TILES = dict(mlp_chunk_size=1024, logits_chunk_size=1024)
-MODEL_CONFIGS = (  # head chunking shows once the untiled MLP and logits no longer set the peak
-    ("plain", {}),
-    ("checkpointed", dict(activation_checkpointing=True)),
-    ("checkpointed + head-chunked", dict(activation_checkpointing=True, head_chunk_size=1)),
-    ("checkpointed + tiled MLP + chunked logits", dict(activation_checkpointing=True, **TILES)),
-    ("all knobs", dict(activation_checkpointing=True, head_chunk_size=1, **TILES)),
-)
+def model_configs(tiles: int) -> tuple[tuple[str, dict], ...]:
+    """The knob sets of :func:`run_model_memory`; ``tiles``: the MLP tile and the logits chunk, in tokens."""
+    tiled = dict(mlp_chunk_size=tiles, logits_chunk_size=tiles)
+    return (  # head chunking shows once the untiled MLP and logits no longer set the peak
+        ("plain", {}),
+        ("checkpointed", dict(activation_checkpointing=True)),
+        ("checkpointed + head-chunked", dict(activation_checkpointing=True, head_chunk_size=1)),
+        ("checkpointed + tiled MLP + chunked logits", dict(activation_checkpointing=True, **tiled)),
+        ("all knobs", dict(activation_checkpointing=True, head_chunk_size=1, **tiled)),
+    )
 
 
 def run_model_memory(sizes) -> list[dict]:
@@ -106,11 +113,11 @@ def run_model_memory(sizes) -> list[dict]:
                            num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4))
     torch.manual_seed(0)
     model = DecoderLM(config)
-    rows = []
+    rows, configs = [], model_configs(sizes["model_tiles"])
     for seq in sizes["seq"]:
         ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
         row = dict(seq=seq)
-        for name, knobs in MODEL_CONFIGS:
+        for name, knobs in configs:
             model.configure_memory(MemoryConfig(**knobs))
 
             def step(ids=ids):
@@ -118,7 +125,7 @@ def run_model_memory(sizes) -> list[dict]:
                 model(ids, labels=ids).loss.backward()
 
             row[name], row[f"{name} s"] = model_memory.measure(step, 1)
-        print(f"  model seq {seq}: " + ", ".join(f"{n} {row[n] / MIB:.1f} MiB" for n, _ in MODEL_CONFIGS), flush=True)
+        print(f"  model seq {seq}: " + ", ".join(f"{n} {row[n] / MIB:.1f} MiB" for n, _ in configs), flush=True)
         rows.append(row)
     return rows
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 
 MIB = 2.0**20
@@ -17,29 +18,61 @@ def _pyplot():
     return plt
 
 
-NOTES = """\
-- **Time.** The detached step is the prefill (one no-grad forward over the prompt) plus G short replays; the
-  exact step adds one backward over the prompt (the grouped backward). Its floor,
-  `(detached + fwd_bwd - fwd) / detached` from a plain no-grad and a plain autograd pass over the prompt (the
-  `floor` row), is itself above 1.6 here: on CPU a plain autograd forward + backward over the prompt costs
-  several times its no-grad forward (attention's backward dominates), and with short responses the detached
-  step is little more than that forward. With the kept attention outputs the exact step measures at or below
-  that floor estimate (its grouped backward recomputes only the token-wise parts); with them off it attends
-  over the prompt once more. CPU timings on a shared machine vary by 10-20% between runs (best of `--repeats`).
-- **Head chunking in the grouped backward.** Its attention part (the largest working set of one
-  `FusedAttention` call: one stage's full-prompt q/k/v) shrinks with the stage size. The whole grouped
-  backward's peak at `head_chunk_size=1` is the recomputed layer's token-wise tensors over the whole prompt,
-  which no head schedule changes. With the lean RMSNorm (saves only its input and the fp32 `rstd`) and the
-  mixer's output freed before the MLP, it moved (16K tokens, hidden 128, 8 MiB per tensor; live-tensor
-  tracker at the peak, keep off) from the end of the layer's forward recompute (66.2 MiB) into
-  `FusedAttention`'s backward (46.8 MiB beyond what is live when it starts): the input norm's output and the
-  attention output (8 MiB each, saved), three [s, E] gradients of the layer's backward (the post-attention
-  norm's `grad_x`, the residual sum's and o_proj's input gradient, 8 MiB each), the stage's input gradient
-  being summed (16 MiB: the running sum and one stage's product) and the stage's q/k/v and attention
-  gradients (~5 MiB).
-- **Shared-prefix autograd** (checkpointed per layer) holds one layer's recompute over the prompt and all G
-  responses; the exact step one layer's over the prompt alone plus the prompt state (K/V, fp32 gradient sums,
-  checkpoints, kept outputs): about equal with short responses, lower as the responses grow."""
+def notes(results: dict) -> str:
+    """The "Reading the goals" paragraphs for this run: every figure from its own ``fused`` report (the first
+    prompt, which runs every section)."""
+    fused = results.get("fused", {})
+    if not fused:
+        return ""
+    prompt = next(iter(fused))
+    report, out = fused[prompt], []
+    args = report["args"]
+    t, floor = report.get("time"), report.get("floor")
+    if t and floor:
+        ph, sec, ratios = t["phases"], t["seconds"], t["ratios"]
+        det = ph["detached"]
+        costlier = floor["forward_backward_s"] / floor["forward_s"]
+        out.append(
+            f"- **Time** ({_tokens(prompt)} prompt, G={t['G']}). The detached step ({sec['detached']:.2f} s: prefill "
+            f"{det['prefill']:.2f} s, replays {det['replay']:.2f} s) is one no-grad forward over the prompt plus G "
+            f"short replays; the exact step adds one backward over the prompt, the grouped backward "
+            f"({ph['exact, keep device']['grouped backward']:.2f} s with the kept attention outputs, "
+            f"{ph['exact, keep off']['grouped backward']:.2f} s without: it attends over the prompt once more). Its "
+            f"floor, `(detached + fwd_bwd - fwd) / detached` from a plain no-grad ({floor['forward_s']:.2f} s) and a "
+            f"plain autograd pass ({floor['forward_backward_s']:.2f} s, {costlier:.1f}x) over the prompt, is "
+            f"{floor['exact_over_detached_floor']:.2f}; the exact step measures {ratios['exact, keep device']:.2f} "
+            f"with the kept outputs and {ratios['exact, keep off']:.2f} without"
+            + (" (the floor itself is above the 1.6 target: on CPU the prompt's backward costs more than its "
+               "forward, and the detached step is little more than that forward)."
+               if floor["exact_over_detached_floor"] > 1.6 else ".")
+            + f" Best of {args['repeats']} run(s) on a shared CPU.")
+    chunk = report.get("chunk")
+    if chunk:
+        tensor = int(prompt) * args["hidden"] * 4  # one [s, E] float32 tensor over the prompt
+        one, full, ratio = chunk["keep=off chunk=1"], chunk["keep=off chunk=None"], chunk["keep=off ratio"]
+        device = chunk.get("keep=device ratio", {}).get("peak")
+        out.append(
+            f"- **Head chunking in the grouped backward** (16 heads, {args['chunk_kv_heads']} K/V heads, hidden "
+            f"{args['hidden']}: one [s, E] float32 tensor over the prompt is {tensor / MIB:.1f} MiB). Its attention "
+            f"part (the largest working set of one `FusedAttention` call: one stage's full-prompt q/k/v) shrinks with "
+            f"the stage size, {full['attention'] / MIB:.1f} -> {one['attention'] / MIB:.1f} MiB "
+            f"({ratio['attention']:.3f}). The whole grouped backward's peak goes {full['peak'] / MIB:.1f} -> "
+            f"{one['peak'] / MIB:.1f} MiB ({ratio['peak']:.3f} kept outputs off"
+            + (f", {device:.3f} on device" if device is not None else "")
+            + f"): at head_chunk_size=1 it is {one['peak'] / tensor:.1f} such tensors, the recomputed layer's "
+            "token-wise tensors and gradients over the whole prompt, which no head schedule changes.")
+    shared = report.get("shared")
+    if shared:
+        lengths = sorted(shared, key=int)
+        figures = ", ".join(f"{shared[n]['exact_keep_off_over_shared']:.3f} at G x {n} tokens" for n in lengths)
+        falls = shared[lengths[-1]]["exact_keep_off_over_shared"] < shared[lengths[0]]["exact_keep_off_over_shared"]
+        out.append(
+            "- **Shared-prefix autograd** (checkpointed per layer) holds one layer's recompute over the prompt and "
+            "all G responses; the exact step one layer's over the prompt alone plus the prompt state (K/V, fp32 "
+            f"gradient sums, checkpoints, kept outputs). Exact / shared (kept outputs off): {figures}"
+            + ("; lower as the responses grow." if falls else "; it does not fall as the responses grow here."))
+    return "\n".join(textwrap.fill(p, width=116, subsequent_indent="  ", break_long_words=False,
+                                    break_on_hyphens=False) for p in out)
 
 
 def plots(results: dict, folder: Path) -> list[tuple[str, str]]:
@@ -166,7 +199,9 @@ def goal_rows(results: dict) -> list[tuple[str, str, list, str]]:
         lambda v: v <= 0.5, 3)
     add("  its attention part (FusedAttention's own working set)", "<= 0.5",
         per("chunk", "keep=off ratio", "attention"), lambda v: v <= 0.5, 3)
-    add("4K response replay peak, checkpointed / not", "<= 0.5", per("replay", "ratio"), lambda v: v <= 0.5, 3)
+    replayed = next((fused[p]["args"]["long_response"] for p in prompts if "replay" in fused[p]), 4096)
+    add(f"{_tokens(replayed)} response replay peak, checkpointed / not", "<= 0.5", per("replay", "ratio"),
+        lambda v: v <= 0.5, 3)
     add("  gradients identical (bitwise)", "yes", per("replay", "identical_grads"), lambda v: v is True)
     return rows
 
@@ -207,7 +242,7 @@ def markdown(results: dict, made: list[tuple[str, str]], out: Path) -> str:
         lines += [f"| {name} | {value:.3f} |" for name, value in other]
         lines.append("")
     if prompts:
-        lines += ["## Reading the goals", "", NOTES, ""]
+        lines += ["## Reading the goals", "", notes(results), ""]
     if made:
         lines += ["## Plots", ""]
         for title, name in made:
@@ -215,4 +250,4 @@ def markdown(results: dict, made: list[tuple[str, str]], out: Path) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["goal_rows", "markdown", "plots"]
+__all__ = ["goal_rows", "markdown", "notes", "plots"]
