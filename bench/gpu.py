@@ -22,6 +22,14 @@ detached step's, for scale); (c) ``straw``: the hybrid step in bf16 at G = 2 and
 and none, peak memory, seconds and the ratios G8 / G2. The hybrid part has ``--hybrid-budget`` seconds
 (default 120) reserved at the end of the total budget: parts 1 and 2 stop that much earlier.
 
+Part 0, ``checks`` (first, so a short GPU lease confirms correctness before any sweep): the device checks of
+the paths a CPU run cannot see, each in its own module with ``device_checks(smoke) -> dict``:
+``gpu_offload`` (``offload_prompt_cache`` on vs off: bitwise equal gradients and samples, host<->device bytes
+and syncs per phase), ``gpu_moe`` (routed experts grouped vs loop in bf16 with uneven token counts, no host
+sync under ``torch.cuda.set_sync_debug_mode("error")``) and ``gpu_memory`` (``max_memory_reserved`` vs
+``max_memory_allocated`` vs the planner for one planned step). A check that raises is recorded with its error
+and the run goes on.
+
 Timing: one warm-up run per configuration at a small size, excluded; ``torch.cuda.synchronize()`` around each
 timed run. A time guard stops growing a sweep when the elapsed time plus the next run's estimate would break the
 budget (``--budget`` seconds in total, 450 by default).
@@ -285,6 +293,26 @@ def parse_args(argv=None):
     return args
 
 
+DEVICE_CHECKS = ("gpu_offload", "gpu_moe", "gpu_memory")
+
+
+def device_checks(smoke: bool) -> dict:
+    """Part 0: each check module's ``device_checks(smoke)``, or ``{"status": "error", "error": ...}``."""
+    import importlib
+    import traceback
+
+    results = {}
+    for name in DEVICE_CHECKS:
+        try:
+            results[name] = {"status": "ok", **importlib.import_module(name).device_checks(smoke)}
+        except Exception as exc:  # noqa: BLE001 - one failed check must not cost the lease's other figures
+            results[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
+                             "traceback": traceback.format_exc(limit=8)}
+        print(f"  check {name}: {results[name]['status']}"
+              + (f" ({results[name]['error']})" if results[name]["status"] == "error" else ""))
+    return results
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     clock = Clock(args.budget)
@@ -300,6 +328,8 @@ def main(argv=None) -> dict:
           f"{args.layers} layers {meta['shape']}, {meta['dtype']}, budget {args.budget:.0f} s")
     print(f"{'backend':>15} {'chunk':>5} {'seq':>8} {'peak MiB':>12} {'alloc MiB':>12} {'time s':>8} {'tok/s':>10}")
 
+    checks = device_checks(args.smoke)
+    free(device)
     before_hybrid = args.budget - args.hybrid_budget  # parts 1 and 2 leave the hybrid part its reserve
     runs = model_sweep(model, args, device, clock, deadline_s=0.55 * before_hybrid)
     ratios = model_ratios(runs)
@@ -312,7 +342,7 @@ def main(argv=None) -> dict:
     free(device)
     hybrid = hybrid_bench(args, device, dtype, clock)
 
-    report = dict(meta={**meta, "elapsed_s": clock.elapsed}, model_runs=runs, model_ratios=ratios,
+    report = dict(meta={**meta, "elapsed_s": clock.elapsed}, checks=checks, model_runs=runs, model_ratios=ratios,
                   max_seq=max_seq(runs), longstraw=straw, hybrid=hybrid)
     Path(args.out).write_text(json.dumps(_clean(report), indent=2, allow_nan=False))
     print(f"wrote {args.out} after {clock.elapsed:.1f} s")

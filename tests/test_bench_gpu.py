@@ -24,7 +24,11 @@ def test_bench_gpu_smoke_writes_complete_json(tmp_path):
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "tok/s" in proc.stdout  # the human-readable table
     report = json.loads(out.read_text())
-    assert set(report) >= {"meta", "model_runs", "model_ratios", "max_seq", "longstraw"}
+    assert set(report) >= {"meta", "checks", "model_runs", "model_ratios", "max_seq", "longstraw"}
+    # part 0: every device check ran its CPU path to the end (on a GPU the same code checks the device)
+    assert set(report["checks"]) == {"gpu_offload", "gpu_moe", "gpu_memory"}
+    for name, check in report["checks"].items():
+        assert check["status"] == "ok", f"{name}: {check.get('error')}\n{check.get('traceback')}"
 
     meta = report["meta"]
     assert meta["smoke"] is True and meta["torch"] and meta["device"]
