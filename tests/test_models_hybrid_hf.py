@@ -2,8 +2,9 @@
 
 Tiny random ``Qwen3_5ForCausalLM`` models (fp32; layers L,L,L,F and, with ``full_attention_interval=2``, L,F,L,F)
 are written with transformers' ``save_pretrained``, loaded with ``DecoderLM.from_pretrained`` and must give
-transformers' logits at 1e-5 on ``[2, 40]`` tokens; ``save_pretrained`` back, transformers reloads them as
-``Qwen3_5ForCausalLM`` with the same logits. The multimodal ``qwen3_5`` checkpoint loads its text tower
+transformers' logits (fp32, at ``rounding_tol``) on ``[2, 40]`` tokens; ``save_pretrained`` back, transformers
+reloads them as ``Qwen3_5ForCausalLM`` with the same logits. The multimodal ``qwen3_5`` checkpoint loads its text
+tower
 (``model.language_model.*``; ``model.visual.*`` and ``mtp.*`` skipped with one log line). Config level:
 field translation, ``full_attention_interval``, mRoPE == partial RoPE for text positions, qwen3_next refused.
 """
@@ -20,12 +21,12 @@ transformers = pytest.importorskip("transformers")
 from lightning_longctx.models import DecoderLM  # noqa: E402
 from lightning_longctx.models.hf_io import config_from_hf, config_to_hf  # noqa: E402
 from lightning_longctx.models.rope import RotaryEmbedding  # noqa: E402
-from models_common import assert_close_rel, single_thread  # noqa: F401, E402
+from models_common import assert_close_rel, rounding_tol, single_thread  # noqa: F401, E402
 
-TOL = 1e-5
 TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, initializer_range=0.2)
+TOL = rounding_tol(torch.float32, TEXT["intermediate_size"], TEXT["num_hidden_layers"])  # 8.6e-5 in float32
 LAYOUTS = {"LLLF": {}, "interval_2": {"full_attention_interval": 2}}
 L, F = "linear_attention", "full_attention"
 

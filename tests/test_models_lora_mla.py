@@ -2,16 +2,16 @@
 ``o_proj``) and the dense / shared-expert MLPs of a DeepSeek-V3-shaped model.
 
 Against PEFT itself on transformers' ``DeepseekV3ForCausalLM`` (the tiny random checkpoint of
-``test_models_mla_moe``, fp32, 1e-5): ``peft.get_peft_model`` with the same target modules and our (non-zero)
-adapter weights copied over gives our logits and every adapter's gradient, with ``q_lora_rank`` set and None, with
-head stages, a tiled MLP and activation checkpointing; ``save_adapter`` loads in PEFT and PEFT's
-``save_pretrained`` with ``load_adapter``, same logits; ``merge_lora`` == the unmerged model. Prefix-frozen
-adapters (``on_prompt=False`` under ``adapters_from_position``): PEFT on transformers with a forward hook that
-multiplies every ``lora_A`` output by the token mask (``position >= start``) is the independent oracle (fp32, 1e-5:
-logits and every adapter gradient; the backward after the block, under activation checkpointing). PEFT 0.21 on
-transformers 5 maps the MLP names (``gate_proj`` / ``up_proj`` / ``down_proj``) of a DeepSeek-V3 model onto the
-routed experts' 3-D weights only (``target_parameters``; its v4 -> v5 conversion), so the PEFT comparisons target
-the MLA projections; the MLP adapters (dense and shared experts) are checked in the float64 tests below.
+``test_models_mla_moe``, fp32, its ``rounding_tol``): ``peft.get_peft_model`` with the same target modules and our
+(non-zero) adapter weights copied over gives our logits and every adapter's gradient, with ``q_lora_rank`` set and
+None, with head stages, a tiled MLP and activation checkpointing; ``save_adapter`` loads in PEFT and PEFT's
+``save_pretrained`` with ``load_adapter``, same logits; ``merge_lora`` == the unmerged model. Prefix-frozen adapters
+(``on_prompt=False`` under ``adapters_from_position``): PEFT on transformers with a forward hook that multiplies
+every ``lora_A`` output by the token mask (``position >= start``) is the independent oracle (fp32, the same
+tolerance: logits and every adapter gradient; the backward after the block, under activation checkpointing). PEFT
+0.21 on transformers 5 maps the MLP names (``gate_proj`` / ``up_proj`` / ``down_proj``) of a DeepSeek-V3 model onto
+the routed experts' 3-D weights only (``target_parameters``; its v4 -> v5 conversion), so the PEFT comparisons
+target the MLA projections; the MLP adapters (dense and shared experts) are checked in the float64 tests below.
 Under Ulysses on 2 gloo ranks (float64, 1e-10): sharded forward + backward == one process, every adapter gradient,
 with and without a mask. LongStraw: ``longstraw_step(prompt_grad="full")`` == full autograd over the concatenated
 sequences (float64, 1e-8) on 1 and 2 ranks, ``on_prompt=True`` (the grouped backward through the adapters of
@@ -40,6 +40,7 @@ from mla_workers import mla_config, mla_model  # noqa: E402
 from models_common import assert_close_rel, assert_grads_match, single_thread  # noqa: E402, F401
 from test_longstraw import assert_grads_close, make_group  # noqa: E402
 from test_lora_on_prompt import oracle  # noqa: E402
+from test_models_mla_moe import TOL as PEFT_TOL  # noqa: E402  (fp32 against PEFT: the same models)
 from test_models_mla_moe import _hf_model, _ids  # noqa: E402
 
 MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -102,7 +103,7 @@ def test_logits_and_every_adapter_gradient_equal_peft_and_files_both_ways(tmp_pa
     labels = ids.clone()
     labels[0, :3] = -100
     want, got = model(input_ids=ids, labels=labels), ours(ids, labels=labels)
-    assert_close_rel(got.logits, want.logits, 1e-5, f"{variant}: logits vs PEFT")
+    assert_close_rel(got.logits, want.logits, PEFT_TOL, f"{variant}: logits vs PEFT")
     with torch.no_grad(), model.disable_adapter():
         assert (want.logits - model(input_ids=ids).logits).abs().max() > 1e-2, "the adapters must matter"
     want.loss.backward()
@@ -110,7 +111,7 @@ def test_logits_and_every_adapter_gradient_equal_peft_and_files_both_ways(tmp_pa
     want_grads, got_grads = lora_grads(model.named_parameters()), lora_grads(ours.named_parameters())
     layers = ours.config.num_hidden_layers
     assert got_grads.keys() == want_grads.keys() and len(got_grads) == 2 * len(names) * layers
-    assert_grads_match(got_grads, want_grads, 1e-5, f"{variant}: adapter gradients vs PEFT")
+    assert_grads_match(got_grads, want_grads, PEFT_TOL, f"{variant}: adapter gradients vs PEFT")
     assert all(p.grad is None for n, p in ours.named_parameters() if "lora_" not in n), "the base got a gradient"
 
     ours.save_adapter(tmp_path / "ours")  # ours -> PEFT on a fresh transformers model
@@ -118,14 +119,14 @@ def test_logits_and_every_adapter_gradient_equal_peft_and_files_both_ways(tmp_pa
     assert sorted(config["target_modules"]) == sorted(names)
     loaded = peft.PeftModel.from_pretrained(_hf_model(variant), tmp_path / "ours")
     with torch.no_grad():
-        assert_close_rel(loaded(input_ids=ids).logits, want.logits, 1e-5, f"{variant}: our file in PEFT")
+        assert_close_rel(loaded(input_ids=ids).logits, want.logits, PEFT_TOL, f"{variant}: our file in PEFT")
         model.save_pretrained(tmp_path / "peft")  # PEFT's file -> ours on a fresh model
         fresh = DecoderLM.from_pretrained(tmp_path / "hf", memory=memory)
         fresh.load_adapter(tmp_path / "peft")
-        assert_close_rel(fresh(ids).logits, want.logits, 1e-5, f"{variant}: PEFT's file here")
+        assert_close_rel(fresh(ids).logits, want.logits, PEFT_TOL, f"{variant}: PEFT's file here")
         fresh.merge_lora()
         assert not any(isinstance(m, LoRALinear) for m in fresh.modules())
-        assert_close_rel(fresh(ids).logits, want.logits, 1e-5, f"{variant}: merged")
+        assert_close_rel(fresh(ids).logits, want.logits, PEFT_TOL, f"{variant}: merged")
 
 
 def _mask_hooks(peft_model, start):
@@ -164,15 +165,15 @@ def test_prefix_frozen_adapters_equal_peft_with_the_token_mask(tmp_path, variant
     want.square().mean().backward()
     for handle in handles:
         handle.remove()
-    assert_close_rel(got, want, 1e-5, f"{variant}: masked logits vs PEFT + mask")
-    assert_grads_match(lora_grads(ours.named_parameters()), lora_grads(model.named_parameters()), 1e-5,
+    assert_close_rel(got, want, PEFT_TOL, f"{variant}: masked logits vs PEFT + mask")
+    assert_grads_match(lora_grads(ours.named_parameters()), lora_grads(model.named_parameters()), PEFT_TOL,
                        f"{variant}: masked adapter gradients vs PEFT + mask")
     with torch.no_grad():
         everywhere = ours(ids).logits  # no start: the adapters act everywhere
         assert (everywhere[:, start:] - got[:, start:]).abs().max() > 1e-3, "the prompt's base weights must matter"
         with model.disable_adapter():
             base = model(input_ids=ids).logits
-        assert_close_rel(got[:, :start], base[:, :start], 1e-5, f"{variant}: the prompt runs on the base")
+        assert_close_rel(got[:, :start], base[:, :start], PEFT_TOL, f"{variant}: the prompt runs on the base")
 
 
 def test_routed_experts_and_foreign_names_are_refused():
@@ -358,5 +359,5 @@ def test_export_of_a_lora_mla_checkpoint_merged_and_as_a_peft_adapter(tmp_path):
                                              tmp_path / "adapter").eval()
     assert peft.PeftConfig.from_pretrained(tmp_path / "adapter").base_model_name_or_path == str(base)
     with torch.no_grad():
-        assert_close_rel(merged(ids).logits, want, 1e-5, "LoRA on MLA merged -> transformers")
-        assert_close_rel(adapted(input_ids=ids).logits, want, 1e-5, "LoRA on MLA adapter -> PEFT over the base")
+        assert_close_rel(merged(ids).logits, want, PEFT_TOL, "LoRA on MLA merged -> transformers")
+        assert_close_rel(adapted(input_ids=ids).logits, want, PEFT_TOL, "LoRA on MLA adapter -> PEFT over the base")

@@ -1,16 +1,17 @@
 """DeepSeek-V3 (and GLM-4.x-MoE-Lite) checkpoints, MLA + MoE, both ways against transformers.
 
 Tiny random ``DeepseekV3ForCausalLM`` models (fp32; HYBRID.md 4.5's shape: 2 layers, the first dense, 4 heads,
-kv_lora 32, rope 8, nope 16, v 16, 8 experts top-2 in 2 groups of which 1 is kept; random norms and score
-correction bias) are written with transformers' ``save_pretrained`` (experts one module each on disk), loaded
-with ``DecoderLM.from_pretrained`` and must give transformers' logits at 1e-5 on ``[2, 24]`` tokens, with
-``q_lora_rank`` set and None, and with a yarn RoPE whose ``mscale_all_dim`` scales the softmax; every
-parameter's gradient of the token-mean loss equals transformers' (1e-5). ``save_pretrained`` back, transformers
-reloads the same logits. Also: config translation both ways, the refused relatives (DSA, FP8), the grouped
-expert matmul == the loop, and a recompute (activation checkpointing, head chunks) changes no number (float64).
-Qwen3.5-MoE (``qwen3_5_moe_text``: the Gated DeltaNet hybrid with a softmax-routed MoE and a gated shared expert
-in every layer): logits at 1e-5, gradients at 2e-4 (fp32; the chunked scans sum in another order than
-transformers'), round trip. Sharded (2 and 4 gloo ranks, float64, :mod:`mla_workers`): every parameter == one
+kv_lora 32, rope 8, nope 16, v 16, 8 experts top-2 in 2 groups of which 1 is kept; random norms and score correction
+bias) are written with transformers' ``save_pretrained`` (experts one module each on disk), loaded with
+``DecoderLM.from_pretrained`` and must give transformers' logits (fp32, at ``rounding_tol``: 3.7e-5) on ``[2, 24]``
+tokens, with ``q_lora_rank`` set and None, and with a yarn RoPE whose ``mscale_all_dim`` scales the softmax; every
+parameter's gradient of the token-mean loss equals transformers' (the same tolerance). ``save_pretrained`` back,
+transformers reloads the same logits. Also: config translation both ways, the refused relatives (DSA, FP8), the
+grouped expert matmul == the loop, and a recompute (activation checkpointing, head chunks) changes no number
+(float64). Qwen3.5-MoE (``qwen3_5_moe_text``: the Gated DeltaNet hybrid with a softmax-routed MoE and a gated shared
+expert in every layer): logits at ``rounding_tol`` (6.1e-5), gradients at 2e-4 (fp32; the chunked scans sum in
+another order than transformers'), round trip.
+Sharded (2 and 4 gloo ranks, float64, :mod:`mla_workers`): every parameter == one
 process, with FSDP2 too.
 """
 
@@ -24,13 +25,13 @@ transformers = pytest.importorskip("transformers")
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
 from lightning_longctx.models.hf_io import config_from_hf, config_to_hf  # noqa: E402
 from lightning_longctx.models.moe import Experts  # noqa: E402
-from models_common import assert_close_rel, assert_grads_match, grads, single_thread  # noqa: F401, E402
+from models_common import assert_close_rel, assert_grads_match, grads, rounding_tol, single_thread  # noqa: F401, E402
 
-TOL = 1e-5
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
              qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
              first_k_dense_replace=1, routed_scaling_factor=2.5, initializer_range=0.2)
+TOL = rounding_tol(torch.float32, SHAPE["intermediate_size"], SHAPE["num_hidden_layers"])  # 3.7e-5 in float32
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7}
 VARIANTS = {"q_lora": {}, "no_q_lora": {"q_lora_rank": None}, "yarn": {"rope_parameters": YARN,
@@ -234,6 +235,7 @@ QWEN_MOE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attenti
                 head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                 linear_value_head_dim=8, linear_conv_kernel_dim=4, initializer_range=0.2, num_experts=8,
                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+QWEN_TOL = rounding_tol(torch.float32, QWEN_MOE["hidden_size"], QWEN_MOE["num_hidden_layers"])  # 6.1e-5
 
 
 def test_qwen3_5_moe_logits_and_gradients_equal_transformers_and_round_trip(tmp_path):
@@ -253,7 +255,7 @@ def test_qwen3_5_moe_logits_and_gradients_equal_transformers_and_round_trip(tmp_
         "qwen3_5_moe_text", "qwen", ["sparse"] * 4)
     ids = _ids()
     out_hf, out = hf(ids, labels=ids), ours(ids, labels=ids)
-    assert_close_rel(out.logits, out_hf.logits, TOL, "qwen3_5_moe: logits vs transformers")
+    assert_close_rel(out.logits, out_hf.logits, QWEN_TOL, "qwen3_5_moe: logits vs transformers")
     out.loss.backward()
     out_hf.loss.backward()
     assert_grads_match(grads(ours), grads(hf), 2e-4, "qwen3_5_moe: gradients vs transformers")
@@ -261,7 +263,7 @@ def test_qwen3_5_moe_logits_and_gradients_equal_transformers_and_round_trip(tmp_
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     assert type(back) is transformers.Qwen3_5MoeForCausalLM
     with torch.no_grad():
-        assert_close_rel(back(ids).logits, out_hf.logits, TOL, "qwen3_5_moe: round trip into transformers")
+        assert_close_rel(back(ids).logits, out_hf.logits, QWEN_TOL, "qwen3_5_moe: round trip into transformers")
     config = config_from_hf(transformers.Qwen3_5MoeTextConfig(**QWEN_MOE).to_dict())
     assert config_from_hf(config_to_hf(config, torch.float32)) == config
 
@@ -306,4 +308,4 @@ def test_multimodal_qwen3_5_moe_checkpoint_loads_its_text_tower(tmp_path):
     assert ours.config.model_type == "qwen3_5_moe_text"
     ids = _ids()
     with torch.no_grad():
-        assert_close_rel(ours(ids).logits, hf(input_ids=ids).logits, TOL, "qwen3_5_moe text tower")
+        assert_close_rel(ours(ids).logits, hf(input_ids=ids).logits, QWEN_TOL, "qwen3_5_moe text tower")
