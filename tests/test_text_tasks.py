@@ -498,16 +498,6 @@ def test_text_sft_yaml_instantiates_and_trains_two_steps_in_process(tmp_path, hf
 
 
 # ------------------------------------------------------------------------------------------------ longctx-train
-def _cli_has_the_task_contract() -> bool:
-    with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
-        return "tokenizer" in compose(config_name="config")
-
-
-needs_cli = pytest.mark.skipif(not _cli_has_the_task_contract(),
-                               reason="needs the CLI's task contract (top-level tokenizer.path; instantiating "
-                                      "task.module / task.data)")
-
-
 def _longctx_train(*args: str, cwd: Path, timeout: float = 300) -> str:
     env = dict(os.environ, HF_DATASETS_CACHE=str(cwd / "hf_cache"), HF_HUB_OFFLINE="1")
     out = subprocess.run([str(Path(sys.executable).parent / "longctx-train"), *args], capture_output=True, text=True,
@@ -517,7 +507,6 @@ def _longctx_train(*args: str, cwd: Path, timeout: float = 300) -> str:
     return text
 
 
-@needs_cli
 def test_longctx_train_text_grpo_on_two_processes(tmp_path, hf_dir, qa_jsonl, reward_dir):
     """The README command: 2 CPU processes, a reward module in the working directory (outside the package),
     decoded completions and the data columns reach it, TensorBoard has each function's mean."""
@@ -544,7 +533,6 @@ def test_longctx_train_text_grpo_on_two_processes(tmp_path, hf_dir, qa_jsonl, re
         assert tag in tags, sorted(tags)
 
 
-@needs_cli
 def test_longctx_train_text_sft_on_two_processes(tmp_path, hf_dir):
     chats = make_data.write_jsonl(tmp_path / "chats.jsonl", make_data.make_chat_records(4, 30))
     text = _longctx_train("task=text_sft", f"model.pretrained={hf_dir}", f"task.data.path={chats}",
