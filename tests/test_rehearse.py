@@ -1,9 +1,9 @@
 """``longctx-rehearse`` (lightning_longctx/rehearse/): the rehearsal on fake tensors against real runs.
 
 The rehearsed peak of every phase of an SFT step equals the real run's (same config, real tensors, the
-project's tracker read at the phase boundaries) within 2%: one gloo process vs a fake world of 1, two gloo ranks
-(rank 0) vs a fake world of 2; the rehearsal calls the job's own step functions; its JSON has the fields
-issue 24 lists.
+project's tracker read at the phase boundaries) within 2%: ``Trainer.fit`` in one process (peaks between
+Lightning's hooks) vs a fake world of 1, rank 0 of two gloo ranks vs a fake world of 2; the rehearsal calls
+the job's own step functions; its JSON has the fields issue 24 lists.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import pytest
 
 from distributed import run_distributed
-from test_rehearse_workers import PHASES, sharded_sft_peaks
+from test_rehearse_workers import PHASES, fitted_sft_peaks, sharded_sft_peaks
 
 TINY_SFT = ["model=tiny", "task=long_sft", "task.seq_len=512", "task.num_samples=4"]
 
@@ -33,9 +33,9 @@ def assert_close(rehearsed_peaks, real_peaks):
         assert rehearsed_peaks[name] == pytest.approx(real_peaks[name], rel=0.02), name
 
 
-def test_one_rank_rehearsal_equals_a_real_run():
+def test_one_rank_rehearsal_equals_the_fitted_run():
     one = [*TINY_SFT, "cluster.devices=1"]
-    assert_close(by_phase(rehearsed(one)), run_distributed(sharded_sft_peaks, 1, one, timeout=240)[0])
+    assert_close(by_phase(rehearsed(one)), run_distributed(fitted_sft_peaks, 1, one, timeout=240)[0])
 
 
 def test_two_rank_rehearsal_equals_rank_0_of_a_gloo_run():

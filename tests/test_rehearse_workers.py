@@ -19,6 +19,58 @@ def _boundary_peaks(tracker, marks: list[str]):
     return peaks, boundary
 
 
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's shard
+
+
+def fitted_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
+    """A 1-process gloo world: ``Trainer.fit`` of the config's SFT task for 2 steps under ``UlyssesStrategy``
+    (Lightning keeps the existing process group); the second step's peaks between Lightning's hooks (batch
+    start, ``on_before_zero_grad``, ``on_before_optimizer_step``, batch end)."""
+    import lightning.pytorch as pl
+
+    from lightning_longctx.app import build_model, build_task
+    from lightning_longctx.lightning import UlyssesStrategy
+    from lightning_longctx.ops import track_memory
+    from lightning_longctx.rehearse import compose
+
+    cfg = compose(overrides)
+    torch.manual_seed(0)
+    module, data = build_task(cfg, build_model(cfg))
+
+    class PhasePeaks(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:  # with the first step's gradients and AdamW states alive
+                self.mem = track_memory("cpu").__enter__()
+                params = list(pl_module.parameters())
+                self.mem.track(*[_local(p) for p in params], *[_local(p.grad) for p in params if p.grad is not None],
+                               *[_local(v) for s in trainer.optimizers[0].state.values() for v in s.values()
+                                 if torch.is_tensor(v)])
+                self.peaks, self.boundary = _boundary_peaks(self.mem, list(PHASES))
+
+        def on_before_zero_grad(self, trainer, pl_module, optimizer):
+            if hasattr(self, "peaks") and not self.peaks:
+                self.boundary()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if hasattr(self, "peaks") and len(self.peaks) == 1:
+                self.boundary()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                self.boundary()
+                self.mem.__exit__(None, None, None)
+
+    spy = PhasePeaks()
+    strategy = UlyssesStrategy(sp_size=None, head_chunk_size=cfg.memory.head_chunk_size, sharding=cfg.cluster.sharding,
+                               on_nonfinite=None)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=cfg.memory.precision, max_steps=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[spy])
+    trainer.fit(module, data)
+    return spy.peaks
+
+
 def sharded_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     """A gloo rank: the config's model and task parallelized as ``UlyssesStrategy.setup`` does, the first batch
     sharded as its ``batch_to_device`` does, then two steps of Lightning's automatic optimisation by hand; the
@@ -58,9 +110,8 @@ def sharded_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, 
 
     step()
     with track_memory("cpu") as mem:
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-        mem.track(*[local(p) for p in module.parameters()], *[local(p.grad) for p in module.parameters()],
-                  *[local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
+        mem.track(*[_local(p) for p in module.parameters()], *[_local(p.grad) for p in module.parameters()],
+                  *[_local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
         peaks, boundary = _boundary_peaks(mem, list(PHASES))
         step(boundary)
     dist.barrier()
