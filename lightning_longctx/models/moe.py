@@ -148,13 +148,32 @@ class ExpertLayout:
     Rows are grouped by expert (ascending), tokens in order inside a group, and each group is padded to a multiple
     of ``align`` rows. ``M = N k + X (align - 1)`` is static (no host sync to size it): the rows after the last
     group are unused. ``row_token [M]``: the token each row copies (pad and unused rows copy token 0 and are never
-    read back); ``pair_row [N k]``: the row of pair ``(n, j)`` at ``n k + j``, all distinct; ``ends [X]`` (int64):
-    each group's end row, padding included (the grouped kernel's offsets; with ``align = 1`` the cumulative token
+    read back); ``pair_row [N k]``: the row of pair ``(n, j)`` at ``n k + j``, all distinct; ``slot_order [N, k]``:
+    each token's slots by ascending expert (the order its ``k`` terms are added in); ``ends [X]`` (int64): each
+    group's end row, padding included (the grouped kernel's offsets; with ``align = 1`` the cumulative token
     counts)."""
 
     row_token: torch.Tensor
     pair_row: torch.Tensor
+    slot_order: torch.Tensor
     ends: torch.Tensor
+
+    def token_terms(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each token's ``k`` rows of ``rows [M, E]``, its experts ascending: ``[N, k, E]`` (a gather of distinct
+        rows)."""
+        n, k = self.slot_order.shape
+        picked = self.pair_row.view(n, k).gather(1, self.slot_order).reshape(-1)
+        return rows.index_select(0, picked).view(n, k, rows.shape[-1])
+
+
+def add_slots(terms: torch.Tensor) -> torch.Tensor:
+    """``terms [N, k, E]`` -> ``[N, E]``: the ``k`` terms added one by one in slot order. With the slots by ascending
+    expert this is the order of transformers' per-expert ``index_add_`` (bitwise its sum on the CPU), but fixed,
+    where an ``index_add`` into the tokens runs on CUDA by atomics in no fixed order."""
+    out, *rest = terms.unbind(1)
+    for term in rest:
+        out = out + term
+    return out
 
 
 def expert_layout(indices: torch.Tensor, num_experts: int, align: int = 1) -> ExpertLayout:
@@ -178,44 +197,31 @@ def expert_layout(indices: torch.Tensor, num_experts: int, align: int = 1) -> Ex
     rows = n * k + num_experts * (align - 1)
     row_token = torch.zeros(rows, dtype=order.dtype, device=flat.device).scatter_(0, positions, order // k)
     pair_row = torch.empty_like(order).scatter_(0, order, positions)
-    return ExpertLayout(row_token, pair_row, ends)
+    return ExpertLayout(row_token, pair_row, indices.argsort(dim=1), ends)  # a token's experts are distinct
 
 
 class _GatherRows(torch.autograd.Function):
-    """``x [N, E]`` -> ``x[row_token] [M, E]`` (the dispatch). The backward reads each token's ``k`` rows back
-    by ``pair_row`` and sums them in slot order: a gather and a fixed-order sum, deterministic on every device,
+    """``x [N, E]`` -> ``x[row_token] [M, E]`` (the dispatch). The backward reads each token's ``k`` row gradients
+    back (:meth:`ExpertLayout.token_terms`) and adds them by :func:`add_slots`: a gather and a fixed-order sum,
     where ``index_select``'s backward would ``index_add`` ``k`` rows into each token (atomics on CUDA, in no fixed
-    order). Pad and unused rows are skipped: their outputs are never read, so their gradients are zero."""
+    order). Pad and unused rows are skipped: their outputs are never read, so their gradients are zero (the
+    unused rows' may even be garbage: the grouped kernel leaves them unwritten)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, row_token: torch.Tensor, pair_row: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(pair_row)
-        ctx.k = k
-        return x.index_select(0, row_token)
+    def forward(ctx, x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        ctx.layout = layout
+        return x.index_select(0, layout.row_token)
 
     @staticmethod
     def backward(ctx, grad_rows: torch.Tensor):
-        (pair_row,) = ctx.saved_tensors
-        grad = grad_rows.index_select(0, pair_row)  # [N k, E]
-        return grad.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+        return add_slots(ctx.layout.token_terms(grad_rows)), None
 
 
-def combine(y_rows: torch.Tensor, pair_row: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``out[n] = sum_j weights[n, j] * y_rows[pair_row[n k + j]]``: ``y_rows [M, E]``, ``indices, weights [N, k]`` ->
-    ``[N, E]`` in their promoted dtype (bf16 expert outputs times float32 router weights sum in float32).
-
-    A gather of distinct rows, then each token's ``k`` terms added one by one in ascending expert order: the order
-    of transformers' per-expert ``index_add_`` (bitwise its sum on the CPU), but fixed, where an ``index_add`` into
-    the tokens runs on CUDA in no fixed order."""
-    n, k = indices.shape
-    by_expert = indices.argsort(dim=1)  # [N, k] each token's slots, ascending expert (its experts are distinct)
-    rows = pair_row.view(n, k).gather(1, by_expert).reshape(-1)
-    y_pairs = y_rows.index_select(0, rows).view(n, k, y_rows.shape[-1])  # [N, k, E]
-    terms = (y_pairs * weights.gather(1, by_expert).unsqueeze(-1)).unbind(1)
-    out = terms[0]
-    for term in terms[1:]:
-        out = out + term
-    return out
+def combine(y_rows: torch.Tensor, layout: ExpertLayout, weights: torch.Tensor) -> torch.Tensor:
+    """``out[n] = sum_j weights[n, j] * y_rows[pair_row[n k + j]]``: ``y_rows [M, E]``, ``weights [N, k]`` ->
+    ``[N, E]`` in their promoted dtype (bf16 expert outputs times float32 router weights sum in float32), a token's
+    terms added by ascending expert (:func:`add_slots`): deterministic."""
+    return add_slots(layout.token_terms(y_rows) * weights.gather(1, layout.slot_order).unsqueeze(-1))
 
 
 class Experts(nn.Module):
@@ -258,9 +264,9 @@ class Experts(nn.Module):
         # grouped: every group starts 16 bytes into the weight-gradient GEMM's K dimension (TMA's alignment rule)
         align = GROUP_ALIGNMENT_BYTES // dtype.itemsize if backend == "grouped" else 1
         layout = expert_layout(indices, self.num_experts, align)
-        x_rows = _GatherRows.apply(x.to(dtype), layout.row_token, layout.pair_row, indices.shape[1])  # [M, E]
+        x_rows = _GatherRows.apply(x.to(dtype), layout)  # [M, E]
         run = self._grouped if backend == "grouped" else self._loop
-        return combine(run(x_rows, layout.ends, dtype), layout.pair_row, indices, weights).to(x.dtype)
+        return combine(run(x_rows, layout.ends, dtype), layout, weights).to(x.dtype)
 
     def _grouped(self, x_rows: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Two ``torch._grouped_mm`` over the padded groups: ``x_rows [M, E]`` -> ``[M, E]`` (rows past the last
@@ -330,5 +336,5 @@ def build_moe(config) -> nn.Module:
 
 
 __all__ = ["EXPERT_BACKENDS", "GROUP_ALIGNMENT_BYTES", "ExpertLayout", "Experts", "MoE", "QwenMoE", "SoftmaxRouter",
-           "TopKRouter", "build_moe", "combine", "compute_dtype", "expert_layout", "grouped_mm_is_native", "route",
-           "softmax_route"]
+           "TopKRouter", "add_slots", "build_moe", "combine", "compute_dtype", "expert_layout", "grouped_mm_is_native",
+           "route", "softmax_route"]
