@@ -161,9 +161,14 @@ class ExpertLayout:
     def token_terms(self, rows: torch.Tensor) -> torch.Tensor:
         """Each token's ``k`` rows of ``rows [M, E]``, its experts ascending: ``[N, k, E]`` (a gather of distinct
         rows)."""
-        n, k = self.slot_order.shape
-        picked = self.pair_row.view(n, k).gather(1, self.slot_order).reshape(-1)
-        return rows.index_select(0, picked).view(n, k, rows.shape[-1])
+        return token_terms(rows, self.pair_row, self.slot_order)
+
+
+def token_terms(rows: torch.Tensor, pair_row: torch.Tensor, slot_order: torch.Tensor) -> torch.Tensor:
+    """:meth:`ExpertLayout.token_terms` from the layout's ``pair_row [N k]`` and ``slot_order [N, k]``."""
+    n, k = slot_order.shape
+    picked = pair_row.view(n, k).gather(1, slot_order).reshape(-1)
+    return rows.index_select(0, picked).view(n, k, rows.shape[-1])
 
 
 def add_slots(terms: torch.Tensor) -> torch.Tensor:
@@ -209,12 +214,12 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-        ctx.layout = layout
+        ctx.save_for_backward(layout.pair_row, layout.slot_order)  # saved, so checkpointing may drop them
         return x.index_select(0, layout.row_token)
 
     @staticmethod
     def backward(ctx, grad_rows: torch.Tensor):
-        return add_slots(ctx.layout.token_terms(grad_rows)), None
+        return add_slots(token_terms(grad_rows, *ctx.saved_tensors)), None
 
 
 def combine(y_rows: torch.Tensor, layout: ExpertLayout, weights: torch.Tensor) -> torch.Tensor:
