@@ -27,6 +27,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..parallel.phases import phase
+from ..safe_load import load_resume_checkpoint
 from .batch import ShardingLoader
 from .common import UlyssesMixin
 from .nonfinite import NonfiniteGuard
@@ -61,6 +62,15 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
             timeout=timeout,
         )
         self._init_ulysses(sp_size, head_chunk_size, sharding)
+
+    def load_checkpoint(self, path, state=None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        # untrusted unless weights_only=False: nothing runs code from the file (lightning_longctx.safe_load)
+        def load(checkpoint, weights_only: bool) -> dict[str, Any]:
+            fabric_load = super(UlyssesFabricStrategy, self).load_checkpoint
+            return fabric_load(checkpoint, state, strict, weights_only=weights_only)
+
+        return load_resume_checkpoint(load, path, weights_only)
 
     def setup_environment(self) -> None:
         super(ModelParallelStrategy, self).setup_environment()  # the accelerator's device
