@@ -91,11 +91,7 @@ class CollectiveLog:
             self._saved[name] = original
 
             def wrapper(*args, _name=name, _original=original, **kwargs):
-                tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-                for a in list(args) + list(kwargs.values()):
-                    if isinstance(a, (list, tuple)):
-                        tensors += [t for t in a if isinstance(t, torch.Tensor)]
-                self.calls.append((self.phase, _name, tuple(str(t.device) for t in tensors)))
+                self.calls.append((self.phase, _name, self.devices(list(args) + list(kwargs.values()))))
                 return _original(*args, **kwargs)
 
             setattr(dist, name, wrapper)
@@ -104,6 +100,15 @@ class CollectiveLog:
     def __exit__(self, *exc) -> None:
         for name, original in self._saved.items():
             setattr(dist, name, original)
+
+    @staticmethod
+    def devices(arguments: list) -> tuple[str, ...]:
+        """The devices of a collective's tensor arguments, those inside lists (all_gather's outputs) too."""
+        tensors = [a for a in arguments if isinstance(a, torch.Tensor)]
+        for a in arguments:
+            if isinstance(a, (list, tuple)):
+                tensors += [t for t in a if isinstance(t, torch.Tensor)]
+        return tuple(str(t.device) for t in tensors)
 
 
 def setup_collectives(rank: int, world: int) -> dict:

@@ -140,10 +140,63 @@ def setup_runs():
 
 @pytest.mark.parametrize("kind", ["longstraw", "sft"])
 def test_every_collective_tensor_lies_on_the_root_device(setup_runs, kind):
+    """The Trainer's setup and a step on 2 gloo ranks: the root device is the CPU there, so this pins only that
+    the strategy hands collectives its own tensors (the host-tensor check is the ``meta`` test below)."""
     for rank in setup_runs:
         run = rank[kind]
         assert run["off_root"] == [], run["off_root"]
         assert run["step_calls"] > 0
+
+
+@pytest.fixture(params=[2, 4, 8])
+def fake_world(request, monkeypatch):
+    """One process as rank 0 of a ``fake`` process group of 2, 4 or 8 ranks, every collective of
+    :data:`COLLECTIVES` recorded (``(name, devices of its tensors)``) instead of run; yields the record."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from numerics_workers import COLLECTIVES, CollectiveLog
+
+    dist.init_process_group("fake", rank=0, world_size=request.param, store=FakeStore())
+    calls = []
+    for name in COLLECTIVES:
+        monkeypatch.setattr(dist, name, lambda *args, _name=name, **kwargs: calls.append(
+            (_name, CollectiveLog.devices(list(args) + list(kwargs.values())))))
+    yield calls
+    dist.destroy_process_group()
+
+
+def test_collective_entries_hand_only_device_tensors_to_the_process_group(fake_world):
+    """On gloo every tensor is a CPU tensor, the root device too, so a host tensor reaching a collective passes
+    there and fails under NCCL. Here the inputs live on ``meta``, a device that is not the host: every tensor the
+    package's collective entries hand to ``torch.distributed`` must be there too. (Fake CUDA tensors cannot stand
+    in on a CPU-only build: autograd aborts on them and ``copy_`` raises "not linked with support for cuda".)"""
+    import torch.distributed as dist
+
+    from lightning_longctx.longstraw.grads import GroupGradients
+    from lightning_longctx.models.decoder import sp_token_mean
+    from lightning_longctx.models.rope import global_seq_len
+    from lightning_longctx.parallel.all_to_all import head_to_seq, seq_to_head
+    from lightning_longctx.parallel.collectives import all_reduce_coalesced, broadcast_coalesced
+    from lightning_longctx.parallel.sharding import unshard_sequence
+
+    group, world, meta = dist.group.WORLD, dist.get_world_size(), torch.device("meta")
+    params = [torch.nn.Parameter(torch.zeros(3, 5, device=meta)), torch.nn.Parameter(torch.zeros(7, device=meta))]
+    all_reduce_coalesced([p.detach() for p in params], group, divide_by=2.0)  # SP sum / DP mean of gradients
+    broadcast_coalesced([p.detach() for p in params], 0, group)  # replicas from rank 0
+    grads = GroupGradients(params, torch.float32)  # LongStraw's fp32 group sums, reduced once per step
+    with grads:
+        sum((p * 2).sum() for p in params).backward()
+    grads.finish(group, group)
+    seq_to_head(torch.zeros(1, 8, 2 * world, 4, device=meta), group)  # Ulysses' all-to-alls
+    head_to_seq(torch.zeros(1, 8 * world, 2, 4, device=meta), group)
+    unshard_sequence(torch.zeros(1, 8, 16, device=meta), group)
+    sp_token_mean(torch.zeros((), device=meta), torch.zeros((), dtype=torch.int64, device=meta), group)
+    global_seq_len(torch.arange(8, device=meta)[None], group)
+    names = {name for name, _ in fake_world}
+    assert {"all_reduce", "broadcast", "all_to_all_single", "all_gather"} <= names, names
+    off_device = [(name, devices) for name, devices in fake_world if set(devices) != {"meta"}]
+    assert off_device == [], off_device
 
 
 def test_replicas_are_broadcast_after_the_model_moved_and_coalesced(setup_runs):
