@@ -9,6 +9,7 @@ respawn; in file order each respawn is one the test needs.
 from __future__ import annotations
 
 import os
+import signal
 import time
 import warnings
 
@@ -140,6 +141,14 @@ def test_close_leaves_no_worker_behind(pool):
     assert alive(pids) == [] and pool.pids == []
 
 
+class Interrupted(Exception):
+    pass
+
+
+def interrupt(signum, frame):
+    raise Interrupted("as pytest-timeout interrupts a test")
+
+
 def test_a_hung_call_times_out_and_kills_every_rank(pool):
     pids = [pid for pid, _, _ in pool.run(pid_and_group)]
     start = time.monotonic()
@@ -147,3 +156,17 @@ def test_a_hung_call_times_out_and_kills_every_rank(pool):
         pool.run(hang_on_rank_1, timeout=10)  # rank 0 answers unless the machine is too busy for 10 s
     assert 10 <= time.monotonic() - start < 40
     assert alive(pids) == [] and pool.pids == []
+
+
+def test_an_interrupted_call_kills_every_rank(pool):
+    pids = [pid for pid, _, _ in pool.run(pid_and_group)]
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    start = time.monotonic()
+    test_timer, _ = signal.setitimer(signal.ITIMER_REAL, 2.0)  # the one pytest-timeout armed, put back below
+    try:
+        with pytest.raises(Interrupted):
+            pool.run(hang_on_rank_1, timeout=600)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_REAL, max(test_timer - (time.monotonic() - start), 0.001) if test_timer else 0)
+    assert alive(pids) == [] and pool.pids == [], "a busy rank must not take the next call"

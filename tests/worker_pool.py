@@ -180,6 +180,9 @@ class WorkerPool:
             results, error = self._collect(deadline, timeout)
         except OSError as exc:  # a rank died before it read its call
             results, error = {}, f"could not reach the pool's ranks ({exc!r})"
+        except BaseException:  # interrupted while the ranks work (pytest-timeout, Ctrl-C): they are not reusable
+            self.close(kill=True)
+            raise
         if error is not None:
             self.close(kill=True)
             raise AssertionError("distributed run failed:\n" + error)
