@@ -56,7 +56,7 @@ GPU_ACCELERATORS = ("gpu", "cuda", "auto")
 RESERVE_TERMS = ("cuda_context", "nccl_buffers", "cublas_workspaces", "allocator_fragmentation", "reserve")
 # the components of a plan that are transients (alive in one phase): the fragmentation share is of the largest
 TRANSIENTS = ("attention_stage", "mlp_tiles", "logits_chunk", "grad_stream", "layer_recompute", "prefill_layer",
-              "replay_branch", "replay_backward", "response_caches")
+              "replay_branch", "replay_backward", "response_caches", "rollout_prompt_kv")
 
 
 def expandable_segments(environ: Mapping[str, str] | None = None) -> bool:
