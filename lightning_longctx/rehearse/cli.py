@@ -39,3 +39,7 @@ def rehearse() -> None:
 
 
 __all__ = ["rehearse"]
+
+
+if __name__ == "__main__":  # python -m lightning_longctx.rehearse.cli [overrides] (no console script installed)
+    rehearse()

@@ -16,10 +16,18 @@ from ..config_schema import OPEN_NODES, Config, _open
 class RehearsalConf:
     """``out``: write every figure as JSON to this file (null: print only). ``steps``: training steps rehearsed
     (the last is reported: the first allocates the optimizer states, so the second runs with them alive, as
-    every later step does)."""
+    every later step does). The roofline's figures (:mod:`.roofline`; null: the memory preset's GPU):
+    ``bf16_tflops`` (dense peak), ``hbm_gbps``, ``nvlink_gbps``, ``network_gbps`` (per GPU, between nodes),
+    ``pcie_gbps`` (GB/s), ``efficiency`` (the fraction of each peak reached)."""
 
     out: str | None = None
     steps: int = 2
+    bf16_tflops: float | None = None
+    hbm_gbps: float | None = None
+    nvlink_gbps: float | None = None
+    network_gbps: float | None = None
+    pcie_gbps: float | None = None
+    efficiency: float | None = None
 
 
 @dataclass

@@ -7,14 +7,19 @@ The phase is the one the step code marks (:func:`lightning_longctx.parallel.phas
 - :class:`PhaseTracker`: the project's live-tensor tracker (:class:`~lightning_longctx.ops.memory.MemoryTracker`,
   one count per storage, fake storages included: a fake tensor's storage has its ``nbytes`` and dies with its
   last tensor) with each phase's peak, split into the rehearsal device and the host (tensors on the CPU while
-  the step computes on CUDA: pinned, offloaded).
+  the step computes on CUDA: pinned, offloaded), and at each phase's peak its largest live tensors (shape, dtype,
+  the line of this package's code that allocated them; snapshots taken when the peak grows by 0.5%).
 - :class:`StepCounters`: a dispatch mode counting FLOPs (``torch.utils.flop_counter``'s formulas: matmuls,
-  convolutions, the SDPA aten ops) and the ``c10d`` collectives by kind (count, bytes of the tensors handed
-  to them), each per phase.
+  convolutions, the SDPA aten ops), the bytes the ops read and write (tensor inputs and outputs of every op
+  that is not a view: the roofline's memory traffic) and the ``c10d`` collectives by kind (count, bytes of
+  the tensors handed to them), each per phase.
 """
 
 from __future__ import annotations
 
+import heapq
+import os
+import sys
 from collections import defaultdict
 
 import torch
@@ -29,6 +34,24 @@ from ..parallel.phases import current_phase
 def phase_name() -> str:
     """The current phase without its detail."""
     return current_phase().split(" (")[0]
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_MEASURING = (os.path.join(_PACKAGE, "rehearse") + os.sep, os.path.join(_PACKAGE, "ops", "memory.py"),
+              os.path.join(_PACKAGE, "ops", "transfers.py"))
+TOP_TENSORS = 8  # the largest live tensors kept per phase peak
+_SNAPSHOT_GROWTH = 1.005
+
+
+def allocation_site() -> str:
+    """``file:line function`` of the innermost frame of this package's step code (not the measuring code)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_PACKAGE) and not name.startswith(_MEASURING):
+            return f"{os.path.relpath(name, os.path.dirname(_PACKAGE))}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "torch (no frame of this package: e.g. the autograd engine's backward of a torch op)"
 
 
 class PhaseTracker(MemoryTracker):
@@ -46,27 +69,51 @@ class PhaseTracker(MemoryTracker):
         self.host_current = 0
         self.device_peaks: dict[str, int] = {}
         self.host_peaks: dict[str, int] = {}
+        self._site: dict[int, tuple[tuple[int, ...], str, str]] = {}  # id(storage) -> (shape, dtype, where)
+        self.largest: dict[str, list[dict]] = {}  # phase -> its largest live tensors at its (last snapshot) peak
+        self._snapshot_at: dict[str, int] = {}
 
     @property
     def device_current(self) -> int:
         return self.current_bytes - self.host_current
 
     def _note(self, tensors) -> None:
-        """Record which of ``tensors``' newly counted storages live on the host, then each phase's peaks."""
-        if self.host is not None:
-            for t in tensors:
-                if isinstance(t, torch.Tensor) and t.device.type == self.host and (st := _storage(t)) is not None:
-                    key = id(st)
-                    if key in self._live and key not in self._host_live:
-                        self._host_live[key] = self._live[key][1]
-                        self.host_current += self._live[key][1]
+        """Record where ``tensors``' newly counted storages come from and which live on the host, then each
+        phase's peaks."""
+        site = None
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or (st := _storage(t)) is None:
+                continue
+            key = id(st)
+            if key not in self._live or key in self._site:
+                continue
+            site = site or allocation_site()
+            self._site[key] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), site)
+            if t.device.type == self.host:
+                self._host_live[key] = self._live[key][1]
+                self.host_current += self._live[key][1]
         name = phase_name()
         self.device_peaks[name] = max(self.device_peaks.get(name, 0), self.device_current)
         self.host_peaks[name] = max(self.host_peaks.get(name, 0), self.host_current)
+        if self.device_current >= self._snapshot_at.get(name, 0) * _SNAPSHOT_GROWTH and \
+                self.device_current == self.device_peaks[name]:
+            self._snapshot_at[name] = self.device_current
+            self.largest[name] = self._largest()
+
+    def _largest(self) -> list[dict]:
+        """The :data:`TOP_TENSORS` largest live device storages, with the shape, dtype and allocation site of
+        the tensor that first held them."""
+        device = ((nbytes, key) for key, (_, nbytes) in self._live.items() if key not in self._host_live)
+        top = []
+        for nbytes, key in heapq.nlargest(TOP_TENSORS, device):
+            shape, dtype, where = self._site.get(key, ((), "?", "tracked on entry"))
+            top.append({"bytes": nbytes, "shape": list(shape), "dtype": dtype, "where": where})
+        return top
 
     def _on_free(self, key: int, _ref) -> None:
         super()._on_free(key, _ref)
         self.host_current -= self._host_live.pop(key, 0)
+        self._site.pop(key, None)
 
     def _on_resize(self, st: torch.UntypedStorage) -> None:
         super()._on_resize(st)
@@ -106,17 +153,22 @@ class StepCounters(TorchDispatchMode):
         super().__init__()
         self.device = device
         self.flops: dict[str, int] = defaultdict(int)
+        self.traffic: dict[str, int] = defaultdict(int)
         self.collectives: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
-        self.unknown_ops: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet in flop_registry:
-            self.flops[phase_name()] += int(flop_registry[packet](*args, **kwargs, out_val=out))
-        elif func.namespace == "c10d":
+        if func.namespace == "c10d":
             self._collective(func, args, kwargs)
+            return out
+        name = phase_name()
+        if packet in flop_registry:
+            self.flops[name] += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        if not func.is_view:
+            tensors = (t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+            self.traffic[name] += sum(_nbytes(t) for t in tensors)
         return out
 
     def _collective(self, func, args, kwargs) -> None:
@@ -135,4 +187,4 @@ class StepCounters(TorchDispatchMode):
         entry["bytes"] += max((_nbytes(t) for t in tensors), default=0)
 
 
-__all__ = ["PhaseTracker", "StepCounters", "phase_name"]
+__all__ = ["TOP_TENSORS", "PhaseTracker", "StepCounters", "allocation_site", "phase_name"]

@@ -28,6 +28,11 @@ class PhaseRow:
     d2h_bytes: int
     host_syncs: int
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
+    largest_tensors: list[dict] = field(default_factory=list)  # at the phase's peak: bytes, shape, dtype, where
+    traffic_bytes: int = 0  # bytes the ops read and write (the roofline's memory term)
+    estimated_s: float | None = None  # the roofline estimate (None: no GPU figures)
+    dominant: str | None = None  # the roofline term that sets estimated_s
+    terms_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def difference(self) -> float | None:
@@ -45,8 +50,11 @@ def planned_phase(plan: Plan, name: str) -> int | None:
     return max(parts) if parts else None
 
 
-def phase_rows(names, tracker, counters, transfers, plan: Plan) -> list[PhaseRow]:
-    """A :class:`PhaseRow` per phase of ``names`` (in that order), then any other phase the step marked."""
+def phase_rows(names, tracker, counters, transfers, plan: Plan, hw=None, num_nodes: int = 1) -> list[PhaseRow]:
+    """A :class:`PhaseRow` per phase of ``names`` (in that order), then any other phase the step marked; with
+    ``hw`` (:class:`~.roofline.Hardware`) each row's roofline estimate."""
+    from .roofline import phase_times
+
     seen = list(names) + [n for n in tracker.device_peaks if n not in names]
     rows = []
     for name in seen:
@@ -55,7 +63,14 @@ def phase_rows(names, tracker, counters, transfers, plan: Plan) -> list[PhaseRow
             name=name, measured_bytes=tracker.device_peaks.get(name, 0), planned_bytes=planned_phase(plan, name),
             host_bytes=tracker.host_peaks.get(name, 0), flops=counters.flops.get(name, 0),
             h2d_bytes=moved.h2d_bytes if moved else 0, d2h_bytes=moved.d2h_bytes if moved else 0,
-            host_syncs=moved.syncs if moved else 0, collectives=dict(counters.collectives.get(name, {}))))
+            host_syncs=moved.syncs if moved else 0, collectives=dict(counters.collectives.get(name, {})),
+            largest_tensors=tracker.largest.get(name, []), traffic_bytes=counters.traffic.get(name, 0)))
+        row = rows[-1]
+        if hw is not None:
+            row.terms_s = phase_times(hw, row.flops, row.traffic_bytes, row.collectives,
+                                      row.h2d_bytes + row.d2h_bytes, num_nodes)
+            row.dominant = max(row.terms_s, key=row.terms_s.get)
+            row.estimated_s = row.terms_s[row.dominant]
     return rows
 
 
@@ -69,6 +84,14 @@ class Rehearsal:
     device: str
     world_size: int
     notes: list[str] = field(default_factory=list)
+    hardware: dict | None = None  # the roofline's figures (:class:`~.roofline.Hardware` as a dict)
+
+    @property
+    def estimated_step_s(self) -> float | None:
+        """The roofline estimate of the whole step: the sum of its phases' (None without GPU figures)."""
+        if self.hardware is None:
+            return None
+        return sum(row.estimated_s or 0.0 for row in self.rows)
 
     @property
     def peak_bytes(self) -> int:
@@ -93,7 +116,17 @@ class Rehearsal:
                 "reserve_bytes": self.plan.reserve_bytes, "planned_peak_bytes": self.plan.phases[self.plan.peak_phase],
                 "host_peak_bytes": self.host_peak_bytes, "planned_host_bytes": self.plan.host_bytes,
                 "fits": self.fits, "seconds": self.seconds, "device": self.device, "world_size": self.world_size,
-                "mode": self.plan.mode, "seq_len": self.plan.seq_len, "phases": phases, "notes": self.notes}
+                "mode": self.plan.mode, "seq_len": self.plan.seq_len, "phases": phases, "notes": self.notes,
+                "hardware": self.hardware, "estimated_step_s": self.estimated_step_s,
+                "estimated_tokens_per_s_per_gpu": self.tokens_per_s_per_gpu}
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float | None:
+        """SFT: the step's tokens over the estimated step time, per rank (None without an estimate)."""
+        step = self.estimated_step_s
+        if not step or self.plan.mode != "sft":
+            return None
+        return self.plan.seq_len * self.plan.dp / step / self.world_size
 
     def write(self, path: str) -> None:
         with open(path, "w") as f:
@@ -119,6 +152,22 @@ class Rehearsal:
         lines.append(f"  peak {self.peak_bytes / scale:.3f} {unit} + runtime reserve {p.reserve_bytes / GIB:.2f} GiB "
                      f"vs budget {p.budget_bytes / GIB:.2f} GiB: {verdict} (planned peak "
                      f"{p.phases[p.peak_phase] / scale:.3f} {unit}, {p.peak_phase})")
+        peak = max(self.rows, key=lambda row: row.measured_bytes)
+        shown = [row for row in self.rows if row.largest_tensors] if not self.fits else [peak]
+        for row in shown:
+            lines.append(f"  largest live tensors at the {row.name} peak:")
+            lines += [f"    {t['bytes'] / 2**20:>10.1f} MiB {str(t['shape']):<24} {t['dtype']:<9} {t['where']}"
+                      for t in row.largest_tensors]
+        if self.hardware is not None:
+            hw = self.hardware
+            lines.append(f"  ESTIMATED step time (a roofline, not a measurement): {self.estimated_step_s:.1f} s on "
+                         f"{hw['name']} ({hw['bf16_tflops']:g} TFLOP/s bf16, HBM {hw['hbm_gbps']:g} GB/s, NVLink "
+                         f"{hw['nvlink_gbps']:g} GB/s, network {hw['network_gbps']:g} GB/s, PCIe {hw['pcie_gbps']:g} "
+                         f"GB/s, efficiency {hw['efficiency']:g}; set with rehearsal.<figure>=...)")
+            lines += [f"    {row.name:<20}{row.estimated_s:>10.2f} s  ({row.dominant}; "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in row.terms_s.items()) + ")" for row in self.rows]
+            if self.tokens_per_s_per_gpu:
+                lines.append(f"    {self.tokens_per_s_per_gpu:.1f} tokens/s per GPU (estimated)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

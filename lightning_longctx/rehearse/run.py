@@ -21,14 +21,17 @@ functions:
    a barebones ``Trainer`` carrying the job's ``UlyssesStrategy``, so ``self.trainer.strategy.reduce_loss``
    (a collective) runs and ``self.log`` is a no-op (its host read happens after the step in a real run).
 
-Measured (:mod:`.measure`) during the last step: live bytes per phase on the device and the host, FLOPs,
-collectives by kind, host<->device bytes and syncs (:class:`~lightning_longctx.ops.transfers.TransferCounter`).
+Measured (:mod:`.measure`) during the last step: live bytes per phase on the device and the host, FLOPs, the
+ops' memory traffic, collectives by kind, host<->device bytes and syncs
+(:class:`~lightning_longctx.ops.transfers.TransferCounter`); from them the roofline's estimated time per phase
+(:mod:`.roofline`, for the memory preset's GPU).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -39,6 +42,7 @@ from . import config as _config  # noqa: F401  (registers rehearse_schema)
 from .fake_world import FakeWorld, materialize, world_device
 from .measure import PhaseTracker, StepCounters
 from .report import Rehearsal, phase_rows
+from .roofline import hardware
 
 SFT_PHASES = ("forward", "backward", "optimizer step")
 STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here): this package's CPU attention "
@@ -189,10 +193,11 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
                 with phase(SFT_PHASES[0]):  # what the step starts with: the state of the steps before
                     tracker.track(*_local_tensors(module, optimizer))
                 sft_step(module, batch, optimizer)
-    rows = phase_rows(SFT_PHASES, tracker, counters, transfers, planned)
+    hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
+    rows = phase_rows(SFT_PHASES, tracker, counters, transfers, planned, hw, int(cluster.num_nodes))
     notes += [SKIPPED_CHECK] if world.sp_size > 1 else []
     return Rehearsal(rows=rows, plan=planned, seconds=time.perf_counter() - start, device=str(device),
-                     world_size=world.world_size, notes=notes)
+                     world_size=world.world_size, notes=notes, hardware=asdict(hw) if hw is not None else None)
 
 
 def _local_tensors(module, optimizer) -> list[torch.Tensor]:
