@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from typing import Any
 
 import lightning.pytorch as pl
@@ -69,6 +70,7 @@ from .longstraw_options import check_longstraw_arguments, lr_factor
 log = logging.getLogger(__name__)
 
 REWARD_ERROR_POLICIES = ("raise", "skip_group")
+REWARD_HISTORY = 10_000  # groups whose mean reward ``reward_history`` keeps (the oldest drop out)
 
 
 def _returns(value):
@@ -202,7 +204,8 @@ class LongStrawModule(pl.LightningModule):
         self.lr_warmup_steps, self.lr_schedule, self.max_steps = lr_warmup_steps, lr_schedule, max_steps
         self._generator: torch.Generator | None = None
         self._restored_rng: torch.Tensor | None = None  # a checkpoint's generator state, set on first use
-        self.reward_history: list[float] = []  # mean reward of every group this rank trained on
+        # mean reward of the last REWARD_HISTORY groups this rank trained on (bounded: a long run must not grow it)
+        self.reward_history: deque[float] = deque(maxlen=REWARD_HISTORY)
         self.progress = None  # optional callable(str) for the long phases, e.g. lightning.progress.PhaseProgress
 
     # ------------------------------------------------------------------------------------------ override
