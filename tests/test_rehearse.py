@@ -62,12 +62,37 @@ def test_the_rehearsal_runs_the_jobs_own_step_functions(monkeypatch, tmp_path):
 
         monkeypatch.setattr(owner, name, spy)
     out = tmp_path / "rehearsal.json"
-    result = rehearsed([*TINY_SFT, "cluster.devices=2", "rehearsal.steps=1", f"rehearsal.out={out}"])
+    result = rehearsed([*TINY_SFT, "cluster.devices=2", "rehearsal.steps=1", "memory.budget_gib=0.001"])
     result.write(str(out))
     assert calls.count("training_step") == 1 and "configure_optimizers" in calls and "shard_modules" in calls
+    # over budget: the table names each phase's largest live tensors and the line that allocated them
+    assert not result.fits and "largest live tensors at the backward peak" in result.table()
+    top = next(row for row in result.rows if row.name == "forward").largest_tensors
+    assert top and all({"bytes", "shape", "dtype", "where"} <= set(t) for t in top)
+    assert any(t["where"].startswith("models/") for t in top)
     figures = json.loads(out.read_text())
     assert {"peak_bytes", "budget_bytes", "host_peak_bytes", "fits", "seconds", "phases"} <= set(figures)
     assert [p["name"] for p in figures["phases"]][:3] == list(PHASES)
     assert {"name", "measured_bytes", "planned_bytes", "host_bytes", "flops", "h2d_bytes", "d2h_bytes", "host_syncs",
             "collectives"} <= set(figures["phases"][0])
     assert figures["phases"][0]["flops"] > 0
+    assert figures["estimated_step_s"] is None  # the cpu memory preset has no GPU figures
+
+
+def test_the_roofline_terms_by_hand():
+    from lightning_longctx.rehearse.roofline import hardware, phase_times
+
+    h100 = hardware("h100_80g", {"efficiency": 0.5, "pcie_gbps": None})
+    assert (h100.bf16_tflops, h100.hbm_gbps, h100.pcie_gbps, h100.efficiency) == (989.0, 3350.0, 55.0, 0.5)
+    collectives = {"alltoall_base_": {"count": 4, "bytes": 225 * 10**9},
+                   "_allgather_base_": {"count": 2, "bytes": 25 * 10**9}}
+    one_node = phase_times(h100, flops=989 * 10**12, traffic=3350 * 10**9, collectives=collectives,
+                           transfer_bytes=55 * 10**9, num_nodes=1)
+    assert one_node == pytest.approx({"compute": 2.0, "memory": 2.0, "collectives": (225 + 25) / 225,
+                                      "host<->device": 2.0})
+    # between nodes the all-gather crosses the network (50 GB/s per GPU), the SP all-to-all stays on NVLink
+    two_nodes = phase_times(h100, 0, 0, collectives, 0, num_nodes=2)
+    assert two_nodes["collectives"] == pytest.approx(225 / 225 + 25 / 25)
+    assert hardware("cpu", {}) is None
+    with pytest.raises(ValueError, match="rehearsal.efficiency=0"):
+        hardware("h20_96g", {"efficiency": 0})
