@@ -52,6 +52,7 @@ from .memory import (
     max_context,
 )
 from .memory import plan as make_plan
+from .memory.longstraw import choose_keep_attention_output, choose_rollout_prompt_cache
 from .memory.pretrained import describe_model
 from .memory.shapes import PRESET
 
@@ -161,9 +162,10 @@ def format_plan(cfg: DictConfig) -> str:
         + ", ".join(f"{k}={cfg.memory[k]}" for k in knob_names),
         "",
         make_plan(model, cfg.cluster, cfg.memory, **plan_request(cfg)).table(),
-        "",
-        "longest context that fits (per sequence, all ranks of an SP group together):",
     ]
+    if cfg.task.mode == "longstraw":
+        lines.append(longstraw_choices(cfg, model, knobs))
+    lines += ["", "longest context that fits (per sequence, all ranks of an SP group together):"]
     sft = max_context(model, cfg.cluster, cfg.memory, mode="sft")
     lines.append(f"  SFT:       {sft:>14,} tokens")
     request = plan_request(cfg, mode="longstraw")
@@ -179,6 +181,26 @@ def format_plan(cfg: DictConfig) -> str:
         lines.append(f"  LongStraw: {sharded:>14,} prompt tokens if those states were FSDP-sharded over the "
                      f"{world} ranks")
     return "\n".join(lines)
+
+
+def longstraw_choices(cfg: DictConfig, model: ModelShape, knobs: MemoryKnobs) -> str:
+    """The line saying what the planner chose for this LongStraw step (the choices ``longctx-train`` builds the
+    model with): where the rollouts read the prompt cache from, and whether the prompt's attention outputs are
+    kept for the grouped backward (``keep_attention_output=auto``)."""
+    request = plan_request(cfg, mode="longstraw")
+    args = (model, ClusterShape.from_config(cfg.cluster), knobs, request["seq_len"], request["group_size"],
+            request["response_len"], request["prompt_grad"])
+    if not knobs.offload_prompt_cache:
+        rollouts = "rollouts: the prompt cache is on the device (not offloaded)"
+    elif choose_rollout_prompt_cache(*args) == "device":
+        rollouts = ("rollouts: the offloaded prompt cache comes to the device once per rollout and stays there "
+                    "while decoding (it fits the budget)")
+    else:
+        rollouts = ("rollouts: the offloaded prompt cache does not fit on the device while decoding: streamed, two "
+                    "layers on the device, re-fetched per decoded token (PCIe-bound)")
+    keep = str(cfg.memory.get("keep_attention_output") or "auto")
+    kept = choose_keep_attention_output(*args) if keep == "auto" else keep
+    return f"{rollouts}; keep_attention_output={kept}" + (" (auto: the planner's choice)" if keep == "auto" else "")
 
 
 def run_train(cfg: DictConfig) -> Any:
