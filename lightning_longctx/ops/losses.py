@@ -97,8 +97,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_hidden_TH[start:end] = dlogits_CV @ weight_VH  # (c, hidden)
             if need_weight and hidden_CH.dtype == acc:
                 grad_weight_VH.addmm_(dlogits_CV.T, hidden_CH)  # (vocab, hidden)
-            elif need_weight:
-                grad_weight_VH += (dlogits_CV.T @ hidden_CH).to(acc)  # half inputs: half matmul, fp32 sum
+            elif need_weight:  # half inputs: half matmul, fp32 sum (add_ promotes as it adds: no fp32 [V, E] copy)
+                grad_weight_VH.add_(dlogits_CV.T @ hidden_CH)
             del logits_CV, dlogits_CV
         if need_weight:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
