@@ -15,7 +15,8 @@ Per call every rank
   the caller's code, e.g. a Lightning Trainer, creates it from the environment), runs
   ``fn(rank, world_size, *args)``, destroys every process group and reports.
 
-Any failure (an exception on a rank, a rank that dies, a call past its ``timeout``) kills all ranks of the pool
+Any failure (an exception on a rank, a rank that dies, a call past its ``timeout``, the caller interrupted
+mid-call, e.g. by pytest-timeout) kills all ranks of the pool
 and raises ``AssertionError`` with the first failing rank's traceback, as ``run_distributed`` does; the next call
 spawns a new pool. ``fn`` must be importable (module level) and its arguments and return value picklable; they
 travel by value (plain pickle), so a returned tensor is a copy.
@@ -28,13 +29,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import pickle
 import sys
 import time
 import traceback
+import warnings
 from multiprocessing.connection import wait
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_longctx.parallel.spawn import free_port, rank_environment
@@ -47,10 +52,6 @@ class _ProcessState:
     """The process-wide settings a call could leave changed, as captured when the worker started."""
 
     def __init__(self):
-        import warnings
-
-        import torch
-
         self.dtype = torch.get_default_dtype()
         self.grad = torch.is_grad_enabled()
         self.anomaly = torch.is_anomaly_enabled()
@@ -61,10 +62,6 @@ class _ProcessState:
         self.warning_filters = list(warnings.filters)
 
     def restore(self, threads: int) -> None:
-        import warnings
-
-        import torch
-
         torch.set_default_dtype(self.dtype)
         torch.set_default_device(None)  # a fresh process has no default-device mode (cpu)
         torch.set_grad_enabled(self.grad)
@@ -78,8 +75,6 @@ class _ProcessState:
 
 def _run_call(rank: int, world_size: int, state: _ProcessState, message: bytes) -> tuple[str, object, float]:
     """One call on this rank: ``("ok", result, 0)`` or ``("error", traceback, the time it failed)``."""
-    import torch.distributed as dist
-
     try:
         fn, args, environ, cwd, path, port, threads, init_group = pickle.loads(message)
         os.environ.clear()
@@ -105,10 +100,6 @@ def _exit_now(code: int) -> None:
 
 def _serve(rank: int, world_size: int, conn) -> None:
     """A pool worker's life: run calls until the parent says stop (or goes away)."""
-    import gc
-
-    import torch.distributed as dist
-
     state = _ProcessState()
     while True:
         try:
