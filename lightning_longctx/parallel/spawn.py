@@ -1,9 +1,10 @@
 """Run a function on N local CPU processes with gloo: a free port per run, a hard timeout, errors re-raised.
 
-Used by the tests, benchmarks and CPU examples. Workers are plain ``spawn`` processes that set
-``RANK``/``WORLD_SIZE``/``MASTER_*`` themselves, so no launcher ever re-runs the calling script (or pytest).
-A hung collective fails after ``timeout`` seconds instead of stalling the caller. ``fn`` must be importable
-(defined at module level) and its return value picklable.
+Used by benchmarks, CPU examples and the tests that need fresh processes (the other multi-process tests run
+on tests/worker_pool.py, one pool of such workers per world size kept for the session). Workers are plain
+``spawn`` processes that set ``RANK``/``WORLD_SIZE``/``MASTER_*`` themselves, so no launcher ever re-runs the
+calling script (or pytest). A hung collective fails after ``timeout`` seconds instead of stalling the caller.
+``fn`` must be importable (defined at module level) and its return value picklable.
 """
 
 from __future__ import annotations
