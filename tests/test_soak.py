@@ -7,11 +7,12 @@ of lengths drawn from 1..64 (1 and 64 always present), on fresh random tokens ea
 AdamW states allocated in the first steps) window ``[20, 50)`` and window ``[170, 200)`` are compared shape for
 shape:
 
-- the step's own tracker peak (``StepOutput.peak_bytes``: ``ops.track_memory`` inside ``longstraw_step``) grows
-  by at most 2%. Per shape the check takes the smallest of its 3 repeats in a window: on gloo a collective's
-  buffers are released by the process group's worker thread shortly after the call returns, so a step's peak
-  may include one still-held all-to-all buffer (up to ~3% at these sizes), at random; a leak raises every
-  repeat;
+- the step's peak of live tensor bytes, absolute (the outer ``track_memory`` around the whole loop, its peak
+  reset before each step: what earlier steps left behind counts, unlike ``StepOutput.peak_bytes``, the step's own
+  tracker, which starts at zero every step and so cannot see a leak) grows by at most 2%. Per shape the check
+  takes the smallest of its 3 repeats in a window: on gloo a collective's buffers are released by the process
+  group's worker thread shortly after the call returns, so a step's peak may include one still-held all-to-all
+  buffer (up to ~3% at these sizes), at random; a leak raises every repeat;
 - the live tensor bytes retained after the step (an outer ``track_memory`` around the whole loop, read after
   ``optimizer.step``, ``zero_grad`` and ``gc.collect``) grow by at most 2%: anything kept per step would grow
   them;
@@ -19,7 +20,9 @@ shape:
   threads too) are the same at steps 50 and 200.
 
 Excluded from the default run (``-m "not slow and not soak"`` in pyproject's addopts); run it with
-``pytest -m soak tests/test_soak.py -s`` (about 2-3 minutes on 2 cores; it prints the numbers).
+``pytest -m soak tests/test_soak.py -s`` (about 2-3 minutes on 2 cores; it prints the numbers). The second soak
+runs ``LongStrawModule`` itself under the Trainer (60 steps, one process): ``reward_history`` stays bounded and
+neither live tensor bytes nor Python objects grow between steps 20-30 and 50-60.
 """
 
 from __future__ import annotations
@@ -87,11 +90,12 @@ def soak_worker(rank: int, world: int, steps: int) -> dict:
             responses = [torch.randint(0, config.vocab_size, (n,), generator=data) for n in lengths]
             advantages = group_advantages(torch.randn(GROUP, generator=data, dtype=torch.float64).float())
             t0 = time.perf_counter()
-            out = longstraw_step(model, prompt, responses, advantages, group=dist.group.WORLD)
+            outer.reset_peak()
+            longstraw_step(model, prompt, responses, advantages, group=dist.group.WORLD)
+            peaks.append(outer.peak_bytes)  # absolute: everything earlier steps retained is in it
             optimizer.step()
             optimizer.zero_grad()
             seconds.append(time.perf_counter() - t0)
-            peaks.append(out.peak_bytes)
             gc.collect()  # what survives the step is what a leak would be
             retained.append(outer.current_bytes)
             if step + 1 in (WINDOWS[0][1], steps):  # after warm-up, at the end
@@ -136,3 +140,51 @@ def test_longstraw_soak_memory_fds_and_threads_stay_flat():
         assert r["threads"][a1] == r["threads"][STEPS], f"rank {rank}: threads {r['threads']}"
         assert r["os_threads"][a1] == r["os_threads"][STEPS], f"rank {rank}: OS threads {r['os_threads']}"
     print(f"soak: {STEPS} steps on 2 processes, wall {wall:.1f} s")
+
+
+MODULE_STEPS = 60
+MODULE_WINDOWS = ((20, 30), (50, 60))
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(1800)
+def test_longstraw_module_soak_keeps_its_state_bounded(tmp_path, monkeypatch):
+    """``LongStrawModule`` under the Trainer (one CPU process, ``NeedleGRPO`` sampling its G responses every step,
+    ``MODULE_STEPS`` steps): ``reward_history`` stays at its bound, and what survives a step (live tensor bytes,
+    the outer ``track_memory``; Python objects, ``gc``) stays flat between the windows of ``MODULE_WINDOWS``."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_longctx.lightning import longstraw_module
+    from lightning_longctx.models import DecoderConfig, DecoderLM
+    from lightning_longctx.ops import track_memory
+    from lightning_longctx.tasks.needle import NeedleGRPO, NeedleHaystack, collate_prompt_groups
+
+    monkeypatch.setattr(longstraw_module, "REWARD_HISTORY", 16)  # reached early in the run
+    torch.manual_seed(0)
+    config = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    module = NeedleGRPO(DecoderLM(config), group_size=4, max_new_tokens=4, lr=1e-3)
+    retained, objects = [], []
+
+    class AfterStep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            gc.collect()
+            retained.append(outer.current_bytes)
+            objects.append(len(gc.get_objects()))
+
+    data = DataLoader(NeedleHaystack(num_prompts=MODULE_STEPS, haystack=40, vocab_size=64), batch_size=1,
+                      collate_fn=collate_prompt_groups)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=MODULE_STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[AfterStep()], default_root_dir=tmp_path)
+    with track_memory(torch.device("cpu")) as outer:
+        trainer.fit(module, data)
+    (a0, a1), (b0, b1) = MODULE_WINDOWS
+    print(f"\nLongStrawModule, {MODULE_STEPS} steps: retained max {max(retained[a0:a1]):,} -> "
+          f"{max(retained[b0:b1]):,} B; Python objects max {max(objects[a0:a1]):,} -> {max(objects[b0:b1]):,}; "
+          f"reward_history {len(module.reward_history)}")
+    assert trainer.global_step == MODULE_STEPS and len(module.reward_history) == 16
+    assert max(retained[b0:b1]) <= (1 + TOLERANCE) * max(retained[a0:a1]), (retained[a0:a1], retained[b0:b1])
+    # 30 steps between the windows: a container kept per step (a dict of metrics, a list) adds >= 30 objects
+    assert max(objects[b0:b1]) - max(objects[a0:a1]) < 20, (objects[a0:a1], objects[b0:b1])
