@@ -77,10 +77,9 @@ class PhaseTracker(MemoryTracker):
     def device_current(self) -> int:
         return self.current_bytes - self.host_current
 
-    def _note(self, tensors) -> None:
-        """Record where ``tensors``' newly counted storages come from and which live on the host, then each
-        phase's peaks."""
-        site = None
+    def _note(self, tensors, site: str | None = None) -> None:
+        """Record where ``tensors``' newly counted storages come from (``site``; None: the allocating line) and
+        which live on the host, then each phase's peaks."""
         for t in tensors:
             if not isinstance(t, torch.Tensor) or (st := _storage(t)) is None:
                 continue
@@ -125,7 +124,7 @@ class PhaseTracker(MemoryTracker):
 
     def track(self, *tensors: torch.Tensor) -> PhaseTracker:
         super().track(*tensors)
-        self._note(tensors)
+        self._note(tensors, site="held before the step (parameters, gradients, optimizer states)")
         return self
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -46,8 +46,8 @@ from .roofline import hardware
 
 SFT_PHASES = ("forward", "backward", "optimizer step")
 STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here): this package's CPU attention "
-            "kernels run, so the plan compared is memory.attention_backend=eager's; offloaded tensors count as device "
-            "memory (docs/rehearsal.md)")
+            "kernels run, so the plan compared is memory.attention_backend=eager's; offloaded tensors stay on the same "
+            "CPU (docs/rehearsal.md)")
 SKIPPED_CHECK = ("batch sharding: the SP ranks' shape agreement check (one all-gather of the shard's shape and its "
                  "host read, once per step before training_step) is not rehearsed: the read has no value on fake "
                  "tensors, and every fake rank holds rank 0's shapes")
@@ -194,10 +194,12 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
                     tracker.track(*_local_tensors(module, optimizer))
                 sft_step(module, batch, optimizer)
     hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
-    rows = phase_rows(SFT_PHASES, tracker, counters, transfers, planned, hw, int(cluster.num_nodes))
+    folded = planned.host_bytes if device.type == "cpu" else 0  # offloaded = "host" = the same CPU here
+    rows = phase_rows(SFT_PHASES, tracker, counters, transfers, planned, hw, int(cluster.num_nodes), folded)
     notes += [SKIPPED_CHECK] if world.sp_size > 1 else []
     return Rehearsal(rows=rows, plan=planned, seconds=time.perf_counter() - start, device=str(device),
-                     world_size=world.world_size, notes=notes, hardware=asdict(hw) if hw is not None else None)
+                     world_size=world.world_size, notes=notes, hardware=asdict(hw) if hw is not None else None,
+                     host_folded=folded)
 
 
 def _local_tensors(module, optimizer) -> list[torch.Tensor]:
