@@ -96,3 +96,18 @@ def test_the_roofline_terms_by_hand():
     assert hardware("cpu", {}) is None
     with pytest.raises(ValueError, match="rehearsal.efficiency=0"):
         hardware("h20_96g", {"efficiency": 0})
+
+
+def test_the_cpu_flash_attention_flops_are_counted_causal_halved():
+    import torch
+
+    from lightning_longctx.parallel.phases import phase
+    from lightning_longctx.rehearse.measure import StepCounters
+
+    q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+    with StepCounters() as counters, phase("probe"):
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+        out.sum().backward()
+    # forward: q k^T and p v, 2 x (2 heads x 8 x 4 x 8) FLOPs each; backward: five such products (the scores
+    # recomputed, dV, dP, dQ, dK); each half under the causal mask
+    assert counters.flops["probe"] == (2 + 5) * 1024 // 2

@@ -10,9 +10,9 @@ The phase is the one the step code marks (:func:`lightning_longctx.parallel.phas
   the step computes on CUDA: pinned, offloaded), and at each phase's peak its largest live tensors (shape, dtype,
   the line of this package's code that allocated them; snapshots taken when the peak grows by 0.5%).
 - :class:`StepCounters`: a dispatch mode counting FLOPs (``torch.utils.flop_counter``'s formulas: matmuls,
-  convolutions, the SDPA aten ops), the bytes the ops read and write (tensor inputs and outputs of every op
-  that is not a view: the roofline's memory traffic) and the ``c10d`` collectives by kind (count, bytes of
-  the tensors handed to them), each per phase.
+  convolutions, the CUDA SDPA aten ops; :data:`EXTRA_FLOPS` for torch's fused CPU attention), the bytes the
+  ops read and write (tensor inputs and outputs of every op that is not a view: the roofline's memory
+  traffic) and the ``c10d`` collectives by kind (count, bytes of the tensors handed to them), each per phase.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..ops.memory import MemoryTracker, _storage
 from ..parallel.phases import current_phase
@@ -138,6 +138,23 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _causal(is_causal: bool) -> float:
+    return 0.5 if is_causal else 1.0  # a causal kernel skips the upper half of the score matrix
+
+
+_aten = torch.ops.aten
+# FLOPs of ops FlopCounterMode does not know: torch's fused CPU flash attention, forward and backward
+# ([batch, heads, seq, head_dim] layout, as torch's formulas for the CUDA kernels take it), causal halved
+EXTRA_FLOPS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu.default:
+        lambda q, k, v, dropout_p=0.0, is_causal=False, **kw: int(
+            sdpa_flop_count(q.shape, k.shape, v.shape) * _causal(is_causal)),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        lambda grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=False, **kw: int(
+            sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape) * _causal(is_causal)),
+}
+
+
 class StepCounters(TorchDispatchMode):
     """``flops[phase]`` and ``collectives[phase][kind] = {"count", "bytes"}`` of the ops run inside the block.
 
@@ -163,7 +180,9 @@ class StepCounters(TorchDispatchMode):
             self._collective(func, args, kwargs)
             return out
         name = phase_name()
-        if packet in flop_registry:
+        if func in EXTRA_FLOPS:
+            self.flops[name] += EXTRA_FLOPS[func](*args, **kwargs)
+        elif packet in flop_registry:
             self.flops[name] += int(flop_registry[packet](*args, **kwargs, out_val=out))
         if not func.is_view:
             tensors = (t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
@@ -186,4 +205,4 @@ class StepCounters(TorchDispatchMode):
         entry["bytes"] += max((_nbytes(t) for t in tensors), default=0)
 
 
-__all__ = ["TOP_TENSORS", "PhaseTracker", "StepCounters", "allocation_site", "phase_name"]
+__all__ = ["EXTRA_FLOPS", "TOP_TENSORS", "PhaseTracker", "StepCounters", "allocation_site", "phase_name"]
