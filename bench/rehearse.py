@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 GIB = 2**30
 
+REFERENCES = {"c_llama3_8b_sft_5m": "UPipe reports 98.25 tokens/s per GPU for this run"}
 RUNS = {
     # issue 24 item 7c: UPipe's 5M-token Llama3-8B SFT on 8 H100
     "c_llama3_8b_sft_5m": "model=llama3_8b cluster=node_8gpu memory=h100_80g task=long_sft task.seq_len=5242880",
@@ -76,6 +77,15 @@ def markdown(results: dict[str, dict]) -> str:
             coll = ", ".join(f"{k} x{v['count']}" for k, v in p["collectives"].items()) or "-"
             lines.append(f"| {p['name']} | {p['measured_bytes'] / GIB:.2f} | {planned} | {diff} | "
                          f"{p['flops'] / 1e12:.1f} | {coll} |")
+        if r.get("estimated_step_s"):
+            hw = r["hardware"]
+            rate = r.get("estimated_tokens_per_s_per_gpu")
+            lines += ["", f"**Estimated** step time (a roofline, not a measurement) on {hw['name']} "
+                      f"({hw['bf16_tflops']:g} TFLOP/s bf16 dense, HBM {hw['hbm_gbps']:g} GB/s, NVLink "
+                      f"{hw['nvlink_gbps']:g} GB/s, efficiency {hw['efficiency']:g}): {r['estimated_step_s']:.0f} s"
+                      + (f", {rate:.1f} tokens/s per GPU" if rate else "")
+                      + (f" ({REFERENCES[name]})" if name in REFERENCES else "") + "; per phase: "
+                      + ", ".join(f"{p['name']} {p['estimated_s']:.0f} s ({p['dominant']})" for p in r["phases"])]
         peak = max(r["phases"], key=lambda p: p["measured_bytes"])
         lines += ["", f"largest live tensors at the {peak['name']} peak:", ""]
         lines += [f"- {t['bytes'] / 2**20:.0f} MiB {t['shape']} {t['dtype']} at `{t['where']}`"
