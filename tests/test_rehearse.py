@@ -3,7 +3,8 @@
 The rehearsed peak of every phase of an SFT step equals the real run's (same config, real tensors, the
 project's tracker read at the phase boundaries) within 2%: ``Trainer.fit`` in one process (peaks between
 Lightning's hooks) vs a fake world of 1, rank 0 of two gloo ranks vs a fake world of 2; the rehearsal calls
-the job's own step functions; its JSON has the fields issue 24 lists.
+the job's own step functions and, on two ranks, the same collectives (kind and count per phase) as the real run;
+its JSON has the fields issue 24 lists.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ def test_one_rank_rehearsal_equals_the_fitted_run():
 
 def test_two_rank_rehearsal_equals_rank_0_of_a_gloo_run():
     two = [*TINY_SFT, "cluster.devices=2"]
-    real = run_distributed(sharded_sft_peaks, 2, two, timeout=240)[0]
+    real, real_collectives = run_distributed(sharded_sft_peaks, 2, two, timeout=240)[0]
     result = rehearsed(two)
     assert_close(by_phase(result), real)
-    forward = next(row for row in result.rows if row.name == "forward")
-    assert forward.collectives["alltoall_base_"]["count"] > 0  # Ulysses' all-to-alls on the fake backend
+    # the same collectives, kind by kind and phase by phase (the real batch's SP shape check runs before them)
+    rehearsed_collectives = {row.name: {k: c["count"] for k, c in row.collectives.items()} for row in result.rows
+                             if row.collectives}
+    assert rehearsed_collectives == real_collectives
+    assert real_collectives["forward"]["alltoall_base_"] > 0  # Ulysses' all-to-alls
 
 
 def test_the_rehearsal_runs_the_jobs_own_step_functions(monkeypatch, tmp_path):

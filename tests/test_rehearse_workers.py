@@ -3,7 +3,10 @@ each phase's peak read with the project's live-tensor tracker at the step's phas
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PHASES = ("forward", "backward", "optimizer step")
 
@@ -71,10 +74,24 @@ def fitted_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, i
     return spy.peaks
 
 
-def sharded_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
+class CollectiveKinds(TorchDispatchMode):
+    """Counts the ``c10d`` ops by phase and kind (``counts[phase][kind]``); ``phase`` is set by the caller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = PHASES[0]
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.counts[self.phase][func._overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def sharded_sft_peaks(rank: int, world: int, overrides: list[str]):
     """A gloo rank: the config's model and task parallelized as ``UlyssesStrategy.setup`` does, the first batch
     sharded as its ``batch_to_device`` does, then two steps of Lightning's automatic optimisation by hand; the
-    second step's peaks per phase."""
+    second step's peaks per phase and its collectives by phase and kind."""
     import lightning.pytorch as pl
     import torch.distributed as dist
 
@@ -109,10 +126,16 @@ def sharded_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, 
         boundary()
 
     step()
-    with track_memory("cpu") as mem:
+    kinds = CollectiveKinds()
+    with track_memory("cpu") as mem, kinds:
         mem.track(*[_local(p) for p in module.parameters()], *[_local(p.grad) for p in module.parameters()],
                   *[_local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
-        peaks, boundary = _boundary_peaks(mem, list(PHASES))
+        peaks, mark = _boundary_peaks(mem, list(PHASES))
+
+        def boundary():
+            mark()
+            kinds.phase = PHASES[min(len(peaks), len(PHASES) - 1)]
+
         step(boundary)
     dist.barrier()
-    return peaks
+    return peaks, {name: dict(counts) for name, counts in kinds.counts.items()}
