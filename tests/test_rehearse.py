@@ -39,8 +39,9 @@ def test_one_rank_rehearsal_equals_the_fitted_run():
     assert_close(by_phase(rehearsed(one)), run_distributed(fitted_sft_peaks, 1, one, timeout=240)[0])
 
 
-def test_two_rank_rehearsal_equals_rank_0_of_a_gloo_run():
-    two = [*TINY_SFT, "cluster.devices=2"]
+@pytest.mark.parametrize("model", ["tiny", "tiny_hybrid"])  # dense attention; Gated DeltaNet + gated attention
+def test_two_rank_rehearsal_equals_rank_0_of_a_gloo_run(model):
+    two = [*TINY_SFT, "cluster.devices=2", f"model={model}"]
     real, real_collectives = run_distributed(sharded_sft_peaks, 2, two, timeout=240)[0]
     result = rehearsed(two)
     assert_close(by_phase(result), real)

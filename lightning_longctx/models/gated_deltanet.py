@@ -156,10 +156,11 @@ def _build_stages(key_heads, value_heads, dk, dv, world, rank, chunk, device) ->
     return stages
 
 
-def _inverse_order(stages: list[LinearStage], device) -> torch.Tensor | None:
-    """Index that puts the concatenated stage outputs back in head order (None: already in order)."""
-    order = [h for st in stages for h in (range(st.out_heads.start, st.out_heads.start + st.out_heads.length)
-                                          if st.out_heads.index is None else st.out_heads.index.tolist())]
+def _inverse_order(schedule, device) -> torch.Tensor | None:
+    """Index that puts the concatenated stage outputs back in head order (None: already in order), from the
+    :func:`linear_schedule`'s Python ints (each stage's ``out_heads``, rank by rank): reading the stages' index
+    tensors back would be a host sync on the device."""
+    order = [h for per_rank in schedule for heads, _ in per_rank for h in heads]
     if order == sorted(order):
         return None
     inverse = torch.empty(len(order), dtype=torch.long)
@@ -216,7 +217,8 @@ class GatedDeltaNet(nn.Module):
             stages = _build_stages(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, world, rank,
                                    self.head_chunk_size, device)
             self._stages[key] = stages
-            self._inverse[key] = _inverse_order(stages, device)
+            self._inverse[key] = _inverse_order(linear_schedule(self.num_k_heads, self.num_v_heads, self.head_k_dim,
+                                                                self.head_v_dim, world, self.head_chunk_size), device)
         return self._stages[key]
 
     # ------------------------------------------------------------------------------------- one stage
