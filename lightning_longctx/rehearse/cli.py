@@ -4,8 +4,6 @@ per-phase table, and with ``rehearsal.out=<file.json>`` writes every figure as J
 
 from __future__ import annotations
 
-import logging
-
 import hydra
 from omegaconf import DictConfig
 
@@ -18,7 +16,6 @@ def _rehearse(cfg: DictConfig) -> None:
     from ..memory import PlanError
     from .run import rehearse
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the carrier Trainer's banner
     try:
         result = rehearse(cfg)
     except (ValueError, PlanError, NotImplementedError) as err:  # ConfigError is a ValueError: the message alone

@@ -29,6 +29,7 @@ ops' memory traffic, collectives by kind, host<->device bytes and syncs
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from dataclasses import asdict
@@ -84,10 +85,16 @@ def _carrier_trainer(cfg: DictConfig, precision: str):
     cluster = cfg.cluster
     strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
                                sharding=cluster.sharding, on_nonfinite=None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return pl.Trainer(strategy=strategy, accelerator="cpu", devices=cluster.devices, num_nodes=cluster.num_nodes,
-                          precision=precision, barebones=True, max_steps=1)
+    banner = logging.getLogger("lightning.pytorch")  # barebones mode's feature list, "GPU available: ..."
+    level = banner.level
+    banner.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return pl.Trainer(strategy=strategy, accelerator="cpu", devices=cluster.devices,
+                              num_nodes=cluster.num_nodes, precision=precision, barebones=True, max_steps=1)
+    finally:
+        banner.setLevel(level)
 
 
 def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh):
