@@ -116,3 +116,16 @@ def test_the_cpu_flash_attention_flops_are_counted_causal_halved():
     # forward: q k^T and p v, 2 x (2 heads x 8 x 4 x 8) FLOPs each; backward: five such products (the scores
     # recomputed, dV, dP, dQ, dK); each half under the causal mask
     assert counters.flops["probe"] == (2 + 5) * 1024 // 2
+
+
+def test_a_rehearsal_leaves_no_fake_index_tensor_to_a_real_run():
+    import torch
+
+    from lightning_longctx.app import build_model
+    from lightning_longctx.rehearse import compose
+
+    one = [*TINY_SFT, "cluster.devices=1"]
+    rehearsed(one)  # caches this layout's head-stage plans (index tensors) on fake tensors while it runs
+    model = build_model(compose(one))
+    ids = torch.randint(0, 64, (1, 64))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)  # a real forward of the same layout
