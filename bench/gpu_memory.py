@@ -13,6 +13,10 @@ response lengths). Reported:
   ``allocator_fragmentation`` can be read against ``reserved - allocated``, and ``cuda_context`` against
   ``in use - reserved``. The planner's fragmentation share follows this process's ``PYTORCH_CUDA_ALLOC_CONF``
   (unset here means the allocator's default: no expandable segments, as a plain ``python`` run has).
+- host syncs of one more step, per phase: :class:`~lightning_longctx.ops.transfers.TransferCounter` (the
+  syncs torch dispatches and the code's designated reads) and, on CUDA, every sync the driver sees under
+  ``torch.cuda.set_sync_debug_mode("warn")`` (its warnings counted, the first source lines kept), so a sync the
+  dispatcher cannot see (a blocking copy inside a kernel wrapper, a ``cudaStreamSynchronize``) shows up too;
 - ``smoke`` (CPU, seconds): the same code path on a tiny float32 model, the peak from the live-tensor tracker
   (parameters tracked, the AdamW states created inside it) against the plan for ``cluster.accelerator=cpu``
   (no runtime reserve).
@@ -37,6 +41,7 @@ from lightning_longctx.memory import plan  # noqa: E402
 from lightning_longctx.memory.reserve import RESERVE_TERMS, expandable_segments  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
 from lightning_longctx.ops import track_memory  # noqa: E402
+from lightning_longctx.ops.transfers import TransferCounter  # noqa: E402
 
 # smoke: tiny float32 on CPU; GPU: a 0.5B-parameter Llama-shaped model in bf16 over a 64K prompt
 SHAPES = {
@@ -94,13 +99,38 @@ the device's counters (CUDA) or the tracker's (CPU)."""
         torch.cuda.synchronize(device)
         free, total = torch.cuda.mem_get_info(device)
         return dict(max_memory_allocated=torch.cuda.max_memory_allocated(device),
-                    max_memory_reserved=torch.cuda.max_memory_reserved(device), device_in_use=total - free)
+                    max_memory_reserved=torch.cuda.max_memory_reserved(device), device_in_use=total - free,
+                    syncs=counted_syncs(step, device))
     with track_memory("cpu") as mem:
         mem.track(*model.parameters())
         step()
         mem.reset_peak()
         step()
-    return dict(max_memory_allocated=mem.peak_bytes)
+    return dict(max_memory_allocated=mem.peak_bytes, syncs=counted_syncs(step, device))
+
+
+def counted_syncs(step, device: torch.device) -> dict:
+    """Host syncs of one ``step()``: per phase from :class:`TransferCounter`, and on CUDA the driver-level count
+    under ``set_sync_debug_mode("warn")`` with the first five distinct source lines that synced."""
+    import warnings
+
+    with TransferCounter() as counter, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize(device)
+    per_phase = {name: figures["syncs"] for name, figures in counter.summary().items() if figures["syncs"]}
+    out = {"dispatched_per_phase": per_phase, "dispatched_total": sum(per_phase.values())}
+    if device.type == "cuda":
+        syncing = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        out.update(driver_total=len(syncing),
+                   driver_first_lines=list(dict.fromkeys(f"{w.filename}:{w.lineno}" for w in syncing))[:5])
+    return out
 
 
 def device_checks(smoke: bool) -> dict:
@@ -129,10 +159,11 @@ def main() -> None:
     args = parser.parse_args()
     report = device_checks(args.smoke)
     print(json.dumps(report, indent=1))
-    gib = {k: f"{v / GIB:.3f} GiB" for k, v in report["measured"].items()}
+    gib = {k: f"{v / GIB:.3f} GiB" for k, v in report["measured"].items() if isinstance(v, int)}
     print(f"measured {gib}; planned peak phase {report['planned']['peak_phase']} "
           f"{report['planned']['tensors_bytes'] / GIB:.3f} GiB + reserve "
-          f"{sum(report['planned']['reserve'].values()) / GIB:.3f} GiB")
+          f"{sum(report['planned']['reserve'].values()) / GIB:.3f} GiB; host syncs of one step "
+          f"{report['measured']['syncs']}")
 
 
 if __name__ == "__main__":
