@@ -32,6 +32,7 @@ import contextlib
 import gc
 import os
 import pickle
+import socket
 import sys
 import time
 import traceback
@@ -47,6 +48,29 @@ from lightning_longctx.parallel.spawn import free_port, rank_environment
 _SHUTDOWN = b""  # an empty message tells a worker to exit
 _FAILURE_GRACE = 1.0  # seconds the other ranks get to report after the first failure
 
+
+
+_last_port = [-1]
+
+
+def call_port() -> int:
+    """A free port for one call's TCPStore. Under pytest-xdist each worker (``gw<N>``) draws from its own block of
+    1000 ports below the kernel's ephemeral range (32768 up, where ``bind(0)`` picks), so two workers never pick
+    the same port between one's check and its TCPStore's bind (an ``EADDRINUSE`` seen with ``free_port()``)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return free_port()
+    base = 20000 + 1000 * int(worker[2:])
+    for _ in range(1000):
+        _last_port[0] = (_last_port[0] + 1) % 1000
+        port = base + _last_port[0]
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT from an earlier call: the next one
+                continue
+        return port
+    return free_port()
 
 class _ProcessState:
     """The process-wide settings a call could leave changed, as captured when the worker started."""
@@ -159,7 +183,7 @@ class WorkerPool:
                 answered within ``timeout`` seconds (the pool is then killed; the next call respawns it).
         """
         deadline = time.monotonic() + timeout
-        message = pickle.dumps((fn, args, dict(os.environ), os.getcwd(), list(sys.path), free_port(), threads,
+        message = pickle.dumps((fn, args, dict(os.environ), os.getcwd(), list(sys.path), call_port(), threads,
                                 init_group))
         if not all(proc.is_alive() for proc in self._procs):  # a rank that exited since the last call
             self.close(kill=True)
