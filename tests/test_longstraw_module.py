@@ -1,7 +1,6 @@
 """LongStrawModule in a real (one-process) Trainer: one optimizer step per prompt group, metrics logged,
 and its update equals an optimizer step on ``longstraw_step``'s exact gradient."""
 
-import os
 
 import lightning.pytorch as pl
 import pytest
@@ -16,17 +15,7 @@ from lightning_longctx.tasks.needle import NeedleGRPO, NeedleHaystack, collate_p
 VOCAB = 32
 
 
-@pytest.fixture(autouse=True)
-def _leave_no_process_group():
-    """The in-process Trainer(strategy="ulysses") runs set MASTER_PORT etc. in os.environ and keep a 1-rank
-    process group (its store bound to that port): without this, a later longctx-train subprocess in the same
-    pytest run (tests/test_cli.py) inherits the port and fails with EADDRINUSE."""
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("leave_no_process_group")  # tests/conftest.py
 
 
 def _model():

@@ -159,19 +159,6 @@ def test_the_ulysses_attention_block_runs():
     assert scope["out"].shape == q.shape
 
 
-@pytest.fixture
-def leave_no_process_group():
-    """Trainer(strategy="ulysses") in-process keeps a 1-rank group and MASTER_* variables: undo both."""
-    import os
-
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def test_the_sft_block_runs(tmp_path, leave_no_process_group):
     from torch.utils.data import DataLoader
 

@@ -57,16 +57,7 @@ def starts_with_answer(completions, answer, **kwargs):
 '''
 
 
-@pytest.fixture(autouse=True)
-def _leave_no_process_group():
-    """In-process Trainer(strategy="ulysses") runs leave MASTER_PORT and a 1-rank group behind (see
-    tests/test_longstraw_module.py): clear both so later subprocess runs get their own port."""
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("leave_no_process_group")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
