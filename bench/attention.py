@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_longctx.ops.memory import track_memory  # noqa: E402
+from lightning_longctx.ops.tracker import track_memory  # noqa: E402
 from lightning_longctx.parallel import ulysses_attention  # noqa: E402
 from lightning_longctx.parallel.spawn import run_distributed  # noqa: E402
 

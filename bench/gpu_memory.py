@@ -9,7 +9,7 @@ response lengths). Reported:
   transients, cuBLAS workspaces), ``max_memory_reserved`` (what the caching allocator took from the device: the
   allocated bytes plus its rounding and fragmentation) and the device memory in use (``cudaMemGetInfo``: the
   reserved bytes plus the CUDA context, with the peak counters reset before the step); beside them the plan's
-  peak phase (tensors), each runtime reserve term (``memory/reserve.py``) and its total. So the planned
+  peak phase (tensors), each runtime reserve term (``planner/reserve.py``) and its total. So the planned
   ``allocator_fragmentation`` can be read against ``reserved - allocated``, and ``cuda_context`` against
   ``in use - reserved``. The planner's fragmentation share follows this process's ``PYTORCH_CUDA_ALLOC_CONF``
   (unset here means the allocator's default: no expandable segments, as a plain ``python`` run has).
@@ -37,11 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_longctx.longstraw import longstraw_step  # noqa: E402
-from lightning_longctx.memory import plan  # noqa: E402
-from lightning_longctx.memory.reserve import RESERVE_TERMS, expandable_segments  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
 from lightning_longctx.ops import track_memory  # noqa: E402
 from lightning_longctx.ops.transfers import TransferCounter  # noqa: E402
+from lightning_longctx.planner import plan  # noqa: E402
+from lightning_longctx.planner.reserve import RESERVE_TERMS, expandable_segments  # noqa: E402
 
 # smoke: tiny float32 on CPU; GPU: a 0.5B-parameter Llama-shaped model in bf16 over a 64K prompt
 SHAPES = {

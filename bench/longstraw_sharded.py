@@ -67,7 +67,7 @@ def _model(args, mode: str):
 
 def _shard(model) -> None:
     """What UlyssesStrategy(sharding="fsdp") does to a LongStrawModule's policy."""
-    from lightning_longctx.lightning.parallelize import (
+    from lightning_longctx.training.parallelize import (
         fsdp_mesh,
         mixed_precision_policy,
         register_prefix_state_methods,
@@ -88,7 +88,7 @@ def _held_bytes(model) -> int:
 def planned_bytes(args, mode: str) -> tuple[int, str]:
     """The planner's per-rank bytes for ``mode`` (float32 on CPU, this package's eager kernels) less the optimizer
     states, and its peak phase."""
-    from lightning_longctx.memory import plan
+    from lightning_longctx.planner import plan
 
     fields = model_fields(args)
     if mode.endswith("lora"):

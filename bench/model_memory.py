@@ -5,7 +5,7 @@ chunked logits; then that last row with head_chunk_size=H, to isolate head chunk
 isolates the attention block (one layer's attention, forward+backward): an unfused composition that keeps
 q/k/v for backward (what a standard block saves), and the fused UPipe block with head_chunk_size = H, H/4, 1.
 
-Peak bytes come from ``ops.memory.MemoryTracker``: every tensor storage allocated inside the step
+Peak bytes come from ``ops.tracker.MemoryTracker``: every tensor storage allocated inside the step
 (activations, gradients, temporaries; the parameters themselves are not counted), exact on CPU. Times are
 measured on separate runs without the tracker (its per-op Python hook would penalise configurations with
 more, smaller ops), after the tracked run has warmed up: the best of ``--repeats``.
@@ -25,7 +25,7 @@ import torch
 from lightning_longctx.models import DecoderAttention, DecoderConfig, DecoderLM, MemoryConfig
 from lightning_longctx.models.rope import apply_rope, rope_cos_sin
 from lightning_longctx.ops.attention import attention_with_lse
-from lightning_longctx.ops.memory import MemoryTracker
+from lightning_longctx.ops.tracker import MemoryTracker
 
 MIB = 2**20
 

@@ -43,7 +43,7 @@ import run_all_report as report_md  # noqa: E402
 import sampling as sampling_bench  # noqa: E402
 
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
-from lightning_longctx.ops.memory import MemoryTracker  # noqa: E402
+from lightning_longctx.ops.tracker import MemoryTracker  # noqa: E402
 
 MIB = 2.0**20
 FULL = dict(seq=[2048, 4096, 8192], attn_heads=8, attn_kv_heads=2, attn_head_dim=32, model_hidden=256,

@@ -2,7 +2,7 @@
 
 The tiny preset, a 1024-token prompt, G=8, 2 new tokens (what ``make demo`` runs per group): sampling plus one
 exact step, with and without ``longstraw_step(measure_memory=...)``, interleaved, median of 8. Training loops
-pass ``measure_memory=False`` and log the device's own peak (``ops.memory.device_peak_bytes``) instead.
+pass ``measure_memory=False`` and log the device's own peak (``ops.tracker.device_peak_bytes``) instead.
 
 Usage: ``.venv/bin/python bench/tracker_overhead.py``
 """

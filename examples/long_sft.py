@@ -20,8 +20,8 @@ import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_longctx.lightning import UlyssesStrategy  # importing lightning_longctx registers "ulysses"
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+from lightning_longctx.training import UlyssesStrategy  # importing lightning_longctx registers "ulysses"
 
 IGNORE_INDEX = -100
 SEPARATOR = 1

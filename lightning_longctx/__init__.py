@@ -4,11 +4,11 @@ Importing the package registers ``strategy="ulysses"`` with ``lightning.pytorch.
 ``lightning.fabric.Fabric`` (Lightning has no entry-point discovery for strategies, so this import must
 come before the Trainer is built; a Hydra ``_target_`` under ``lightning_longctx`` does it) without importing
 Lightning: ``import lightning_longctx.parallel`` (``.ops``, ``.models``, ``.longstraw``, ``.memory``) stays
-Lightning-free (how: :mod:`._registration`). ``import lightning_longctx.lightning`` registers the strategy
-classes themselves, eagerly (:func:`lightning_longctx.lightning.register_strategies`).
+Lightning-free (how: :mod:`._registration`). ``import lightning_longctx.training`` registers the strategy
+classes themselves, eagerly (:func:`lightning_longctx.training.register_strategies`).
 
 Main entry points: :class:`UlyssesStrategy`, :class:`LongStrawModule` (lazy attributes: first access imports
-:mod:`lightning_longctx.lightning`), :func:`lightning_longctx.parallel.ulysses_attention`,
+:mod:`lightning_longctx.training`), :func:`lightning_longctx.parallel.ulysses_attention`,
 :func:`lightning_longctx.longstraw.longstraw_step`, :class:`lightning_longctx.models.DecoderLM`. The
 subpackages and modules are lazy attributes too (PEP 562): ``lightning_longctx.models.DecoderLM`` works after a
 bare ``import lightning_longctx``, importing :mod:`lightning_longctx.models` on first access.
@@ -28,9 +28,9 @@ __all__ = ["LongStrawModule", "UlyssesFabricStrategy", "UlyssesStrategy", "__ver
 
 # ---------------------------------------------------------------------------------------- lazy attributes
 _LAZY_ATTRIBUTES = {
-    "UlyssesStrategy": "lightning_longctx.lightning",
-    "UlyssesFabricStrategy": "lightning_longctx.lightning",
-    "LongStrawModule": "lightning_longctx.lightning.longstraw_module",
+    "UlyssesStrategy": "lightning_longctx.training",
+    "UlyssesFabricStrategy": "lightning_longctx.training",
+    "LongStrawModule": "lightning_longctx.training.longstraw_module",
 }
 
 def _submodule(name: str) -> bool:

@@ -1,6 +1,6 @@
 """``strategy="ulysses"`` registered with Lightning without importing Lightning (run by ``import lightning_longctx``).
 
-What is registered is a small factory that imports :mod:`lightning_longctx.lightning` when the Trainer/Fabric
+What is registered is a small factory that imports :mod:`lightning_longctx.training` when the Trainer/Fabric
 calls it (Lightning's registries call whatever they hold with the strategy's keyword arguments). If a strategy
 registry module is already imported, the factory goes in at once; otherwise a ``sys.meta_path`` hook puts it
 in the moment that module finishes executing, and removes itself once every registry it waits for is done.
@@ -15,22 +15,22 @@ import threading
 import warnings
 from typing import Any
 
-# Not in lightning_longctx.lightning.registry: importing that module runs the lightning_longctx.lightning
+# Not in lightning_longctx.training.registry: importing that module runs the lightning_longctx.training
 # package, which imports Lightning.
 STRATEGY_NAME = "ulysses"
 _DESCRIPTION = "Ulysses sequence parallelism (head-chunked) x FSDP2 data parallelism on a (dp, sp) mesh"
 
 
 def _ulysses_trainer_strategy(**kwargs: Any) -> Any:
-    """``StrategyRegistry.get("ulysses")``: a :class:`lightning_longctx.lightning.UlyssesStrategy`."""
-    from .lightning.strategy import UlyssesStrategy
+    """``StrategyRegistry.get("ulysses")``: a :class:`lightning_longctx.training.UlyssesStrategy`."""
+    from .training.strategy import UlyssesStrategy
 
     return UlyssesStrategy(**kwargs)
 
 
 def _ulysses_fabric_strategy(**kwargs: Any) -> Any:
-    """``STRATEGY_REGISTRY.get("ulysses")``: a :class:`lightning_longctx.lightning.UlyssesFabricStrategy`."""
-    from .lightning.fabric import UlyssesFabricStrategy
+    """``STRATEGY_REGISTRY.get("ulysses")``: a :class:`lightning_longctx.training.UlyssesFabricStrategy`."""
+    from .training.fabric import UlyssesFabricStrategy
 
     return UlyssesFabricStrategy(**kwargs)
 
@@ -48,7 +48,7 @@ def _wrong_namespace(package: str, right: str) -> type:
     return WrongNamespaceUlysses
 
 
-# registry module -> (its registry attribute, what "ulysses" maps to until lightning_longctx.lightning registers)
+# registry module -> (its registry attribute, what "ulysses" maps to until lightning_longctx.training registers)
 _REGISTRIES: dict[str, tuple[str, Any]] = {
     "lightning.pytorch.strategies": ("StrategyRegistry", _ulysses_trainer_strategy),
     "lightning.fabric.strategies": ("STRATEGY_REGISTRY", _ulysses_fabric_strategy),

@@ -99,8 +99,8 @@ def _planned(cfg: DictConfig, choice: str) -> str:
     """The planner's ``memory.longstraw.<choice>`` (``choose_keep_attention_output`` for
     ``keep_attention_output=auto``, ``choose_rollout_prompt_cache``) at the task's prompt, G and response length."""
     from .cli import model_shape, plan_request  # the planner's view of the config (cli imports this module)
-    from .memory import ClusterShape, MemoryKnobs
-    from .memory import longstraw as planned
+    from .planner import ClusterShape, MemoryKnobs
+    from .planner import longstraw as planned
 
     request = plan_request(cfg, mode="longstraw")
     return getattr(planned, choice)(
@@ -169,7 +169,7 @@ def build_task(cfg: DictConfig, model) -> tuple[Any, Any]:
     ``LightningDataModule``, whose ``train_dataloader`` is wrapped the same way)."""
     import lightning.pytorch as pl
 
-    from .lightning.dataloader import make_resumable, resumable_datamodule
+    from .training.dataloader import make_resumable, resumable_datamodule
 
     check_task(cfg)
     module = _instantiate(cfg.task.module, model=model)
@@ -329,8 +329,8 @@ def build_callbacks(cfg: DictConfig, user: list[Any], trainer_args: dict[str, An
     brought a ``ModelCheckpoint``, or ``trainer.enable_checkpointing=false``)."""
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
-    from .lightning.checkpoint import AtomicCheckpoint
-    from .lightning.progress import StepProgressBar
+    from .training.checkpoint import AtomicCheckpoint
+    from .training.progress import StepProgressBar
 
     callbacks = [*user, summary]
     if trainer_args.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in user):

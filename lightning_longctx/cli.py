@@ -38,7 +38,7 @@ from .app import (
     summary_callback,
     trainer_kwargs,
 )
-from .memory import (
+from .planner import (
     GIB,
     ClusterShape,
     MemoryKnobs,
@@ -51,10 +51,10 @@ from .memory import (
     longstraw_sharding,
     max_context,
 )
-from .memory import plan as make_plan
-from .memory.longstraw import choose_keep_attention_output, choose_rollout_prompt_cache
-from .memory.pretrained import describe_model
-from .memory.shapes import PRESET
+from .planner import plan as make_plan
+from .planner.longstraw import choose_keep_attention_output, choose_rollout_prompt_cache
+from .planner.pretrained import describe_model
+from .planner.shapes import PRESET
 
 log = logging.getLogger("lightning_longctx.cli")
 
@@ -221,8 +221,8 @@ def run_train(cfg: DictConfig) -> Any:
     import lightning_longctx  # noqa: F401  (registers strategy="ulysses")
     from lightning_longctx import UlyssesStrategy
 
-    from .lightning.nonfinite import check_policy
-    from .lightning.processes import kill_launched_ranks
+    from .training.nonfinite import check_policy
+    from .training.processes import kill_launched_ranks
 
     timeout = collective_timeout(cfg.cluster)  # bad values fail before any work
     try:
@@ -230,8 +230,8 @@ def run_train(cfg: DictConfig) -> Any:
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
-    from .lightning.checkpoint import AtomicCheckpoint, resolve_ckpt_path
-    from .lightning.progress import PhaseProgress
+    from .training.checkpoint import AtomicCheckpoint, resolve_ckpt_path
+    from .training.progress import PhaseProgress
 
     route_lightning_deprecations()
     kwargs, user_callbacks = trainer_kwargs(cfg)  # trainer.* _target_ nodes (callbacks, plugins, ...) built
@@ -378,7 +378,7 @@ def train() -> None:
     """``longctx-train``: check the config, plan, then train the task under ``strategy="ulysses"``. Only this entry
     point binds the ranks to their launcher (``LONGCTX_LAUNCHER_PID``, :mod:`.lightning.processes`): an
     in-process :func:`run_train` leaves the environment alone."""
-    from .lightning.processes import launcher_binding
+    from .training.processes import launcher_binding
 
     use_expandable_segments()
     importable_cwd()  # task.module._target_=my_grpo.MyGRPO with my_grpo.py here

@@ -219,7 +219,7 @@ def check_run_settings(cfg: DictConfig) -> None:
     values that would otherwise fail only once the Trainer (or the process group) is being built."""
     from lightning.pytorch.accelerators import AcceleratorRegistry
 
-    from .lightning.common import check_strategy_args
+    from .training.common import check_strategy_args
 
     cluster = cfg.cluster
     names = sorted(AcceleratorRegistry.available_accelerators())

@@ -87,7 +87,7 @@ def nonfinite_fit(rank: int, world: int, mode: str, fault: str, policy: str, sha
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    import lightning_longctx.lightning.longstraw_module as lsm
+    import lightning_longctx.training.longstraw_module as lsm
     from lightning_longctx import UlyssesStrategy
     from lightning_longctx.tasks.long_sft import LongSFTModule, RecallDataset
     from lightning_longctx.tasks.needle import NeedleGRPO, NeedleHaystack, collate_prompt_groups
@@ -179,7 +179,7 @@ def nonfinite_fabric(rank: int, world: int, policy: str, bad_step: int, steps: i
     Returns per step whether parameters and optimizer state were unchanged, the skip counter and the error."""
     from lightning.fabric import Fabric
 
-    from lightning_longctx.lightning.fabric import UlyssesFabricStrategy
+    from lightning_longctx.training.fabric import UlyssesFabricStrategy
 
     fabric = Fabric(strategy=UlyssesFabricStrategy(sp_size=2, on_nonfinite=policy), accelerator="cpu",
                     devices=world)

@@ -130,13 +130,13 @@ def bf16_mixed_hybrid_step(rank: int, world: int) -> dict:
     ``precision="bf16-mixed"`` runs): each Gated DeltaNet layer's backward passes reduce-scatter one dtype."""
     import torch.distributed as dist
 
-    from lightning_longctx.lightning.parallelize import (
+    from lightning_longctx.longstraw import longstraw_step
+    from lightning_longctx.training.parallelize import (
         fsdp_mesh,
         mixed_precision_policy,
         register_prefix_state_methods,
         shard_modules,
     )
-    from lightning_longctx.longstraw import longstraw_step
 
     torch.set_num_threads(1)
     policy = model(False, "hybrid").float()

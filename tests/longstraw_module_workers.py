@@ -30,7 +30,7 @@ def _fit(rank: int, world: int, reward_fn, *, steps: int, **module_kwargs) -> di
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    import lightning_longctx.lightning.longstraw_module as lsm
+    import lightning_longctx.training.longstraw_module as lsm
     from lightning_longctx import UlyssesStrategy
     from lightning_longctx.tasks.needle import NeedleGRPO, NeedleHaystack, collate_prompt_groups
 

@@ -122,7 +122,7 @@ def _check_prefix(rank, world, group, chunk):
 
 
 def _check_fsdp(rank, world, group):
-    from lightning_longctx.lightning.parallelize import fsdp_mesh, mixed_precision_policy, shard_modules
+    from lightning_longctx.training.parallelize import fsdp_mesh, mixed_precision_policy, shard_modules
 
     config = mla_config()
     reference = mla_model(config)

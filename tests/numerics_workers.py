@@ -36,7 +36,7 @@ def adamw_updates(rank: int, world: int, precision: str, steps: int = 3) -> dict
     import lightning.pytorch as L
     from torch.utils.data import DataLoader
 
-    from lightning_longctx.lightning import UlyssesStrategy
+    from lightning_longctx.training import UlyssesStrategy
 
     class SFT(L.LightningModule):
         def __init__(self):
@@ -118,8 +118,8 @@ def setup_collectives(rank: int, world: int) -> dict:
     import lightning.pytorch as L
     from torch.utils.data import DataLoader
 
-    from lightning_longctx.lightning import UlyssesStrategy
     from lightning_longctx.tasks.needle import NeedleGRPO, NeedleHaystack, collate_prompt_groups
+    from lightning_longctx.training import UlyssesStrategy
 
     out = {}
     for kind in ("longstraw", "sft"):

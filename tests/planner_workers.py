@@ -37,7 +37,7 @@ def policy(lora: bool):
 
 def shard(model) -> None:
     """What ``UlyssesStrategy(sharding="fsdp")`` does to a ``LongStrawModule``'s policy (float32: no mixed policy)."""
-    from lightning_longctx.lightning.parallelize import (
+    from lightning_longctx.training.parallelize import (
         fsdp_mesh,
         mixed_precision_policy,
         register_prefix_state_methods,

@@ -291,8 +291,8 @@ def hf_check(world: int) -> tuple[float, float]:
     import lightning.pytorch as L
     from torch.utils.data import DataLoader
 
-    from lightning_longctx.lightning import UlyssesStrategy
     from lightning_longctx.parallel import shift_labels
+    from lightning_longctx.training import UlyssesStrategy
 
     model = _hf_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -328,7 +328,7 @@ def _errors(world: int) -> dict[str, str]:
     """Setup-time errors, each raised on every rank before any collective could hang."""
     from torch.utils.data import DataLoader
 
-    from lightning_longctx.lightning import UlyssesStrategy
+    from lightning_longctx.training import UlyssesStrategy
 
     errors = {}
     for name, cfg in (("heads", config(heads=3, kv_heads=3)), ("kv_heads", config(heads=6, kv_heads=3, head_dim=2))):
@@ -361,7 +361,7 @@ def two_rank_checks(rank: int, world: int, ckpt_dir: str) -> dict:
     """devices=2: dp1 x sp2. Trainer (both sharding modes), Fabric (both), save at step 2 + resume, errors."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_longctx.lightning import UlyssesFabricStrategy, UlyssesStrategy
+    from lightning_longctx.training import UlyssesFabricStrategy, UlyssesStrategy
 
     grads0, loss0, final = reference_run([(1, 4)] * 3, shuffle=True)
     fabric_grads0, _, fabric_final = reference_run([(1, 4)] * 3, shuffle=False)
@@ -402,7 +402,7 @@ def two_rank_checks(rank: int, world: int, ckpt_dir: str) -> dict:
 
 def four_rank_checks(rank: int, world: int, ckpt_dir: str) -> dict:
     """devices=4: dp2 x sp2 (Trainer both modes, Fabric) and resumes of the dp1 x sp2 step-2 checkpoint."""
-    from lightning_longctx.lightning import UlyssesFabricStrategy, UlyssesStrategy
+    from lightning_longctx.training import UlyssesFabricStrategy, UlyssesStrategy
 
     grads0, loss0, final = reference_run([(2, 2)] * 3, shuffle=True)
     fabric_grads0, _, fabric_final = reference_run([(2, 2)] * 3, shuffle=False)

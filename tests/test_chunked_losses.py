@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_longctx.ops.losses import chunked_cross_entropy, chunked_token_logprobs
-from lightning_longctx.ops.memory import MemoryTracker
+from lightning_longctx.ops.tracker import MemoryTracker
 
 TOKENS, HIDDEN, VOCAB = 19, 8, 23
 CHUNK_SIZES = [None, 1, 7]

@@ -17,7 +17,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from lightning_longctx import cli
-from lightning_longctx.memory import PlanError, max_context, plan
+from lightning_longctx.planner import PlanError, max_context, plan
 
 BIN = Path(sys.executable).parent
 
@@ -237,7 +237,7 @@ def plain_loader():
 def test_model_builder_and_data_targets_from_the_current_directory(tmp_path, monkeypatch):
     """model._target_: a builder getting the fields it names (+ memory), model.lora attached by the CLI; a
     LightningDataModule's train_dataloader and a plain DataLoader from task.data become resumable."""
-    from lightning_longctx.lightning.dataloader import ResumableDataLoader
+    from lightning_longctx.training.dataloader import ResumableDataLoader
 
     (tmp_path / "my_parts.py").write_text(MY_PARTS)
     monkeypatch.chdir(tmp_path)
@@ -294,7 +294,7 @@ def test_multirun_of_a_local_multi_process_run_is_refused(monkeypatch, tmp_path,
 def test_phase_progress_reports_the_long_phases():
     import io
 
-    from lightning_longctx.lightning.progress import PhaseProgress
+    from lightning_longctx.training.progress import PhaseProgress
 
     lines = []
     progress = PhaseProgress(mode="log", min_interval_s=0.0, enabled=True, emit=lines.append)

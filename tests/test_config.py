@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 
 from lightning_longctx import app, config_schema
 from lightning_longctx.cli import check_slurm_layout, decoder_config, plan_request, trainer_precision
-from lightning_longctx.memory import ModelShape, kv_cache_bytes, plan
-from lightning_longctx.memory.planner import MemoryKnobs
+from lightning_longctx.planner import ModelShape, kv_cache_bytes, plan
+from lightning_longctx.planner.budget import MemoryKnobs
 
 CONF = Path(config_schema.__file__).parent / "conf"
 SUBMITIT_REASON = "needs hydra-submitit-launcher (in the [dev] and [slurm] extras) for cluster=slurm_4x8gpu"

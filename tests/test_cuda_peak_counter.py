@@ -13,7 +13,7 @@ import torch
 from lightning_longctx.longstraw import group_advantages, longstraw_step
 from lightning_longctx.models import DecoderConfig, DecoderLM
 from lightning_longctx.ops import memory as ops_memory
-from lightning_longctx.ops.memory import CudaMemoryTracker
+from lightning_longctx.ops.tracker import CudaMemoryTracker
 
 
 class AllocatorStandIn:

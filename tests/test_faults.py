@@ -270,7 +270,7 @@ def test_an_in_process_run_train_leaves_the_environment_unchanged(monkeypatch):
     from hydra import compose, initialize_config_module
 
     from lightning_longctx import cli
-    from lightning_longctx.lightning.processes import LAUNCHER_ENV
+    from lightning_longctx.training.processes import LAUNCHER_ENV
 
     monkeypatch.delenv(LAUNCHER_ENV, raising=False)
     monkeypatch.setattr(pl, "Trainer", lambda *args, **kwargs: (_ for _ in ()).throw(_TrainerBuilt()))
@@ -290,7 +290,7 @@ def test_the_console_entry_point_sets_the_launcher_and_the_allocator_before_the_
     import sys
 
     from lightning_longctx import cli
-    from lightning_longctx.lightning.processes import LAUNCHER_ENV
+    from lightning_longctx.training.processes import LAUNCHER_ENV
 
     monkeypatch.delenv(LAUNCHER_ENV, raising=False)
     for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
@@ -317,8 +317,8 @@ def _subgroup_timeout(rank: int, world: int) -> str:
 
     import torch.distributed as dist
 
+    from lightning_longctx.parallel.collective_guard import CollectiveError, collective_guard, phase
     from lightning_longctx.parallel.mesh import build_dp_sp_mesh
-    from lightning_longctx.parallel.phases import CollectiveError, collective_guard, phase
 
     mesh = build_dp_sp_mesh(2, "cpu", timeout=timedelta(seconds=3))  # 2 x 2: both dims are new subgroups
     if rank == 1:
@@ -366,7 +366,13 @@ def test_the_mesh_subgroups_take_the_timeout_and_the_error_names_the_phase():
 
 
 def test_collective_errors_name_the_timeout_and_the_innermost_phase_other_errors_pass():
-    from lightning_longctx.parallel.phases import CollectiveError, collective_guard, current_phase, mark, phase
+    from lightning_longctx.parallel.collective_guard import (
+        CollectiveError,
+        collective_guard,
+        current_phase,
+        mark,
+        phase,
+    )
 
     timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
                            "10000ms for recv operation to complete")

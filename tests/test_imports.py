@@ -40,7 +40,7 @@ def test_package_and_lightning_free_subpackages_do_not_import_lightning():
         roots = ("lightning", "pytorch_lightning", "lightning_fabric")
         leaked = sorted(m for m in sys.modules if m.split(".")[0] in roots)
         print("LEAKED", leaked)
-        assert "lightning_longctx.lightning" not in sys.modules
+        assert "lightning_longctx.training" not in sys.modules
         """)
     assert "LEAKED []" in out, out
 
@@ -51,12 +51,12 @@ TRAINER = """
     trainer = pl.Trainer(strategy="ulysses", accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     strategy = trainer.strategy
-    from lightning_longctx.lightning import UlyssesStrategy as expected
+    from lightning_longctx.training import UlyssesStrategy as expected
     """
 FABRIC = """
     from lightning.fabric import Fabric
     strategy = Fabric(strategy="ulysses", accelerator="cpu", devices=1).strategy
-    from lightning_longctx.lightning import UlyssesFabricStrategy as expected
+    from lightning_longctx.training import UlyssesFabricStrategy as expected
     """
 
 
@@ -77,7 +77,7 @@ def test_strategy_string_resolves_in_either_import_order(front, order):
         from {registry_module} import {registry} as registry
         entry = registry["ulysses"]["strategy"]
         # only a factory so far: the Lightning integration is imported when the strategy is built
-        assert "lightning_longctx.lightning" not in sys.modules, sorted(sys.modules)
+        assert "lightning_longctx.training" not in sys.modules, sorted(sys.modules)
         assert not isinstance(entry, type), entry
         # the import hook leaves the registry module's loader as it found it
         loader = sys.modules["{registry_module}"].__loader__
@@ -91,7 +91,7 @@ def test_strategy_string_resolves_in_either_import_order(front, order):
 
 def test_importing_the_integration_registers_the_classes_eagerly_and_idempotently():
     run_python("""
-        import lightning_longctx.lightning as integration
+        import lightning_longctx.training as integration
         from lightning.fabric.strategies import STRATEGY_REGISTRY
         from lightning.pytorch.strategies import StrategyRegistry
         for _ in range(2):
@@ -110,10 +110,10 @@ def test_top_level_classes_are_lazy_and_identical_to_the_integrations():
         assert lightning_longctx.__all__ == ["LongStrawModule", "UlyssesFabricStrategy", "UlyssesStrategy",
                                              "__version__"]
         assert {"LongStrawModule", "UlyssesFabricStrategy", "UlyssesStrategy"} <= set(dir(lightning_longctx))
-        assert "lightning_longctx.lightning" not in sys.modules and "lightning" not in sys.modules
+        assert "lightning_longctx.training" not in sys.modules and "lightning" not in sys.modules
         cls = lightning_longctx.UlyssesStrategy
-        import lightning_longctx.lightning as integration
-        from lightning_longctx.lightning.longstraw_module import LongStrawModule
+        import lightning_longctx.training as integration
+        from lightning_longctx.training.longstraw_module import LongStrawModule
         assert cls is integration.UlyssesStrategy
         assert lightning_longctx.UlyssesFabricStrategy is integration.UlyssesFabricStrategy
         assert lightning_longctx.LongStrawModule is LongStrawModule
@@ -217,3 +217,31 @@ def test_installed_torch_satisfies_the_pyproject_minimum_and_it_covers_every_api
     newest = max(FIRST_RELEASE.values(), key=Version)
     assert minimum >= Version(newest), f"pyproject torch>={minimum} is older than an API the code uses ({newest})"
     assert f"torch>={_pyproject_torch_minimum()}" in (ROOT / "README.md").read_text(), "README states the floor"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [
+        ("lightning_longctx.lightning.longstraw_module", "lightning_longctx.training.longstraw_module",
+         "LongStrawModule"),
+        ("lightning_longctx.lightning", "lightning_longctx.training", "UlyssesStrategy"),
+        ("lightning_longctx.memory.planner", "lightning_longctx.planner.budget", "max_context"),
+        ("lightning_longctx.memory", "lightning_longctx.planner", "plan"),
+        ("lightning_longctx.ops.memory", "lightning_longctx.ops.tracker", "MemoryTracker"),
+    ],
+)
+def test_renamed_modules_import_under_their_old_names_with_a_warning(old, new, name):
+    """0.2's renames keep the old paths for one release (a user's ``_target_`` strings, old imports): the same
+    objects, and a FutureWarning naming the new path (fresh interpreter: the warning is issued on first import)."""
+    code = (
+        "import importlib, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module({old!r})\n"
+        f"new = importlib.import_module({new!r})\n"
+        f"assert getattr(old, {name!r}) is getattr(new, {name!r})\n"
+        "print([str(w.message) for w in caught if issubclass(w.category, FutureWarning)])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "deprecated" in out.stdout and new.rsplit(".", 1)[0] in out.stdout, out.stdout

@@ -96,7 +96,7 @@ def _sp_worker(rank, world):
 def _fsdp_step(rank):
     import torch.distributed as dist
 
-    from lightning_longctx.lightning.parallelize import (
+    from lightning_longctx.training.parallelize import (
         fsdp_mesh,
         mixed_precision_policy,
         register_prefix_state_methods,

@@ -157,7 +157,7 @@ def test_lr_warmup_and_cosine_follow_the_schedule_and_resume_from_a_checkpoint(t
     AdamW state: the parameters match the uninterrupted run bitwise)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_longctx.lightning.longstraw_module import lr_factor
+    from lightning_longctx.training.longstraw_module import lr_factor
 
     lr, steps = 0.05, 5
     want = [lr * f for f in (1 / 3, 2 / 3, 1.0, 0.75, 0.25)]
@@ -191,7 +191,7 @@ def test_memory_offload_checkpoints_reaches_longstraw_step_from_the_cli(tmp_path
     the task's clipping and schedule keys reach the module. long_sft keeps the model's own rule."""
     from hydra import compose, initialize_config_module
 
-    import lightning_longctx.lightning.longstraw_module as lsm
+    import lightning_longctx.training.longstraw_module as lsm
     from lightning_longctx import cli
 
     def cfg_for(*overrides):

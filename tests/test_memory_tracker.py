@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_longctx.ops.memory import CudaMemoryTracker, MemoryTracker, track_memory
+from lightning_longctx.ops.tracker import CudaMemoryTracker, MemoryTracker, track_memory
 
 F32, F64 = 4, 8  # bytes per element
 

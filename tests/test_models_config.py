@@ -78,8 +78,8 @@ def test_memory_config_errors(overrides, message):
 ])
 def test_bad_linear_layouts_are_refused_up_front_naming_the_numbers(sp_size, chunk, message):
     """The strategy's set-up check covers the Gated DeltaNet layers too, before any communication."""
-    from lightning_longctx.lightning.parallelize import check_attention_heads
     from lightning_longctx.models import DecoderLM
+    from lightning_longctx.training.parallelize import check_attention_heads
 
     config = DecoderConfig(**{**BASE, "num_attention_heads": 8}, **HYBRID, linear_num_key_heads=2,
                            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_longctx.lightning.nonfinite import NonFiniteError, NonfiniteGuard
+from lightning_longctx.training.nonfinite import NonFiniteError, NonfiniteGuard
 
 
 class CountHostSyncs(TorchDispatchMode):

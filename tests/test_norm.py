@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_longctx.models import norm as norm_mod
 from lightning_longctx.models.norm import RMSNorm, gated_rms_norm, rms_norm
-from lightning_longctx.ops.memory import MemoryTracker
+from lightning_longctx.ops.tracker import MemoryTracker
 
 EPS = 1e-6
 

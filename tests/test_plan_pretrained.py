@@ -22,8 +22,8 @@ import torch
 from hydra import compose, initialize_config_module
 
 from lightning_longctx import cli
-from lightning_longctx.memory import ModelShape, PlanError, plan
-from lightning_longctx.memory.shapes import PRESET
+from lightning_longctx.planner import ModelShape, PlanError, plan
+from lightning_longctx.planner.shapes import PRESET
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""The analytic memory planner (``memory/planner.py``).
+"""The analytic memory planner (``planner/budget.py``).
 
 Check levels: (1) the formulas, against numbers worked out by hand here (parameter counts also against
 transformers' models on the meta device); (2) the structure: monotonicity, the LongStraw step's independence
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from lightning_longctx.memory import (
+from lightning_longctx.planner import (
     GIB,
     ClusterShape,
     MemoryKnobs,
@@ -151,9 +151,9 @@ def test_autocast_weight_cache_is_what_the_planner_charges(logits_chunk_size):
     """torch caches one bf16 copy of each fp32 leaf weight that autocast casts, until the region exits
     (``cached_cast``, aten/src/ATen/autocast_mode.cpp): measured as the live bytes at the end of a no-grad
     forward under CPU autocast with the cache on minus off, against ``autocast_cached_parameters``."""
-    from lightning_longctx.memory.phases import autocast_cached_parameters
     from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
     from lightning_longctx.ops import track_memory
+    from lightning_longctx.planner.phases import autocast_cached_parameters
 
     torch.manual_seed(0)
     fields = dict(TINY, vocab_size=512)

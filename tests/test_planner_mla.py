@@ -1,4 +1,4 @@
-"""The memory planner on multi-head latent attention + mixture-of-experts models (``memory/mla_moe.py``).
+"""The memory planner on multi-head latent attention + mixture-of-experts models (``planner/mla_moe.py``).
 
 (1) Parameter counts equal the built models' (tiny_mla_moe, without the query low rank, a tiny Qwen3.5-MoE) and
 transformers' DeepSeek-V3 (~671B, no MTP layer); LoRA counts only the adapters ``add_lora`` attaches (dense MLPs,
@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from distributed import run_distributed
-from lightning_longctx.memory import ModelShape, kv_cache_bytes, plan
-from lightning_longctx.memory.shapes import MemoryKnobs
+from lightning_longctx.planner import ModelShape, kv_cache_bytes, plan
+from lightning_longctx.planner.shapes import MemoryKnobs
 from planner_workers import measured_peaks
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"

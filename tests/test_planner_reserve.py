@@ -1,4 +1,4 @@
-"""The planner's runtime reserve (``memory/reserve.py``): each term present with its documented value for a GPU
+"""The planner's runtime reserve (``planner/reserve.py``): each term present with its documented value for a GPU
 preset, the fit check and ``keep_attention_output=auto`` counting them, none of them on a CPU cluster.
 
 The expected figures are worked out by hand from the constants' sources (NCCL_BUFFSIZE 4 MiB, torch's sm90
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_longctx.memory import PlanError, check_budget, plan
-from lightning_longctx.memory.longstraw import choose_keep_attention_output
-from lightning_longctx.memory.reserve import expandable_segments
-from lightning_longctx.memory.shapes import ClusterShape, MemoryKnobs, ModelShape
+from lightning_longctx.planner import PlanError, check_budget, plan
+from lightning_longctx.planner.longstraw import choose_keep_attention_output
+from lightning_longctx.planner.reserve import expandable_segments
+from lightning_longctx.planner.shapes import ClusterShape, MemoryKnobs, ModelShape
 
 MIB, GIB = 2**20, 2**30
 CONF = Path(__file__).resolve().parents[1] / "conf"

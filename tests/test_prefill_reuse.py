@@ -98,7 +98,7 @@ def _fsdp_sample_worker(rank: int, world: int, kind: str) -> dict:
     does under ``UlyssesStrategy(sharding="fsdp")``), then an exact step over the same prefill."""
     import torch.distributed as dist
 
-    from lightning_longctx.lightning.parallelize import (
+    from lightning_longctx.training.parallelize import (
         fsdp_mesh,
         mixed_precision_policy,
         register_prefix_state_methods,

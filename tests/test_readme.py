@@ -67,7 +67,7 @@ def squash(text: str) -> str:
 def printed(script: str, overrides: tuple[str, ...]) -> str:
     """What the command prints (longctx-plan) or refuses with (longctx-train's plan check), in-process."""
     from lightning_longctx import cli
-    from lightning_longctx.memory import PlanError
+    from lightning_longctx.planner import PlanError
 
     with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
         cfg = compose(config_name="plan" if script == "longctx-plan" else "config", overrides=list(overrides))
@@ -116,7 +116,7 @@ def test_every_big_figure_of_the_readme_text_is_printed_by_a_command(outputs):
 def test_subpackages_are_attributes_after_a_bare_import():
     """The README's ``lightning_longctx.models.DecoderLM`` after ``import lightning_longctx`` (a fresh
     interpreter: nothing else imported the subpackage first)."""
-    code = "import lightning_longctx; print(lightning_longctx.models.DecoderLM.__name__, lightning_longctx.memory.plan)"
+    code = "import lightning_longctx as L; print(L.models.DecoderLM.__name__, L.planner.plan)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.startswith("DecoderLM"), out.stderr
 

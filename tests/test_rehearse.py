@@ -53,8 +53,8 @@ def test_two_rank_rehearsal_equals_rank_0_of_a_gloo_run(model):
 
 
 def test_the_rehearsal_runs_the_jobs_own_step_functions(monkeypatch, tmp_path):
-    from lightning_longctx.lightning import parallelize
     from lightning_longctx.tasks.long_sft import LongSFTModule
+    from lightning_longctx.training import parallelize
 
     calls = []
     for owner, name in [(LongSFTModule, "training_step"), (LongSFTModule, "configure_optimizers"),
@@ -106,7 +106,7 @@ def test_the_roofline_terms_by_hand():
 def test_the_cpu_flash_attention_flops_are_counted_causal_halved():
     import torch
 
-    from lightning_longctx.parallel.phases import phase
+    from lightning_longctx.parallel.collective_guard import phase
     from lightning_longctx.rehearse.measure import StepCounters
 
     q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))

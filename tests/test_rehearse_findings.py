@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from lightning_longctx.ops.losses import chunked_token_logprobs
-from lightning_longctx.ops.memory import MemoryTracker
+from lightning_longctx.ops.tracker import MemoryTracker
 
 
 def backward_peak(dtype):

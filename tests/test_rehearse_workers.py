@@ -33,9 +33,9 @@ def fitted_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, i
     import lightning.pytorch as pl
 
     from lightning_longctx.app import build_model, build_task
-    from lightning_longctx.lightning import UlyssesStrategy
     from lightning_longctx.ops import track_memory
     from lightning_longctx.rehearse import compose
+    from lightning_longctx.training import UlyssesStrategy
 
     cfg = compose(overrides)
     torch.manual_seed(0)
@@ -96,12 +96,12 @@ def sharded_sft_peaks(rank: int, world: int, overrides: list[str]):
     import torch.distributed as dist
 
     from lightning_longctx.app import build_model, build_task
-    from lightning_longctx.lightning import UlyssesStrategy
-    from lightning_longctx.lightning.batch import shard_sequence_batch
-    from lightning_longctx.lightning.parallelize import parallelize
     from lightning_longctx.ops import track_memory
     from lightning_longctx.parallel import build_dp_sp_mesh
     from lightning_longctx.rehearse import compose
+    from lightning_longctx.training import UlyssesStrategy
+    from lightning_longctx.training.batch import shard_sequence_batch
+    from lightning_longctx.training.parallelize import parallelize
 
     cfg = compose(overrides)
     torch.manual_seed(0)

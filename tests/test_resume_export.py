@@ -219,7 +219,7 @@ def _fit_recording(tmp_path, loader, max_steps, ckpt_path=None, every=None):
     """A 1-device Trainer over ``loader`` (ids 0..n-1), recording the ids each step trains on."""
     import lightning.pytorch as pl
 
-    from lightning_longctx.lightning.checkpoint import AtomicCheckpoint
+    from lightning_longctx.training.checkpoint import AtomicCheckpoint
 
     class Recording(pl.LightningModule):
         def __init__(self):
@@ -250,7 +250,7 @@ def test_resumable_dataloader_continues_mid_epoch_and_across_the_epoch_end(tmp_p
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    from lightning_longctx.lightning.dataloader import make_resumable
+    from lightning_longctx.training.dataloader import make_resumable
 
     data = list(range(8))
 

@@ -155,10 +155,10 @@ def test_longstraw_module_soak_keeps_its_state_bounded(tmp_path, monkeypatch):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    from lightning_longctx.lightning import longstraw_module
     from lightning_longctx.models import DecoderConfig, DecoderLM
     from lightning_longctx.ops import track_memory
     from lightning_longctx.tasks.needle import NeedleGRPO, NeedleHaystack, collate_prompt_groups
+    from lightning_longctx.training import longstraw_module
 
     monkeypatch.setattr(longstraw_module, "REWARD_HISTORY", 16)  # reached early in the run
     torch.manual_seed(0)

@@ -100,7 +100,7 @@ def test_registered_for_trainer_and_fabric():
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_longctx.lightning import UlyssesFabricStrategy, UlyssesStrategy
+    from lightning_longctx.training import UlyssesFabricStrategy, UlyssesStrategy
 
     assert isinstance(StrategyRegistry.get("ulysses"), UlyssesStrategy)
     assert isinstance(STRATEGY_REGISTRY.get("ulysses"), UlyssesFabricStrategy)
@@ -110,7 +110,7 @@ def test_devices_not_divisible_by_sp_size_fail_at_construction():
     import lightning.pytorch as L
     from lightning.fabric import Fabric
 
-    from lightning_longctx.lightning import UlyssesFabricStrategy, UlyssesStrategy
+    from lightning_longctx.training import UlyssesFabricStrategy, UlyssesStrategy
 
     with pytest.raises(ValueError, match=r"world size 3 \(devices x nodes\) must be divisible by sp_size=2"):
         L.Trainer(strategy=UlyssesStrategy(sp_size=2), accelerator="cpu", devices=3, logger=False)
@@ -119,7 +119,7 @@ def test_devices_not_divisible_by_sp_size_fail_at_construction():
 
 
 def test_bad_arguments():
-    from lightning_longctx.lightning import UlyssesStrategy
+    from lightning_longctx.training import UlyssesStrategy
 
     with pytest.raises(ValueError, match="sharding='zero3' must be one of"):
         UlyssesStrategy(sharding="zero3")
@@ -132,7 +132,7 @@ def test_bad_arguments():
 def test_other_lightning_namespace_gets_a_clear_error():
     import pytorch_lightning
 
-    from lightning_longctx.lightning import UlyssesStrategy, register_strategies
+    from lightning_longctx.training import UlyssesStrategy, register_strategies
 
     register_strategies()  # pytorch_lightning is imported now: its "ulysses" becomes a stub that explains
     with pytest.raises(TypeError, match="registered for lightning.pytorch, not for the standalone `pytorch_lightning`"):
@@ -142,7 +142,7 @@ def test_other_lightning_namespace_gets_a_clear_error():
 
 
 def test_sharded_batch_pads_shifts_masks_and_keeps_global_positions():
-    from lightning_longctx.lightning import shard_sequence_batch
+    from lightning_longctx.training import shard_sequence_batch
 
     ids = torch.arange(10, 17).unsqueeze(0)  # [1, 7]: padded to 8 for sp=2
     labels = ids.clone()
@@ -158,7 +158,7 @@ def test_sharded_batch_pads_shifts_masks_and_keeps_global_positions():
 
 
 def test_bad_batches_are_rejected():
-    from lightning_longctx.lightning import shard_sequence_batch
+    from lightning_longctx.training import shard_sequence_batch
 
     ids = torch.zeros(2, 6, dtype=torch.long)
     cases = [

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_longctx.ops.memory import MemoryTracker
 from lightning_longctx.ops.mlp import tiled_mlp
+from lightning_longctx.ops.tracker import MemoryTracker
 
 BATCH, TOKENS, HIDDEN, INTER = 2, 13, 6, 10
 CHUNK_SIZES = [1, 5, None]

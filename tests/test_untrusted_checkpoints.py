@@ -104,7 +104,7 @@ def test_resume_of_a_sharded_checkpoint_refuses_code_in_any_part(tmp_path, marke
     """``UlyssesStrategy.load_checkpoint`` (what ``Trainer.fit(ckpt_path=...)`` calls) checks the directory's
     non-tensor parts before Lightning's loader (DCP's plain ``pickle.load`` of ``.metadata``) reads it."""
     from lightning_longctx import UlyssesStrategy
-    from lightning_longctx.lightning.fabric import UlyssesFabricStrategy
+    from lightning_longctx.training.fabric import UlyssesFabricStrategy
 
     directory = sharded(tmp_path, marker, part)
     with pytest.raises(UntrustedCheckpointError) as err:

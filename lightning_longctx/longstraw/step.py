@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from ..models.lora import prompt_frozen
-from ..ops.memory import track_memory
+from ..ops.tracker import track_memory
 from ..parallel import group_size, set_sequence_parallel_group
-from ..parallel.phases import mark, phase, progress_marker
+from ..parallel.collective_guard import mark, phase, progress_marker
 from .checks import (
     PROMPT_GRADS,
     check_group_agrees,
@@ -228,9 +228,9 @@ def longstraw_step(
             ``MemoryConfig.activation_checkpointing``.
         measure_memory: track the step's peak live tensor bytes (``StepOutput.peak_bytes``; on CPU a dispatch
             mode that sees every op, which costs time on small ops): False for training loops, which read the
-            device's own peak (``ops.memory.device_peak_bytes``). On CUDA the allocator's peak counter is read,
+            device's own peak (``ops.tracker.device_peak_bytes``). On CUDA the allocator's peak counter is read,
             never reset (the caller's ``max_memory_allocated`` window stays as it was): exact when the counter
-            was reset before the step or the step sets a new high (``ops.memory.CudaMemoryTracker``).
+            was reset before the step or the step sets a new high (``ops.tracker.CudaMemoryTracker``).
     Returns:
         :class:`StepOutput`. Raises ValueError on bad input before touching the model.
     """

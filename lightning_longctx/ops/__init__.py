@@ -23,9 +23,9 @@ Main API:
 from .attention import attention_backward, attention_forward, attention_with_lse
 from .gated_delta import GatedDeltaOutput, gated_delta_rule
 from .losses import chunked_cross_entropy, chunked_token_logprobs
-from .memory import CudaMemoryTracker, MemoryTracker, device_peak_bytes, reset_device_peak, track_memory
 from .merge import merge_attention_outputs, prefix_attention
 from .mlp import tiled_mlp
+from .tracker import CudaMemoryTracker, MemoryTracker, device_peak_bytes, reset_device_peak, track_memory
 
 __all__ = [
     "CudaMemoryTracker",

@@ -1,7 +1,7 @@
 """Host<->device bytes and host syncs, counted per step phase.
 
 :class:`TransferCounter` (a context manager) counts, for each phase the step marks
-(:func:`lightning_longctx.parallel.phases.phase`: ``"replay"``, ``"grouped backward"``, ``"rollouts"``...):
+(:func:`lightning_longctx.parallel.collective_guard.phase`: ``"replay"``, ``"grouped backward"``, ``"rollouts"``...):
 
 - every copy between the host and a device that torch dispatches (``aten._to_copy`` / ``aten.copy_`` whose
   source and destination devices differ), its bytes by direction; works on a GPU and under
@@ -39,7 +39,7 @@ class PhaseTransfers:
 
 
 def _phase_name() -> str:
-    from ..parallel.phases import current_phase
+    from ..parallel.collective_guard import current_phase
 
     return current_phase().split(" (")[0]
 

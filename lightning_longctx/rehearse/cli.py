@@ -13,7 +13,7 @@ from . import config as _config  # noqa: F401  (registers rehearse_schema before
 @hydra.main(version_base="1.3", config_path="../conf", config_name="rehearse")
 def _rehearse(cfg: DictConfig) -> None:
     from ..cli import _fail_cleanly
-    from ..memory import PlanError
+    from ..planner import PlanError
     from .run import rehearse
 
     try:

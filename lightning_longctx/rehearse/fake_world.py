@@ -48,7 +48,7 @@ class FakeWorld:
 
     On entry (outside the fake mode: building a mesh reads its rank tensor) it builds the meshes the strategy
     builds: ``dp_sp_mesh`` (:func:`~lightning_longctx.parallel.build_dp_sp_mesh`, ``(world / sp, sp)``) and
-    ``fsdp_mesh`` (:func:`~lightning_longctx.lightning.parallelize.fsdp_mesh` for ``fsdp_sharding``).
+    ``fsdp_mesh`` (:func:`~lightning_longctx.training.parallelize.fsdp_mesh` for ``fsdp_sharding``).
 
     Args:
         world_size: the cluster's ``devices x num_nodes``.
@@ -72,8 +72,8 @@ class FakeWorld:
 
         if dist.is_initialized():
             raise RuntimeError("a process group already exists: a rehearsal runs in a process of its own")
-        from ..lightning.parallelize import fsdp_mesh
         from ..parallel import build_dp_sp_mesh
+        from ..training.parallelize import fsdp_mesh
 
         self._saved_plans = [(cache, dict(cache)) for cache in _tensor_caches()]
         for cache, _ in self._saved_plans:

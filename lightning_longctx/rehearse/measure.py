@@ -1,10 +1,10 @@
 """What a rehearsal measures per phase of the step: live bytes (device and host), FLOPs, collectives.
 
-The phase is the one the step code marks (:func:`lightning_longctx.parallel.phases.phase`: ``"prefill"``,
+The phase is the one the step code marks (:func:`lightning_longctx.parallel.collective_guard.phase`: ``"prefill"``,
 ``"replay"``, ``"grouped backward"``...; the rehearsal marks SFT's ``"forward"``, ``"backward"``,
 ``"optimizer step"``), without its detail (``"replay (replay branch 3/8 done)"`` counts as ``"replay"``).
 
-- :class:`PhaseTracker`: the project's live-tensor tracker (:class:`~lightning_longctx.ops.memory.MemoryTracker`,
+- :class:`PhaseTracker`: the project's live-tensor tracker (:class:`~lightning_longctx.ops.tracker.MemoryTracker`,
   one count per storage, fake storages included: a fake tensor's storage has its ``nbytes`` and dies with its
   last tensor) with each phase's peak, split into the rehearsal device and the host (tensors on the CPU while
   the step computes on CUDA: pinned, offloaded), and at each phase's peak its largest live tensors (shape, dtype,
@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from ..ops.memory import MemoryTracker, _storage
-from ..parallel.phases import current_phase
+from ..ops.tracker import MemoryTracker, _storage
+from ..parallel.collective_guard import current_phase
 
 
 def phase_name() -> str:

@@ -1,7 +1,7 @@
 """A rehearsal's figures: per phase measured vs planned, as text and as JSON (``rehearsal.out``).
 
 Measured bytes are storage bytes of the live tensors (no allocator rounding, no CUDA context); planned bytes
-are the planner's phase totals (:func:`lightning_longctx.memory.plan`) without its runtime reserve, which is
+are the planner's phase totals (:func:`lightning_longctx.planner.plan`) without its runtime reserve, which is
 added to both sides for the verdict (``fits``: the measured peak + the reserve <= the budget). A measured
 phase maps to the planner's phase of the same name, or to the largest of those it splits into
 (SFT's ``"forward"`` = max of ``"forward attention"`` / ``"forward layer"`` and ``"forward logits"``).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from ..memory import GIB, Plan
+from ..planner import GIB, Plan
 
 HOST_LIVE_PHASES = ("forward", "backward")  # the offloaded checkpoints live through these (freed before the update)
 

@@ -11,11 +11,11 @@ functions:
 3. the model from its real builder (:func:`~lightning_longctx.app.build_model`; ``model.pretrained``: only its
    config.json is read, no weights) on the meta device, given fake storages on the cluster's device (fake
    ``cuda:0`` for the GPU presets), the task's module and data (:func:`~lightning_longctx.app.build_task`);
-4. what ``UlyssesStrategy.setup`` runs: :func:`~lightning_longctx.lightning.parallelize.parallelize` pieces
+4. what ``UlyssesStrategy.setup`` runs: :func:`~lightning_longctx.training.parallelize.parallelize` pieces
    (SP group wired in, FSDP2 over the ``dp x sp`` ranks with the precision's ``MixedPrecisionPolicy``), the
    precision plugin's ``convert_module``, ``configure_optimizers``;
 5. SFT: ``steps`` training steps as Lightning's automatic optimisation runs them: the first batch through
-   ``on_before_batch_transfer``, to the device, :func:`~lightning_longctx.lightning.batch.shard_sequence_batch`
+   ``on_before_batch_transfer``, to the device, :func:`~lightning_longctx.training.batch.shard_sequence_batch`
    (the strategy's ``batch_to_device``), then ``training_step`` (phase ``"forward"``), ``zero_grad`` and
    ``loss.backward()`` (``"backward"``), ``optimizer.step()`` (``"optimizer step"``). The module is attached to
    a barebones ``Trainer`` carrying the job's ``UlyssesStrategy``, so ``self.trainer.strategy.reduce_loss``
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..parallel.phases import phase
+from ..parallel.collective_guard import phase
 from . import config as _config  # noqa: F401  (registers rehearse_schema)
 from .fake_world import FakeWorld, materialize, world_device
 from .measure import PhaseTracker, StepCounters
@@ -80,7 +80,7 @@ def _carrier_trainer(cfg: DictConfig, precision: str):
     through ``self.trainer``; on the CPU accelerator (the step runs on the fake world's device, not on it)."""
     import lightning.pytorch as pl
 
-    from ..lightning import UlyssesStrategy
+    from ..training import UlyssesStrategy
 
     cluster = cfg.cluster
     strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
@@ -100,7 +100,7 @@ def _carrier_trainer(cfg: DictConfig, precision: str):
 def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh):
     """Steps 3-4 of the module docstring: ``(module, data, optimizer, trainer)``."""
     from ..app import build_model, build_task
-    from ..lightning.parallelize import (
+    from ..training.parallelize import (
         check_attention_heads,
         mixed_precision_policy,
         register_prefix_state_methods,
@@ -135,7 +135,7 @@ def _device_batch(module, data, world: FakeWorld, mesh) -> dict:
     ``on_before_batch_transfer``, each tensor to the device, this rank's shard, ``on_after_batch_transfer``."""
     from lightning.fabric.utilities.apply_func import apply_to_collection
 
-    from ..lightning.batch import shard_sequence_batch
+    from ..training.batch import shard_sequence_batch
 
     loader = data.train_dataloader() if hasattr(data, "train_dataloader") else data
     batch = module.on_before_batch_transfer(next(iter(loader)), 0)
@@ -164,8 +164,8 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     """Rehearse ``cfg`` (see the module docstring); returns the measured and planned figures."""
     from ..app import check_config
     from ..cli import model_shape, plan_request, trainer_precision
-    from ..memory import plan as make_plan
     from ..ops.transfers import TransferCounter
+    from ..planner import plan as make_plan
 
     start = time.perf_counter()
     precision = trainer_precision(cfg.memory)

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset
 
-from ..lightning.dataloader import ResumableDataLoader
+from ..training.dataloader import ResumableDataLoader
 
 PASSAGE_MARK, QUERY_MARK, FIRST_TOKEN = 2, 3, 4
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from ..lightning.dataloader import ResumableDataLoader
-from ..lightning.longstraw_module import LongStrawModule
+from ..training.dataloader import ResumableDataLoader
+from ..training.longstraw_module import LongStrawModule
 
 PAD, KEY_MARK, QUERY_MARK = 0, 2, 3
 KEYS = range(4, 12)

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..lightning.longstraw_module import LongStrawModule
 from ..longstraw.sampling import StopIds
+from ..training.longstraw_module import LongStrawModule
 from .rewards import RewardFunctionError, RewardFunctions
 from .text_data import is_conversation, load_tokenizer, stop_ids
 

@@ -2,7 +2,7 @@
 
 ``import lightning_longctx`` already makes ``strategy="ulysses"`` work without importing Lightning: it registers
 small factories that import this package when called (:mod:`lightning_longctx._registration`).
-:func:`register_strategies` runs when ``lightning_longctx.lightning`` is imported and registers the classes
+:func:`register_strategies` runs when ``lightning_longctx.training`` is imported and registers the classes
 themselves (idempotent): ``lightning.pytorch``'s ``StrategyRegistry`` gets :class:`~.strategy.UlyssesStrategy`
 and ``lightning.fabric``'s ``STRATEGY_REGISTRY`` gets :class:`~.fabric.UlyssesFabricStrategy`. The standalone
 ``pytorch_lightning`` / ``lightning_fabric`` packages are separate copies with separate registries; if one of

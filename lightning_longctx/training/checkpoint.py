@@ -35,7 +35,7 @@ from pathlib import Path
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import CheckpointException
 
-from ..parallel.phases import collective_guard
+from ..parallel.collective_guard import collective_guard
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class AtomicCheckpoint(ModelCheckpoint):
 
     @staticmethod
     def _guard(trainer, name: str):
-        """A collective failure during the save names the timeout and the checkpoint (see parallel.phases)."""
+        """A collective failure during the save names the timeout and the checkpoint (see parallel.collective_guard)."""
         timeout = getattr(trainer.strategy, "_timeout", None)
         return collective_guard(timeout.total_seconds() if timeout is not None else None, name)
 

@@ -61,9 +61,9 @@ from ..longstraw.checks import check_group_agrees
 from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
 from ..longstraw.sampling import StopIds, stop_token_ids
 from ..models.lora import prompt_frozen
-from ..ops.memory import device_peak_bytes, reset_device_peak
+from ..ops.tracker import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
-from ..parallel.phases import phase
+from ..parallel.collective_guard import phase
 from ..tasks.rewards import RewardFunctionError, call_with_timeout, check_timeout
 from .longstraw_options import check_longstraw_arguments, lr_factor
 

@@ -7,7 +7,7 @@
   full sequences (:mod:`.batch`), so the loop is ``loss = model(**batch).loss; fabric.backward(loss)``.
 - ``fabric.save`` / ``fabric.load`` write and read distributed checkpoints (any dp x sp layout on reload).
 - ``timeout``: every collective's limit, the mesh's SP / DP subgroups included (the loop is yours: wrap it in
-  ``lightning_longctx.parallel.phases.collective_guard`` to get the phase-naming errors the Trainer strategy
+  ``lightning_longctx.parallel.collective_guard.collective_guard`` to get the phase-naming errors the Trainer strategy
   raises).
 - ``on_nonfinite``: as the Trainer strategy's, on the gradients (Fabric's ``optimizer.step()`` sees no loss):
   ``"raise"`` (default) stops naming the first non-finite parameter, ``"skip"`` leaves parameters and
@@ -26,7 +26,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch import nn
 from torch.optim import Optimizer
 
-from ..parallel.phases import phase
+from ..parallel.collective_guard import phase
 from ..safe_load import load_resume_checkpoint
 from .batch import ShardingLoader
 from .common import UlyssesMixin
@@ -36,7 +36,7 @@ from .nonfinite import NonfiniteGuard
 class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
     """Ulysses sequence parallelism x data parallelism for ``lightning.fabric.Fabric``.
 
-    Args: as :class:`lightning_longctx.lightning.UlyssesStrategy` (``sp_size``, ``head_chunk_size``,
+    Args: as :class:`lightning_longctx.training.UlyssesStrategy` (``sp_size``, ``head_chunk_size``,
     ``sharding``, ``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``, ``on_nonfinite``).
     """
 

@@ -29,7 +29,7 @@ reduction); for a module that handles SP itself (plain replicas) Lightning's aut
 Faults (docs/reliability.md): ``timeout`` is every collective's limit, on the default process group and on the
 mesh's SP / DP subgroups alike (``longctx-train``: ``cluster.collective_timeout_s``); a collective that times out
 or loses its peer inside a strategy hook (setup, batch sharding, ``training_step``, backward, optimizer step,
-barriers, checkpoint save / load) is re-raised as :class:`~lightning_longctx.parallel.phases.CollectiveError`
+barriers, checkpoint save / load) is re-raised as :class:`~lightning_longctx.parallel.collective_guard.CollectiveError`
 naming the timeout, the phase (the innermost marked one: LongStraw marks prefill, sampling, each replay branch,
 the grouped backward's layers) and the rank. ``on_nonfinite`` (``"raise"`` / ``"skip"`` / None = no check): a
 non-finite loss or gradient on any rank is caught before ``optimizer.step()`` (:mod:`.nonfinite`).
@@ -50,7 +50,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..parallel.phases import phase
+from ..parallel.collective_guard import phase
 from ..safe_load import load_resume_checkpoint
 from .common import UlyssesMixin
 from .nonfinite import NonfiniteGuard

@@ -19,7 +19,7 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
                  "layer_types", "attn_output_gate", "zero_centered_norms", "partial_rotary_factor",
                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_conv_kernel_dim",
-                 # multi-head latent attention and the mixture of experts (memory/mla_shapes.py)
+                 # multi-head latent attention and the mixture of experts (planner/mla_shapes.py)
                  "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                  "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
                  "shared_expert_intermediate_size", "mlp_layer_types")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import build_dp_sp_mesh, check_sp_size
-from ..parallel.phases import collective_guard
+from ..parallel.collective_guard import collective_guard
 from .batch import shard_sequence_batch
 from .parallelize import SHARDING_MODES, broadcast_replicas, parallelize
 
@@ -123,7 +123,7 @@ class UlyssesMixin:
 
     # ------------------------------------------------------------------------------------------------ batches
     def shard_batch(self, batch: Any) -> dict[str, Any]:
-        """This rank's shard of a dict batch of full sequences (see :mod:`lightning_longctx.lightning.batch`),
+        """This rank's shard of a dict batch of full sequences (see :mod:`lightning_longctx.training.batch`),
         with ``num_items_in_batch`` = the valid tokens of the global batch (summed over dp)."""
         dp_group = self.device_mesh.get_group("dp") if self.dp_size > 1 else None
         return shard_sequence_batch(batch, sp_rank=self._sp_rank, sp_size=self.sp_size, sp_group=self._sp_group,
