@@ -5,3 +5,4 @@ Importing it registers the structured schemas the YAML files extend, so ``initia
 """
 
 from .. import config_schema  # noqa: F401  (registers base_config and schema/task/* in the ConfigStore)
+from . import launchers  # noqa: F401  (a stand-in hydra/launcher/submitit_slurm without the [slurm] extra)
