@@ -18,7 +18,7 @@ from .config import FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION, DecoderConf
 from .gated_deltanet import GatedDeltaNet
 from .lora import masked_linear
 from .mla import MLAttention
-from .moe import build_moe
+from .moe import build_moe, tokens_replicated
 from .norm import RMSNorm
 
 
@@ -149,7 +149,8 @@ class DecoderLayer(nn.Module):
             mixed = mla_decode(self.self_attn, normed, position_ids, prompt_state, cache)
         else:
             mixed = attention_decode(self.self_attn, normed, position_ids, prompt_state, cache)
-        return self.residual_mlp(hidden, mixed)
+        with tokens_replicated():  # the rows are the same on every rank: expert parallelism needs no dispatch
+            return self.residual_mlp(hidden, mixed)
 
     # The pieces of a Gated DeltaNet layer's grouped backward over the prompt
     # (:func:`lightning_longctx.longstraw.linear_backward.linear_layer_backward`), each a forward of its own: under

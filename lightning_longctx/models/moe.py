@@ -36,15 +36,34 @@ two ``torch._grouped_mm`` (no host sync where the kernel is native, :func:`group
 runs one matmul pair per expert over its rows, reading the group ends on the host once per call (any dtype);
 ``"auto"``: grouped where native (bf16 on sm90 / sm100, e.g. under bf16-mixed), else the loop (the CPU path;
 float32 / fp16 on CUDA, where torch's own grouped fallback would sync too, and then once per group).
+
+Expert parallelism (:meth:`Experts.shard_experts`; the collectives in
+:mod:`lightning_longctx.parallel.expert_parallel`): over the EP group (the SP group, ``P`` ranks) rank ``p`` keeps
+only the routed experts ``[p X_l, (p + 1) X_l)`` (``X_l = X / P``). A forward routes locally, sorts its pairs by
+global expert (hence by owner rank), exchanges the counts (one host sync: the splits), sends the rows to their
+owners (``all_to_all_single``), runs the owner's experts on what it received (grouped by local expert, padded
+for the grouped kernel as above), sends the outputs back, and combines them with the routing weights **on the
+source rank** (the weights never travel: the router's gradient stays local, and the sum order is the
+single-device one). Dropless: buffers are sized from the counts. Backward: each exchange is the reverse
+exchange with the splits from the forward. An expert's weight gradient on its owner already sums every rank's
+tokens, so expert gradients are reduced over the data-parallel replicas only (never over the EP group), every
+other parameter over dp x sp as before. Decoding (:func:`tokens_replicated`: the rows are the same on every
+rank) needs no exchange: each rank runs its own experts on all rows and the outputs are summed over the group.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+
+from ..parallel.all_to_all import group_rank, group_size
+from ..parallel.expert_parallel import ExchangeRows, exchange_counts
 
 EXPERT_BACKENDS = ("auto", "grouped", "loop")
 GROUP_ALIGNMENT_BYTES = 16  # the grouped GEMM's TMA loads: every group's first element 16-byte aligned
@@ -140,6 +159,22 @@ def grouped_mm_is_native(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
+_TOKENS_REPLICATED = False  # set by tokens_replicated(): one training thread per process
+
+
+@contextlib.contextmanager
+def tokens_replicated() -> Iterator[None]:
+    """Inside, expert-parallel :class:`Experts` treat their input rows as the same on every EP rank (decoding:
+    :meth:`~lightning_longctx.models.DecoderLayer.decode_step`): local experts on all rows, then a sum over the
+    group, instead of the dispatch for sequence-sharded rows."""
+    global _TOKENS_REPLICATED
+    before, _TOKENS_REPLICATED = _TOKENS_REPLICATED, True
+    try:
+        yield
+    finally:
+        _TOKENS_REPLICATED = before
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where the ``N k`` (token, slot) pairs of ``indices [N, k]`` sit in the expert-sorted row buffer ``[M, E]``
@@ -230,10 +265,12 @@ def combine(y_rows: torch.Tensor, layout: ExpertLayout, weights: torch.Tensor) -
 
 
 class Experts(nn.Module):
-    """The routed experts as 3-D weights: ``gate_up_proj [X, 2I, E]``, ``down_proj [X, E, I]``.
+    """The routed experts as 3-D weights: ``gate_up_proj [X, 2I, E]``, ``down_proj [X, E, I]`` (after
+    :meth:`shard_experts`: this rank's ``[X_l, 2I, E]`` / ``[X_l, E, I]``).
 
     ``backend`` (see the module docstring): ``"grouped"`` needs ``E`` and ``I`` multiples of 16 bytes of the compute
-    dtype (the kernel's stride rule); ``"auto"`` takes it only where it is native (:func:`grouped_mm_is_native`)."""
+    dtype (the kernel's stride rule); ``"auto"`` takes it only where it is native (:func:`grouped_mm_is_native`).
+    ``expert_group``: the EP group once :meth:`shard_experts` ran (None: every expert local)."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -243,6 +280,33 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(x, e, i))
         self.std = config.initializer_range
         self.backend = "auto"
+        self.expert_group: dist.ProcessGroup | None = None
+        self.first_expert = 0  # global id of local expert 0
+
+    @property
+    def local_experts(self) -> range:
+        """The global ids of the experts this rank holds."""
+        return range(self.first_expert, self.first_expert + self.gate_up_proj.shape[0])
+
+    def shard_experts(self, group: dist.ProcessGroup | None) -> None:
+        """Keep only this rank's contiguous slice of the routed experts (expert parallelism over ``group``, the
+        SP group): rank ``p`` of ``P`` keeps experts ``[p X / P, (p + 1) X / P)``. Run it before the optimizer
+        and FSDP2 see the parameters (it replaces them); ``requires_grad`` is kept."""
+        world, rank = group_size(group), group_rank(group)
+        if self.expert_group is not None:
+            raise ValueError("shard_experts: the experts are already sharded")
+        if self.num_experts % world:
+            raise ValueError(f"expert parallelism over {world} ranks needs n_routed_experts divisible by {world}, "
+                             f"got {self.num_experts}")
+        if world == 1:
+            return
+        per_rank = self.num_experts // world
+        start = rank * per_rank
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(self, name)
+            local = nn.Parameter(full.detach()[start:start + per_rank].clone(), requires_grad=full.requires_grad)
+            setattr(self, name, local)
+        self.expert_group, self.first_expert = group, start
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate_up_proj, std=self.std)
@@ -265,13 +329,52 @@ class Experts(nn.Module):
         """``sum_j weights[n, j] * expert_{indices[n, j]}(x[n])``: ``x [N, E]``, ``indices, weights [N, k]`` ->
         ``[N, E]`` in ``x``'s dtype; the matmuls in :func:`compute_dtype`."""
         dtype = compute_dtype(x)
+        if group_size(self.expert_group) > 1:
+            forward = self._replicated if _TOKENS_REPLICATED else self._dispatched
+            return forward(x, indices, weights, dtype).to(x.dtype)
+        layout, y_rows = self._local(x.to(dtype), indices, self.num_experts, dtype)
+        return combine(y_rows, layout, weights).to(x.dtype)
+
+    def _local(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int,
+               dtype: torch.dtype) -> tuple[ExpertLayout, torch.Tensor]:
+        """The local experts on the pairs ``indices [N, k]`` (ids among this rank's ``num_experts``) of ``x [N, E]``
+        -> ``(layout, expert-sorted output rows [M, E])``."""
         backend = self._backend(x.device, dtype)
         # grouped: every group starts 16 bytes into the weight-gradient GEMM's K dimension (TMA's alignment rule)
         align = GROUP_ALIGNMENT_BYTES // dtype.itemsize if backend == "grouped" else 1
-        layout = expert_layout(indices, self.num_experts, align)
-        x_rows = _GatherRows.apply(x.to(dtype), layout)  # [M, E]
+        layout = expert_layout(indices, num_experts, align)
+        x_rows = _GatherRows.apply(x, layout)  # [M, E]
         run = self._grouped if backend == "grouped" else self._loop
-        return combine(run(x_rows, layout.ends, dtype), layout, weights).to(x.dtype)
+        return layout, run(x_rows, layout.ends, dtype)
+
+    def _dispatched(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """Expert parallelism on sequence-sharded rows (see the module docstring): ``x [N, E]`` -> ``[N, E]``."""
+        group, world, per_rank = self.expert_group, group_size(self.expert_group), len(self.local_experts)
+        layout = expert_layout(indices, self.num_experts)  # pairs by global expert = by owner rank, unpadded
+        send = _GatherRows.apply(x.to(dtype), layout)  # [N k, E]
+        counts = layout.ends.diff(prepend=layout.ends.new_zeros(1)).view(world, per_rank)  # [P, X_l]
+        recv_counts, in_splits, out_splits = exchange_counts(counts, group)
+        received = ExchangeRows.apply(send, out_splits, in_splits, group)  # [R, E] by source rank, then expert
+        local_ids = torch.arange(per_rank, device=x.device).repeat(world)  # [P X_l]
+        row_expert = torch.repeat_interleave(local_ids, recv_counts.reshape(-1), output_size=received.shape[0])
+        local, y_local = self._local(received, row_expert.unsqueeze(1), per_rank, dtype)
+        y_received = local.token_terms(y_local).squeeze(1)  # [R, E] in the received order
+        y_sent = ExchangeRows.apply(y_received, in_splits, out_splits, group)  # [N k, E] as sent
+        return combine(y_sent, layout, weights)
+
+    def _replicated(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """Expert parallelism on rows that are the same on every EP rank (decoding, no autograd): this rank's
+        experts on every row that chose them, the other pairs weighted 0, then a sum over the group."""
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("expert-parallel experts on replicated rows (tokens_replicated) run without autograd")
+        first, per_rank = self.first_expert, len(self.local_experts)
+        mine = (indices >= first) & (indices < first + per_rank)
+        layout, y_rows = self._local(x.to(dtype), (indices - first).clamp(0, per_rank - 1), per_rank, dtype)
+        out = combine(y_rows, layout, weights * mine)
+        dist.all_reduce(out, group=self.expert_group)
+        return out
 
     def _grouped(self, x_rows: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Two ``torch._grouped_mm`` over the padded groups: ``x_rows [M, E]`` -> ``[M, E]`` (rows past the last
@@ -335,6 +438,26 @@ class QwenMoE(nn.Module):
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora_mask)
 
 
+def enable_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> int:
+    """Expert parallelism over ``group`` (the SP group) for every :class:`Experts` of ``model``
+    (:meth:`Experts.shard_experts`); returns how many layers' experts were sharded (0 on a one-rank group).
+    Before the optimizer is built and before FSDP2 wraps the model."""
+    if group_size(group) == 1:
+        return 0
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    for module in experts:
+        module.shard_experts(group)
+    return len(experts)
+
+
+def is_expert_parameter(module: nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` of ``module`` is an expert-parallel shard (its gradient is complete on this
+    rank for its experts: reduce it over the data-parallel replicas only, never over the EP group)."""
+    owner, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(owner) if owner else module
+    return isinstance(sub, Experts) and sub.expert_group is not None and leaf in ("gate_up_proj", "down_proj")
+
+
 def build_moe(config) -> nn.Module:
     """The MoE block of ``config.moe_style``: :class:`MoE` (DeepSeek) or :class:`QwenMoE`."""
     return QwenMoE(config) if config.moe_style == "qwen" else MoE(config)
@@ -342,4 +465,4 @@ def build_moe(config) -> nn.Module:
 
 __all__ = ["EXPERT_BACKENDS", "GROUP_ALIGNMENT_BYTES", "ExpertLayout", "Experts", "MoE", "QwenMoE", "SoftmaxRouter",
            "TopKRouter", "add_slots", "build_moe", "combine", "compute_dtype", "expert_layout", "grouped_mm_is_native",
-           "route", "softmax_route"]
+           "enable_expert_parallel", "is_expert_parameter", "route", "softmax_route", "tokens_replicated"]

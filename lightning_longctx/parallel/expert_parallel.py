@@ -1,0 +1,71 @@
+"""Expert parallelism's collectives: the token-count exchange and the row all-to-all (dispatch and combine).
+
+The expert-parallel (EP) group is the sequence-parallel group: ``P`` ranks, rank ``p`` owning the contiguous
+routed experts ``[p X_l, (p + 1) X_l)`` of every MoE layer (``X = P X_l``; see :mod:`lightning_longctx.models.moe`).
+Tying EP to SP keeps the ranks in lockstep for free: SP ranks run the same layers, tiles, recomputes and
+LongStraw branches on equal local lengths, so every rank issues the same sequence of these collectives.
+
+Dimension legend: ``P`` EP ranks, ``X_l`` experts per rank, ``R_in`` rows this rank sends (its tokens' (token,
+slot) pairs, sorted by global expert, hence rank-major), ``R_out`` rows it receives (other ranks' pairs for its
+own experts, source-major), ``E`` hidden.
+
+Dropless: buffers are sized from the counts, zero-length splits are legal (gloo and NCCL both take them, in
+``all_to_all_single``; gloo refuses unequal tensors in the list form ``all_to_all``). The counts cross to the
+host once per call (:func:`exchange_counts` returns the splits as Python ints): the collective's split sizes
+are host arguments in torch's API. The backward of each row exchange is the exchange with the splits swapped,
+taken from ``ctx`` (no second count exchange, no second host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .all_to_all import group_size
+
+
+def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Tell every EP rank how many rows it gets from this one, per expert.
+
+    Args:
+        send_counts: ``[P, X_l]`` int64, rows this rank sends to rank ``p``'s ``j``-th local expert.
+    Returns:
+        ``(recv_counts [P, X_l], in_splits, out_splits)``: ``recv_counts[q, j]`` rows that rank ``q`` sends to
+        this rank's ``j``-th expert (on the device); ``in_splits[p]`` rows this rank sends to ``p`` and
+        ``out_splits[q]`` rows it receives from ``q`` (host ints: one device-to-host copy of ``2 P`` numbers).
+    """
+    world = group_size(group)
+    if send_counts.shape[0] != world:
+        raise ValueError(f"exchange_counts: send_counts has {send_counts.shape[0]} rows for an EP group of {world}")
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+    splits = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # the one host sync of a dispatch
+    return recv_counts, splits[:world], splits[world:]
+
+
+def exchange_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                  group: dist.ProcessGroup) -> torch.Tensor:
+    """``rows [sum(in_splits), ...]`` -> ``[sum(out_splits), ...]``: block ``p`` of the input goes to rank ``p``,
+    block ``q`` of the output came from rank ``q`` (no autograd; see :class:`ExchangeRows`)."""
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+                           group=group)
+    return out
+
+
+class ExchangeRows(torch.autograd.Function):
+    """Autograd :func:`exchange_rows`: the backward sends each row's gradient back where the row came from
+    (the same exchange with ``in_splits`` and ``out_splits`` swapped)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return exchange_rows(rows, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return exchange_rows(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+__all__ = ["ExchangeRows", "exchange_counts", "exchange_rows"]

@@ -1,0 +1,100 @@
+"""Workers for tests/test_expert_parallel.py (gloo ranks, float64): expert parallelism == one process.
+
+Each worker builds the same seeded model and batch, computes the one-process loss and gradients itself, then
+runs its sequence shard with the routed experts sharded over the WORLD group (the EP group = the SP group: rank
+``p`` keeps experts ``[p X / P, (p + 1) X / P)``). Non-expert gradients are summed over the ranks (each holds
+its tokens' share); an expert's gradient is complete on its owner and must equal the one-process gradient's
+rows for that rank's experts without any reduction. Cases: DeepSeek-V3-shaped MLA + MoE (random and skewed
+routing: a score-correction bias that sends every token to rank 0's experts, so the other ranks' experts are
+empty and their splits zero), Qwen3.5-MoE (softmax routing), through the MLP tiles and activation
+checkpointing, and decoding (rows the same on every rank: local experts + a sum over the group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_longctx.models import MemoryConfig
+from lightning_longctx.models.moe import Experts, enable_expert_parallel, is_expert_parameter, tokens_replicated
+from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch
+from mla_workers import mla_config, mla_model, qwen_moe_config
+from models_common import assert_close_rel, assert_grads_match, copy_model, grads, random_batch
+
+TOL = 1e-10
+
+
+def _skew(model) -> None:
+    """Every token's choice: experts 0 and 1 (rank 0's on any world) through the score-correction bias (the
+    choice only; the weights stay the router's)."""
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+                b[:2] = 100.0
+
+
+def _local_rows(model, name: str, full: torch.Tensor) -> torch.Tensor:
+    owner = model.get_submodule(name.rpartition(".")[0])
+    return full[owner.first_expert:owner.first_expert + len(owner.local_experts)]
+
+
+def _check_model(rank, world, group, config, memory, skew=False):
+    reference = mla_model(config)
+    if skew:
+        _skew(reference)
+    ids, labels = random_batch(config, seq=22)
+    out = reference(ids, labels=labels)
+    out.loss.backward()
+    want_loss, want = out.loss.detach(), grads(reference)
+    model = copy_model(reference, memory)
+    set_sequence_parallel_group(model, group)
+    sharded = enable_expert_parallel(model, group)
+    assert sharded == sum(isinstance(m, Experts) for m in reference.modules()) > 0
+    out = model(**shard_batch(ids, labels, sp_rank=rank, sp_size=world))
+    out.loss.backward()
+    loss, got = out.loss.detach().clone(), grads(model)
+    dense = {n: g for n, g in got.items() if not is_expert_parameter(model, n)}
+    for g in (loss, *dense.values()):
+        dist.all_reduce(g, group=group)
+    what = f"EP world={world} {config.shape_model_type()} {memory} skew={skew}"
+    assert_close_rel(loss, want_loss, TOL, f"{what}: summed loss shares")
+    # a rank whose experts no token chose gets no gradient for them (None): the one process's rows are zero there
+    experts = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()
+               if is_expert_parameter(model, n)}
+    assert experts and all(g.shape[0] == config.n_routed_experts // world for g in experts.values())
+    assert_grads_match(dense, {n: want[n] for n in dense}, TOL, f"{what}: non-expert parameters")
+    assert_grads_match(experts, {n: _local_rows(model, n, want[n]) for n in experts}, TOL, f"{what}: experts")
+    if skew and rank > 0:  # no token chose this rank's experts: no rows came, no gradient arrived
+        assert all(p.grad is None for n, p in model.named_parameters() if is_expert_parameter(model, n)), what
+
+
+def _check_decode(rank, world, group):
+    """Rows the same on every rank (decoding): each rank's experts on all rows, summed over the group."""
+    config = mla_config()
+    reference = mla_model(config)
+    moe = next(m for m in reference.modules() if isinstance(m, Experts))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, config.hidden_size, generator=g, dtype=torch.float64)
+    indices = torch.stack([torch.randperm(config.n_routed_experts, generator=g)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        want = moe(x, indices, weights)
+        twin = copy_model(reference, None)
+        enable_expert_parallel(twin, group)
+        mine = next(m for m in twin.modules() if isinstance(m, Experts))
+        with tokens_replicated():
+            got = mine(x, indices, weights)
+    assert_close_rel(got, want, TOL, f"EP world={world} replicated rows (decode)")
+
+
+def check_all(rank, world):
+    group = dist.group.WORLD
+    cases = [(mla_config(), MemoryConfig(), False), (mla_config(), MemoryConfig(head_chunk_size=1), True),
+             (qwen_moe_config(), MemoryConfig(head_chunk_size=1), False)]
+    if world == 2:  # the recompute replays the count exchange and both row exchanges in backward; MLP tiles
+        cases.append((mla_config(), MemoryConfig(activation_checkpointing=True, mlp_chunk_size=3), False))
+    for config, memory, skew in cases:
+        _check_model(rank, world, group, config, memory, skew)
+    _check_decode(rank, world, group)
+    return True
