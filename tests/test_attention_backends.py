@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_longctx.ops import attention as attn_mod
 from lightning_longctx.ops import attention_cuda as cuda_mod
-from lightning_longctx.ops import merge_attention_outputs
+from lightning_longctx.ops import devices, merge_attention_outputs
 from lightning_longctx.ops.attention import attention_backward, attention_forward, attention_with_lse
 from lightning_longctx.ops.merge import prefix_attention
 from reference import eager_attention
@@ -168,7 +168,7 @@ def fake_cuda(monkeypatch):
     stand_ins = StandIns()
     for name in cuda_mod.KERNELS:
         monkeypatch.setitem(cuda_mod.KERNELS, name, getattr(stand_ins, name))
-    monkeypatch.setattr(cuda_mod, "on_cuda", lambda t: True)
+    monkeypatch.setattr(devices, "on_cuda", lambda t: True)
     monkeypatch.setattr(cuda_mod, "sm80_or_newer", lambda device: True)
     return stand_ins
 
@@ -334,7 +334,7 @@ def test_auto_backend_choices(monkeypatch, fake_cuda):
     assert attn_mod.resolve_backend("auto", x.double()) == "blockwise"  # no fused CUDA kernel for fp64
     monkeypatch.setitem(cuda_mod.KERNELS, "flash_attn_forward", None)  # flash-attn not installed
     assert attn_mod.resolve_backend("auto", x.bfloat16()) == "torch_cuda"
-    monkeypatch.setattr(cuda_mod, "on_cuda", lambda t: False)
+    monkeypatch.setattr(devices, "on_cuda", lambda t: False)
     assert attn_mod.resolve_backend("auto", x) == "torch_cpu_flash"
     assert attn_mod.resolve_backend("auto", x.to("meta")) == "blockwise"
 
@@ -358,7 +358,7 @@ def test_torch_cuda_kernel_choice(monkeypatch, fake_cuda):
     ("torch_cpu_flash", torch.float32, True, "a CPU device"),
 ])
 def test_impossible_explicit_backend_raises_before_any_work(monkeypatch, fake_cuda, backend, dtype, fake, expect):
-    monkeypatch.setattr(cuda_mod, "on_cuda", lambda t: fake)
+    monkeypatch.setattr(devices, "on_cuda", lambda t: fake)
     q, k, v = _qkv(dtype=dtype, d=16)
     with pytest.raises(ValueError, match=rf"{backend}.*dtype={dtype}.*{expect}"):
         attention_with_lse(q, k, v, backend=backend)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_longctx.ops import gated_delta_cuda
+from lightning_longctx.ops import devices, gated_delta_cuda
 from lightning_longctx.ops.gated_delta import GatedDeltaOutput, gated_delta_rule
 
 F64 = torch.float64
@@ -253,7 +253,7 @@ def test_backend_fla_missing_or_unsupported_raises(monkeypatch):
     monkeypatch.setitem(gated_delta_cuda.KERNELS, "chunk_gated_delta_rule", lambda *a, **kw: 1 / 0)
     with pytest.raises(ValueError, match="CUDA"):
         gated_delta_rule(q, k, v, g, beta, backend="fla")
-    monkeypatch.setattr(gated_delta_cuda, "on_cuda", lambda t: True)
+    monkeypatch.setattr(devices, "on_cuda", lambda t: True)
     with pytest.raises(ValueError, match="float64"):
         gated_delta_rule(q, k, v, g, beta, backend="fla")
 
@@ -273,7 +273,7 @@ def test_fla_glue_with_stand_in(monkeypatch, version):
         return res.output, res.final_state if output_final_state else None
 
     monkeypatch.setitem(gated_delta_cuda.KERNELS, "chunk_gated_delta_rule", stand_in)
-    monkeypatch.setattr(gated_delta_cuda, "on_cuda", lambda t: True)
+    monkeypatch.setattr(devices, "on_cuda", lambda t: True)
     monkeypatch.setattr(gated_delta_cuda, "fla_version", lambda: version)
     inputs = make_inputs(tokens=150, dtype=torch.float32, seed=2)
     leaves = [x.clone().requires_grad_() for x in inputs]

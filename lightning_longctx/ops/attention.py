@@ -28,16 +28,17 @@ import math
 import torch
 
 from . import attention_cuda as cuda
+from . import devices
 from .gqa import expand_kv, reduce_kv
 
-BACKENDS = ("auto", "flash_attn", "torch_cuda", "torch_cpu_flash", "blockwise")
+ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_cuda", "torch_cpu_flash", "blockwise")
 BLOCK_SIZE = 1024
 
 
 # ------------------------------------------------------------------------------------------- backend choice
 def _can_run(backend: str, query: torch.Tensor) -> str | None:
     """None when ``backend`` can run on ``query``'s device and dtype, else what it would need."""
-    on_cuda, dtype = cuda.on_cuda(query), query.dtype
+    on_cuda, dtype = devices.on_cuda(query), query.dtype
     cpu = not on_cuda and query.device.type == "cpu"
     if backend == "flash_attn":
         if not cuda.flash_attn_available():
@@ -54,7 +55,7 @@ def resolve_backend(backend: str, query: torch.Tensor) -> str:
     """Pick the concrete backend for ``query``'s device and dtype.
 
     Args:
-        backend: one of :data:`BACKENDS`; ``"auto"`` picks flash_attn (CUDA, fp16/bf16, importable) ->
+        backend: one of :data:`ATTENTION_BACKENDS`; ``"auto"`` picks flash_attn (CUDA, fp16/bf16, importable) ->
             torch_cuda (CUDA) -> torch_cpu_flash (CPU) -> blockwise.
         query: ``[batch, seq, heads, head_dim]``; only its device and dtype are read.
     Returns:
@@ -62,8 +63,8 @@ def resolve_backend(backend: str, query: torch.Tensor) -> str:
     Raises:
         ValueError: for an unknown backend, or an explicit one that cannot run on this device and dtype.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
     if backend != "auto":
         need = _can_run(backend, query)
         if need is not None:
@@ -177,7 +178,7 @@ def attention_forward(
         key, value: ``[batch, seq_k, kv_heads, head_dim]``; ``heads % kv_heads == 0`` (GQA).
         causal: query i sees keys j <= i (needs ``seq_q == seq_k``).
         softmax_scale: None = ``head_dim ** -0.5``.
-        backend: see :data:`BACKENDS` and :func:`resolve_backend`.
+        backend: see :data:`ATTENTION_BACKENDS` and :func:`resolve_backend`.
     Returns:
         ``out [batch, seq_q, heads, head_dim]`` (query dtype) and ``lse [batch, heads, seq_q]``
         (float32, or float64 for float64 inputs).

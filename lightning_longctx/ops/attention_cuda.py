@@ -12,8 +12,8 @@ backends: which kernel runs, and the glue around it (layout, head_dim padding, l
   key.size(2)``, so only for that kernel K/V are expanded with ``repeat_interleave`` and dK/dV summed back.
 
 Every kernel is called through :data:`KERNELS`, a table with one entry per kernel (same signature and outputs
-as the real op), so this glue runs on CPU in tests that swap in stand-ins; :func:`on_cuda` is the one device
-predicate (tests monkeypatch it). Every backward is handed the given (final) ``out``/``lse``, never recomputed
+as the real op), so this glue runs on CPU in tests that swap in stand-ins; :func:`.devices.on_cuda` is the one
+device predicate (tests monkeypatch it). Every backward is handed the given (final) ``out``/``lse``, never recomputed
 ones, which keeps segmented attention exact. None of these paths synchronises with the host.
 """
 
@@ -55,11 +55,6 @@ _ALIGN = 8  # elements: strides / storage offsets the kernels' 128-bit loads nee
 
 
 # ----------------------------------------------------------------------------------------- kernel choice
-def on_cuda(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives on a CUDA device (the one device predicate; tests monkeypatch it)."""
-    return t.device.type == "cuda"
-
-
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

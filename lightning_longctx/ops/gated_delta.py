@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from . import gated_delta_cuda
 
-BACKENDS = ("auto", "torch", "fla")
+GATED_DELTA_BACKENDS = ("auto", "torch", "fla")
 _L2NORM_EPS = 1e-6
 _DEFAULT_GROUP_TOKENS = 256  # tokens per recomputed group (one saved state each) unless checkpoint_chunks
 
@@ -176,8 +176,8 @@ class _GatedDeltaScan(torch.autograd.Function):
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, chunk_size, state_every, backend, checkpoint_chunks):
-    if backend not in BACKENDS:
-        raise ValueError(f"gated_delta_rule: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in GATED_DELTA_BACKENDS:
+        raise ValueError(f"gated_delta_rule: backend must be one of {GATED_DELTA_BACKENDS}, got {backend!r}")
     for name, x, dims in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
         if not isinstance(x, torch.Tensor) or x.dim() != dims or not x.is_floating_point():
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__

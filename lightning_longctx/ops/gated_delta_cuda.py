@@ -19,13 +19,15 @@ Constraints checked by :func:`fla_unsupported_reason` (``backend="auto"`` falls 
 fla's l2norm is ``x / sqrt(sum x^2 + 1e-6)``, as the torch path's. ``state_every=N`` calls the kernel once
 per N-token segment, chaining ``final_state`` into the next ``initial_state``.
 
-The kernel is called through :data:`KERNELS` and the device test is :func:`on_cuda`, so this glue runs on
+The kernel is called through :data:`KERNELS` and the device test is :func:`.devices.on_cuda`, so this glue runs on
 CPU in tests that swap in a stand-in.
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import devices
 
 try:  # optional GPU backend
     import fla as _fla
@@ -38,11 +40,6 @@ KERNELS = {"chunk_gated_delta_rule": _fla_chunk_gated_delta_rule}
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLA_MAX_HEAD_DIM = 256
 FLA_CHUNK_SIZES = (16, 32, 64)
-
-
-def on_cuda(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives on a CUDA device (the one device predicate; tests monkeypatch it)."""
-    return t.device.type == "cuda"
 
 
 def fla_version() -> tuple[int, ...]:
@@ -67,7 +64,7 @@ def fla_unsupported_reason(q, k, v, g, beta, initial_state, chunk_size: int) -> 
     if not fla_available():
         return "flash-linear-attention is not installed (pip install flash-linear-attention>=0.5.0)"
     tensors = [q, k, v, g, beta] + ([] if initial_state is None else [initial_state])
-    if not all(on_cuda(t) for t in tensors):
+    if not all(devices.on_cuda(t) for t in tensors):
         return "fla needs CUDA tensors"
     if not (q.dtype == k.dtype == v.dtype) or v.dtype not in FLA_DTYPES:
         return f"fla needs q, k, v of one dtype among fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}"

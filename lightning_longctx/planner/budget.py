@@ -24,7 +24,7 @@ from .longstraw import longstraw_phases
 from .mla_moe import mla_layout
 from .phases import sft_phases, stage_layout
 from .reserve import RESERVE_TERMS, reserve_terms
-from .shapes import BACKENDS, GIB, MODES, PRECISIONS, ClusterShape, MemoryKnobs, ModelShape
+from .shapes import GIB, MODES, PLANNED_ATTENTION_BACKENDS, PRECISIONS, ClusterShape, MemoryKnobs, ModelShape
 
 
 class PlanError(RuntimeError):
@@ -126,8 +126,9 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
     cluster.validate()
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {MODES}")
-    if knobs.attention_backend not in BACKENDS:
-        raise ValueError(f"attention_backend={knobs.attention_backend!r} must be one of {BACKENDS}")
+    if knobs.attention_backend not in PLANNED_ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={knobs.attention_backend!r} must be one of "
+                         f"{PLANNED_ATTENTION_BACKENDS}")
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
     if knobs.offload_checkpoints and not knobs.activation_checkpointing and mode == "sft":

@@ -21,7 +21,8 @@ INT64 = 8
 PRECISIONS = {"bf16-mixed": (4, 2), "bf16-true": (2, 2), "32-true": (4, 4), "64-true": (8, 8)}
 # the removed ``memory.dtype`` values and the precision each meant (bfloat16 ran as bf16-true)
 LEGACY_DTYPES = {"float32": "32-true", "bfloat16": "bf16-true", "float64": "64-true"}
-BACKENDS = ("eager", "flash")
+# how the planner assumes attention keeps its activations (MemoryKnobs.attention_backend): eager scores, or flash
+PLANNED_ATTENTION_BACKENDS = ("eager", "flash")
 MODES = ("sft", "longstraw")
 SHARDINGS = ("fsdp", "replicate")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
@@ -405,7 +406,7 @@ class MemoryKnobs:
 
 
 __all__ = [
-    "BACKENDS",
+    "PLANNED_ATTENTION_BACKENDS",
     "GIB",
     "LEGACY_DTYPES",
     "LORA_TARGETS",
