@@ -15,9 +15,11 @@ from .config_moe import MLP_LAYER_TYPES, MLAMoEFields, _positive
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 MLA_ATTENTION = "mla_attention"  # multi-head latent attention (DeepSeek-V3); every layer of an MLA model
-MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
+DSA_ATTENTION = "dsa_attention"  # MLA with DeepSeek sparse attention (GLM-5, DeepSeek-V3.2); every layer of one
+DSA_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", *DSA_MODEL_TYPES)
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5_moe_text", *MLA_MODEL_TYPES)
-LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION)
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION, DSA_ATTENTION)
 
 
 @dataclass
@@ -64,6 +66,12 @@ class DecoderConfig(MLAMoEFields):
             n_group, topk_group, norm_topk_prob: the mixture of experts (:mod:`.moe`; set ``n_routed_experts``),
             as ``deepseek_v3``. ``first_k_dense_replace`` (DeepSeek) or ``mlp_layer_types`` (GLM, ``"dense"`` /
             ``"sparse"`` per layer) say which layers keep the dense MLP (``intermediate_size``).
+        index_topk, index_n_heads, index_head_dim, indexer_types, indexer_rope_interleave: DeepSeek sparse
+            attention (:mod:`.dsa`; set ``index_topk`` on an MLA model): the keys each query attends to, the
+            lightning indexer's heads and width (default 32, 128: GLM-5's), ``"full"`` / ``"shared"`` per layer
+            (IndexShare: a shared layer reuses the last full layer's top-k; default all full), and the indexer's
+            RoPE layout (interleaved: ``glm_moe_dsa``; rotate-half: ``deepseek_v32``). Every layer is then
+            ``"dsa_attention"``.
         shared_expert_intermediate_size: Qwen3.5-MoE's experts instead (``qwen3_5_moe_text``, with the hybrid's
             fields): a softmax router whose top-k is always renormalised and one shared expert of this width
             scaled by ``sigmoid(shared_expert_gate(x))`` (``n_routed_experts`` is transformers' ``num_experts``).
@@ -115,6 +123,11 @@ class DecoderConfig(MLAMoEFields):
     topk_group: int = 1
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int | None = None
+    index_topk: int | None = None
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    indexer_types: list[str] | None = None
+    indexer_rope_interleave: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -123,6 +136,7 @@ class DecoderConfig(MLAMoEFields):
             self.num_key_value_heads = self.num_attention_heads
         _positive("num_key_value_heads", self.num_key_value_heads)
         self._check_mla()
+        self._check_dsa()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -185,8 +199,9 @@ class DecoderConfig(MLAMoEFields):
         return LINEAR_ATTENTION in self.layer_types
 
     def _check_layer_types(self) -> None:
+        latent = DSA_ATTENTION if self.is_dsa else MLA_ATTENTION
         if self.layer_types is None:
-            self.layer_types = [MLA_ATTENTION if self.is_mla else FULL_ATTENTION] * self.num_hidden_layers
+            self.layer_types = [latent if self.is_mla else FULL_ATTENTION] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
@@ -195,9 +210,9 @@ class DecoderConfig(MLAMoEFields):
         for i, kind in enumerate(self.layer_types):
             if kind not in LAYER_TYPES:
                 raise ValueError(f"layer_types[{i}]={kind!r} is unknown; choose from {LAYER_TYPES}")
-            if (kind == MLA_ATTENTION) != self.is_mla:
-                raise ValueError(f"layer_types[{i}]={kind!r}: an MLA model (kv_lora_rank={self.kv_lora_rank}) has "
-                                 f"only {MLA_ATTENTION!r} layers, and only it has them")
+            if (kind in (MLA_ATTENTION, DSA_ATTENTION)) != self.is_mla or (self.is_mla and kind != latent):
+                raise ValueError(f"layer_types[{i}]={kind!r}: an MLA model (kv_lora_rank={self.kv_lora_rank}, "
+                                 f"index_topk={self.index_topk}) has only {latent!r} layers, and only it has them")
         if not self.has_linear_layers:
             return
         defaults = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
@@ -223,6 +238,13 @@ class DecoderConfig(MLAMoEFields):
             return
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type={self.model_type!r} is not one of {MODEL_TYPES}")
+        if self.is_dsa or self.model_type in DSA_MODEL_TYPES:
+            if self.model_type != self.dsa_model_type():
+                raise ValueError(f"model_type={self.model_type!r} does not fit DeepSeek sparse attention fields "
+                                 f"index_topk={self.index_topk}, indexer_rope_interleave="
+                                 f"{self.indexer_rope_interleave}, indexer_types={self.indexer_types} (glm_moe_dsa: "
+                                 "interleaved indexer RoPE; deepseek_v32: rotate-half and every layer 'full')")
+            return
         if self.is_mla or self.model_type in MLA_MODEL_TYPES:
             if not self.is_mla or (self.model_type == "deepseek_v3" and self.dense_prefix() is None):
                 raise ValueError(f"model_type={self.model_type!r} needs MLA and MoE fields (kv_lora_rank="
@@ -254,6 +276,8 @@ class DecoderConfig(MLAMoEFields):
         """The HF ``model_type`` this shape saves as: ``model_type`` if set, else inferred (None: none fits)."""
         if self.model_type is not None:
             return self.model_type
+        if self.is_dsa:
+            return self.dsa_model_type()
         if self.is_mla:
             return "deepseek_v3" if self.dense_prefix() is not None else "glm4_moe_lite"
         if self.moe_style == "deepseek":
@@ -317,5 +341,5 @@ class MemoryConfig:
             )
 
 
-__all__ = ["FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION", "MLA_ATTENTION", "MLA_MODEL_TYPES", "MLP_LAYER_TYPES",
-           "MODEL_TYPES", "DecoderConfig", "MemoryConfig"]
+__all__ = ["DSA_ATTENTION", "DSA_MODEL_TYPES", "FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION", "MLA_ATTENTION",
+           "MLA_MODEL_TYPES", "MLP_LAYER_TYPES", "MODEL_TYPES", "DecoderConfig", "MemoryConfig"]

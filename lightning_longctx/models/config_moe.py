@@ -4,6 +4,8 @@ properties and the checks of those fields (a mixin; the fields themselves are de
 from __future__ import annotations
 
 MLP_LAYER_TYPES = ("dense", "sparse")  # GLM's names: a SwiGLU MLP, or the mixture of experts
+INDEXER_TYPES = ("full", "shared")  # DSA's IndexShare: a layer runs its own indexer, or reuses the last full one's
+_DSA_FIELDS = ("index_n_heads", "index_head_dim", "indexer_types")
 
 
 def _positive(name: str, value, *, allow_none: bool = False) -> None:
@@ -68,6 +70,48 @@ class MLAMoEFields:
                              f"and needs the MoE fields (n_routed_experts={self.n_routed_experts}; "
                              "first_k_dense_replace=num_hidden_layers for dense MLPs only)")
 
+    @property
+    def is_dsa(self) -> bool:
+        """DeepSeek sparse attention in every layer (``index_topk`` set on an MLA model)."""
+        return self.index_topk is not None
+
+    def dsa_model_type(self) -> str | None:
+        """The HF architecture of these DSA fields: ``glm_moe_dsa`` (interleaved indexer RoPE, any IndexShare
+        pattern), ``deepseek_v32`` (rotate-half, every layer's own indexer), None otherwise or without DSA."""
+        if not self.is_dsa:
+            return None
+        if self.indexer_rope_interleave:
+            return "glm_moe_dsa"
+        return "deepseek_v32" if set(self.indexer_types) == {"full"} else None
+
+    def _check_dsa(self) -> None:
+        """DSA's fields (after ``_check_mla``): the indexer's shape and the IndexShare pattern."""
+        if not self.is_dsa:
+            stray = [n for n in _DSA_FIELDS if getattr(self, n) is not None]
+            if stray:
+                raise ValueError(f"{stray} are DeepSeek sparse attention fields: set index_topk as well")
+            return
+        if not self.is_mla or self.q_lora_rank is None:
+            raise ValueError(f"DeepSeek sparse attention (index_topk={self.index_topk}) runs on MLA with a query low "
+                             f"rank (the indexer reads it): kv_lora_rank={self.kv_lora_rank}, q_lora_rank="
+                             f"{self.q_lora_rank} must both be set")
+        if not self.rope_interleave:
+            raise ValueError("DeepSeek sparse attention models rotate MLA's RoPE dims interleaved (transformers "
+                             "hard-codes it for glm_moe_dsa and deepseek_v32): rope_interleave=False is not one")
+        self.index_n_heads = 32 if self.index_n_heads is None else self.index_n_heads  # transformers' GLM-5 values
+        self.index_head_dim = 128 if self.index_head_dim is None else self.index_head_dim
+        for name in ("index_topk", "index_n_heads", "index_head_dim"):
+            _positive(name, getattr(self, name))
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim={self.index_head_dim} must hold the qk_rope_head_dim="
+                             f"{self.qk_rope_head_dim} dims the indexer rotates")
+        layers = self.num_hidden_layers
+        types = list(self.indexer_types) if self.indexer_types is not None else ["full"] * layers
+        if len(types) != layers or set(types) - set(INDEXER_TYPES) or types[:1] != ["full"]:
+            raise ValueError(f"indexer_types={types} must hold {layers} entries among {INDEXER_TYPES}, the first "
+                             "'full' (a shared layer reuses the last full layer below it)")
+        self.indexer_types = types
+
     def _check_moe(self) -> None:
         if not self.has_moe:
             stray = [n for n in ("num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
@@ -124,4 +168,4 @@ class MLAMoEFields:
         return k if types == ["dense"] * k + ["sparse"] * (len(types) - k) else None
 
 
-__all__ = ["MLAMoEFields", "MLP_LAYER_TYPES"]
+__all__ = ["INDEXER_TYPES", "MLAMoEFields", "MLP_LAYER_TYPES"]

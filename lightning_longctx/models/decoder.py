@@ -167,9 +167,13 @@ class DecoderLM(nn.Module):
         return (normed @ self.output_weight.T).to(acc)
 
     # ------------------------------------------------------------------------------------------- forward
-    def _run_layer(self, layer: DecoderLayer, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _run_layer(self, layer: DecoderLayer, hidden: torch.Tensor, position_ids: torch.Tensor,
+                   dsa_indices: dict | None = None) -> torch.Tensor:
+        """One layer, checkpointed with ``activation_checkpointing`` (``dsa_indices``: the forward's DSA top-k
+        selections by layer index, which the recomputation reads again; None without DSA)."""
+        extra = {} if dsa_indices is None else {"dsa_indices": dsa_indices}
         if not (self.memory.activation_checkpointing and torch.is_grad_enabled()):
-            return layer(hidden, position_ids)
+            return layer(hidden, position_ids, **extra)
         offload = self.memory.offload_checkpoints
         # The checkpoint saves only the layer's inputs, through the ambient saved-tensor hooks: save_on_cpu
         # keeps them in (pinned, with CUDA) host memory and brings them back for the recomputation.
@@ -177,7 +181,7 @@ class DecoderLM(nn.Module):
                  else contextlib.nullcontext())
         with hooks:
             return checkpoint(layer, hidden, position_ids, lora_mask=layer.adapter_mask(position_ids),
-                              use_reentrant=False)
+                              use_reentrant=False, **extra)
 
     def forward(
         self,
@@ -222,8 +226,9 @@ class DecoderLM(nn.Module):
         if position_ids is None:
             position_ids = default_position_ids(input_ids, self.sp_group)
         hidden = self.embed(input_ids)
+        dsa_indices = {} if self.config.is_dsa else None  # IndexShare: full layers' top-k for the shared ones
         for layer in self.layers:
-            hidden = self._run_layer(layer, hidden, position_ids)
+            hidden = self._run_layer(layer, hidden, position_ids, dsa_indices)
         hidden = self.final_hidden(hidden)
         if shift_labels is None:
             return DecoderOutput(loss=None, logits=self.lm_head(hidden))

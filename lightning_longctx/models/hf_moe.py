@@ -1,11 +1,18 @@
 """HF checkpoints with mixture-of-experts MLPs both ways, used by :mod:`.hf_io`: the MLA + MoE family
 ``deepseek_v3`` and ``glm4_moe_lite`` (the same attention, router and experts; GLM names its dense/MoE layer
-pattern ``mlp_layer_types`` instead of ``first_k_dense_replace``), and the MoE fields of the Qwen3.5-MoE hybrid
+pattern ``mlp_layer_types`` instead of ``first_k_dense_replace``), its DeepSeek-sparse-attention members
+``glm_moe_dsa`` (GLM-5 / 5.1 / 5.2, IndexShare) and ``deepseek_v32`` (:mod:`.dsa`; the indexer's weights are
+``self_attn.indexer.*``, the same names on both sides), and the MoE fields of the Qwen3.5-MoE hybrid
 ``qwen3_5_moe_text`` (:func:`qwen_moe_fields_from_hf`; the rest of it is the ``qwen3_5_text`` hybrid's).
 
-Refused by name, with the reason: ``glm_moe_dsa`` and ``deepseek_v32`` (DeepSeek sparse attention: an indexer
-picks top-k keys per query), ``deepseek_v2`` (softmax router with greedy / group-limited top-k), FP8 or other
+Refused by name, with the reason: ``deepseek_v2`` (softmax router with greedy / group-limited top-k), FP8 or other
 quantized checkpoints (``quantization_config``), and routers other than sigmoid + ``noaux_tc``.
+
+IndexShare (``glm_moe_dsa``): ``indexer_types`` when the file has it, else transformers' derivation from
+``index_topk_pattern`` (``"FSSF..."``) or ``index_topk_freq`` / ``index_skip_topk_offset`` (layer ``i`` is full iff
+``max(i - offset + 1, 0) % freq == 0``; defaults 1 and 2: every layer full); written back as ``indexer_types``
+(transformers stores no freq / offset). The indexer's RoPE layout follows the model type (transformers ignores
+any ``indexer_rope_interleave`` key).
 
 Experts on disk are one module per expert (``mlp.experts.{j}.gate_proj.weight [I, E]``, ``up_proj``,
 ``down_proj [E, I]``), as DeepSeek ships them and transformers writes them back; in the model they are two 3-D
@@ -19,18 +26,15 @@ import re
 
 import torch
 
-from .config import MLA_MODEL_TYPES
+from .config import DSA_MODEL_TYPES, MLA_MODEL_TYPES
 from .rope import rope_fields_from_hf, rope_fields_to_hf
 
 REFUSED = {
-    "glm_moe_dsa": "its attention is DeepSeek sparse attention (a no-grad indexer of index_n_heads={index_n_heads} "
-                   "heads picks index_topk={index_topk} keys per query), which DecoderLM does not implement",
-    "deepseek_v32": "its attention is DeepSeek sparse attention (an indexer picks index_topk={index_topk} keys per "
-                    "query), which DecoderLM does not implement",
     "deepseek_v2": "its router is a softmax with greedy / group-limited top-k (topk_method={topk_method}), not "
                    "DeepSeek-V3's sigmoid router with e_score_correction_bias",
 }
-ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
+ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+                 "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 # transformers' class defaults (DeepseekV3Config / Glm4MoeLiteConfig), applied where config.json omits a field
 _DEFAULTS = {
     "deepseek_v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -45,7 +49,22 @@ _DEFAULTS = {
                           v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=4,
                           norm_topk_prob=True, max_position_embeddings=202752, rms_norm_eps=1e-5, bos_token_id=0,
                           eos_token_id=1, rope_interleave=True),
+    "glm_moe_dsa": dict(vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+                        num_hidden_layers=78, num_attention_heads=64, n_shared_experts=1, n_routed_experts=256,
+                        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64,
+                        v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=8,
+                        first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=202752,
+                        rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, rope_interleave=True, index_topk=2048,
+                        index_head_dim=128, index_n_heads=32),
+    "deepseek_v32": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                         num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
+                         routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                         v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+                         first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840,
+                         rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, rope_interleave=True, index_topk=2048,
+                         index_head_dim=128, index_n_heads=64),
 }
+_DSA_COPIED = ("index_topk", "index_head_dim", "index_n_heads")
 _COPIED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
            "num_attention_heads", "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "kv_lora_rank",
            "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group",
@@ -59,7 +78,7 @@ def refusal(hf: dict) -> str | None:
     """Why a checkpoint of this family cannot load (None: it can)."""
     model_type = hf.get("model_type")
     if model_type in REFUSED:
-        fields = {k: hf.get(k) for k in ("index_n_heads", "index_topk", "topk_method")}
+        fields = {k: hf.get(k) for k in ("topk_method",)}
         return REFUSED[model_type].format_map(fields)
     if model_type not in MLA_MODEL_TYPES:
         return None
@@ -94,9 +113,14 @@ def config_fields_from_hf(hf: dict) -> dict:
     fields = {name: hf[name] for name in _COPIED if name in hf}
     rope = rope_fields_from_hf(hf, model_type)
     heads = hf["num_attention_heads"]
+    layers = hf["num_hidden_layers"]
     if model_type == "glm4_moe_lite":
-        layers = hf["num_hidden_layers"]
         fields["mlp_layer_types"] = list(hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1))
+    elif model_type in DSA_MODEL_TYPES:
+        dense = min(hf["first_k_dense_replace"], layers)
+        fields["mlp_layer_types"] = list(hf.get("mlp_layer_types") or ["dense"] * dense + ["sparse"] * (layers - dense))
+        fields.update({name: hf[name] for name in _DSA_COPIED}, indexer_types=indexer_types_from_hf(hf),
+                      indexer_rope_interleave=model_type == "glm_moe_dsa")
     else:
         fields["first_k_dense_replace"] = hf["first_k_dense_replace"]
     return dict(fields, **rope, num_key_value_heads=hf.get("num_key_value_heads") or heads,
@@ -105,8 +129,23 @@ def config_fields_from_hf(hf: dict) -> dict:
                 initializer_range=hf.get("initializer_range", 0.02), model_type=model_type)
 
 
+def indexer_types_from_hf(hf: dict) -> list[str]:
+    """A ``glm_moe_dsa`` / ``deepseek_v32`` config's per-layer indexer modes, as transformers derives them."""
+    layers = hf["num_hidden_layers"]
+    if hf["model_type"] == "deepseek_v32":
+        return ["full"] * layers  # every DeepSeek-V3.2 layer runs its own indexer
+    if hf.get("indexer_types") is not None:
+        return list(hf["indexer_types"])
+    pattern = hf.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+
+
 def config_to_hf(config, dtype: torch.dtype) -> dict:
-    """The ``config.json`` dict transformers' ``DeepseekV3ForCausalLM`` / ``Glm4MoeLiteForCausalLM`` reads back."""
+    """The ``config.json`` dict transformers' ``DeepseekV3ForCausalLM`` / ``Glm4MoeLiteForCausalLM`` /
+    ``GlmMoeDsaForCausalLM`` / ``DeepseekV32ForCausalLM`` reads back."""
     model_type = config.shape_model_type()
     hf = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
           **{name: getattr(config, name) for name in _COPIED},
@@ -118,6 +157,11 @@ def config_to_hf(config, dtype: torch.dtype) -> dict:
           "dtype": str(dtype).removeprefix("torch."), "torch_dtype": str(dtype).removeprefix("torch.")}
     if model_type == "glm4_moe_lite":
         hf["mlp_layer_types"] = list(config.mlp_layer_types)
+    elif model_type in DSA_MODEL_TYPES:
+        hf.update({name: getattr(config, name) for name in _DSA_COPIED}, mlp_layer_types=list(config.mlp_layer_types),
+                  first_k_dense_replace=config.mlp_layer_types.count("dense"), num_nextn_predict_layers=0)
+        if model_type == "glm_moe_dsa":
+            hf["indexer_types"] = list(config.indexer_types)
     else:
         hf.update(first_k_dense_replace=config.dense_prefix(), num_nextn_predict_layers=0)
     return hf
@@ -202,5 +246,6 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["ARCHITECTURES", "QWEN3_5_MOE_DEFAULTS", "REFUSED", "config_fields_from_hf", "config_to_hf",
+           "indexer_types_from_hf",
            "merge_experts", "qwen_moe_fields_from_hf", "qwen_moe_fields_to_hf", "refusal", "skipped_key",
            "split_experts"]

@@ -1,9 +1,10 @@
 """One decoder layer: the pre-norm block around a token mixer and an MLP (:class:`DecoderLayer`), and the SwiGLU
 MLP (:class:`DecoderMLP`).
 
-The mixer is the layer type's: full attention (:mod:`.attention`), Gated DeltaNet (:mod:`.gated_deltanet`) or
-multi-head latent attention (:mod:`.mla`); the MLP is dense or, in an MoE model's ``"sparse"`` layers, the mixture
-of experts (:mod:`.moe`). Names follow transformers (``self_attn`` / ``linear_attn``, ``mlp``, the two norms).
+The mixer is the layer type's: full attention (:mod:`.attention`), Gated DeltaNet (:mod:`.gated_deltanet`),
+multi-head latent attention (:mod:`.mla`) or MLA with DeepSeek sparse attention (:mod:`.dsa`); the MLP is dense
+or, in an MoE model's ``"sparse"`` layers, the mixture of experts (:mod:`.moe`). Names follow transformers
+(``self_attn`` / ``linear_attn``, ``mlp``, the two norms).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from torch.nn import functional as F
 
 from ..ops.mlp import tiled_mlp
 from .attention import DecoderAttention
-from .config import FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION, DecoderConfig, MemoryConfig
+from .config import DSA_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION, DecoderConfig, MemoryConfig
+from .dsa import DSAttention
 from .gated_deltanet import GatedDeltaNet
 from .lora import masked_linear
 from .mla import MLAttention
@@ -42,9 +44,10 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: ``h + mixer(norm(h))``, then ``h + mlp(norm(h))``.
 
     The mixer is the layer type's: ``self_attn`` (:class:`DecoderAttention`, ``"full_attention"``; an
-    :class:`~.mla.MLAttention`, ``"mla_attention"``) or ``linear_attn`` (:class:`GatedDeltaNet`,
-    ``"linear_attention"``), named as in transformers. ``mlp``: a :class:`DecoderMLP`, or the
-    :class:`~.moe.MoE` in an MoE model's ``"sparse"`` layers (``layer_index`` says which layer this is).
+    :class:`~.mla.MLAttention`, ``"mla_attention"``; a :class:`~.dsa.DSAttention`, ``"dsa_attention"``) or
+    ``linear_attn`` (:class:`GatedDeltaNet`, ``"linear_attention"``), named as in transformers. ``mlp``: a
+    :class:`DecoderMLP`, or the :class:`~.moe.MoE` in an MoE model's ``"sparse"`` layers (``layer_index`` says
+    which layer this is).
 
     ``adapter_start``: with prefix-frozen LoRA adapters, the first global position they act on (None: all;
     set by :func:`.lora.adapters_from_position`); :meth:`adapter_mask` turns ``position_ids`` into the mask.
@@ -60,6 +63,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, memory.head_chunk_size)
         elif layer_type == MLA_ATTENTION:
             self.self_attn = MLAttention(config, memory.head_chunk_size)
+        elif layer_type == DSA_ATTENTION:
+            self.self_attn = DSAttention(config, layer_index, memory.head_chunk_size)
         else:
             self.self_attn = DecoderAttention(config, memory.head_chunk_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero)
@@ -77,7 +82,8 @@ class DecoderLayer(nn.Module):
         return None if self.adapter_start is None else position_ids >= self.adapter_start
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, prefix_state=None,
-                return_state: bool = False, state_every: int | None = None, lora_mask: torch.Tensor | None = None):
+                return_state: bool = False, state_every: int | None = None, lora_mask: torch.Tensor | None = None,
+                dsa_indices: dict | None = None):
         """``hidden [b, s_l, E]`` at global ``position_ids [b, s_l]`` -> ``[b, s_l, E]``.
 
         Prompt state (LongStraw, generation): with ``prefix_state`` the tokens continue earlier ones, with
@@ -88,6 +94,8 @@ class DecoderLayer(nn.Module):
         and the conv tail; ``state_every=N`` adds graph-free states every N tokens, see :mod:`.gated_deltanet`).
         ``lora_mask``: ``[b, s_l]`` bool, the tokens LoRA adapters act on; default :meth:`adapter_mask`
         (activation checkpointing passes it, so the recomputation does not read ``adapter_start`` again).
+        ``dsa_indices``: DSA layers only, this forward's top-k selections by layer index (IndexShare, see
+        :mod:`.dsa`).
         """
         lora_mask = self.adapter_mask(position_ids) if lora_mask is None else lora_mask
         normed = self.input_layernorm(hidden)
@@ -97,6 +105,9 @@ class DecoderLayer(nn.Module):
         elif self.layer_type == MLA_ATTENTION:
             mixed = self.self_attn(normed, position_ids, prefix_state=prefix_state, return_state=return_state,
                                    lora_mask=lora_mask)
+        elif self.layer_type == DSA_ATTENTION:
+            mixed = self.self_attn(normed, position_ids, prefix_state=prefix_state, return_state=return_state,
+                                   lora_mask=lora_mask, dsa_indices=dsa_indices)
         else:
             mixed = self.self_attn(normed, position_ids, prefix_kv=prefix_state, return_kv=return_state,
                                    lora_mask=lora_mask)
@@ -126,7 +137,7 @@ class DecoderLayer(nn.Module):
         normed = self.input_layernorm(hidden)
         if self.layer_type == LINEAR_ATTENTION:
             return self.linear_attn.core(normed, return_state=True, state_every=state_every)[1]
-        if self.layer_type == MLA_ATTENTION:
+        if self.layer_type in (MLA_ATTENTION, DSA_ATTENTION):  # (DSA: refused, no prompt state yet)
             return self.self_attn.prompt_state(normed, position_ids, self.adapter_mask(position_ids))
         return self.self_attn.key_values(normed, position_ids, lora_mask=self.adapter_mask(position_ids))
 
@@ -142,6 +153,9 @@ class DecoderLayer(nn.Module):
         from .decode import attention_decode, linear_decode
         from .mla_decode import mla_decode
 
+        if self.layer_type == DSA_ATTENTION:
+            raise NotImplementedError("decoding a DSA layer (sparse attention over a prompt state) is not "
+                                      "implemented yet")
         normed = self.input_layernorm(hidden)
         if self.layer_type == LINEAR_ATTENTION:
             mixed = linear_decode(self.linear_attn, normed, cache)

@@ -1,0 +1,124 @@
+"""DeepSeek sparse attention's two kernels on CPU/GPU tensors: the lightning indexer's streaming top-k and the
+attention of each query over its selected keys only (absorbed MLA form, one latent key/value head).
+
+Dimension legend: ``b`` batch, ``s`` queries (this rank's), ``T`` keys (the whole, gathered sequence), ``H_I``
+index heads, ``D_I`` index head width, ``H`` attention heads, ``w`` latent width (``R + r``), ``R`` the latent's
+value part (``kv_lora_rank``), ``k`` the selected keys per query (``min(index_topk, T)``).
+
+Causality is by index in the gathered sequence: key ``j`` is visible to a query at index ``i`` iff ``j <= i``
+(``query_index [s]`` gives each query's ``i``; keys are all ranks' tokens in rank order, so the index is the
+global position).
+
+Streaming top-k (:func:`streaming_topk`): the index score ``I[i, j] = sum_h w[i, h] ReLU(scale q[i, h] . k[j])``
+(transformers' ``GlmMoeDsaIndexer`` / ``DeepseekV32Indexer``, float32) is computed one ``[query block, key block]``
+tile at a time and merged into a running top-k per query, so no ``[s, T]`` score tensor ever exists: the largest
+transient is ``[b, query_block, H_I, key_block]`` floats. Key blocks wholly after a query block are skipped. Ties
+are deterministic: score descending, then the lowest key index (transformers' ``torch.topk`` leaves ties
+unspecified; with random weights they do not occur at the boundary, see tests/test_dsa.py). A query that sees
+fewer than ``k`` keys selects all of them and pads with ``-1`` (transformers selects masked keys there, which its
+causal mask then removes: the same attention).
+
+Sparse attention (:func:`sparse_latent_attention`): per query block, the selected latent rows
+``[b, query_block, k, w]`` are gathered and attended (softmax over at most ``k`` keys, in at least float32);
+under autograd each block runs under a non-reentrant checkpoint, so between forward and backward only the inputs
+are kept (the gathered rows are re-gathered in backward), and the latent's gradient is the scatter-add of the
+selected rows' gradients (autograd through the gather).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+NO_KEY = -1  # the index of a padding slot (a query that sees fewer than k keys)
+
+
+def _merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best ``k`` of candidates ``vals, ids [..., m]`` whose ids ascend along the last dim: score descending,
+    ties to the lowest id (a stable sort keeps the ascending order among equal scores), returned with ids
+    ascending again (so the next merge's candidates ascend too)."""
+    if vals.shape[-1] > k:
+        order = torch.sort(vals, dim=-1, descending=True, stable=True).indices[..., :k]
+        ids = ids.gather(-1, order)
+        ids, by_id = torch.sort(ids, dim=-1)
+        vals = vals.gather(-1, order).gather(-1, by_id)
+    return vals, ids
+
+
+@torch.no_grad()
+def streaming_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_index: torch.Tensor,
+                   topk: int, scale: float, *, query_block: int = 256, key_block: int = 2048) -> torch.Tensor:
+    """The ``k = min(topk, T)`` keys of highest index score per query: ``[b, s, k]`` int32, ascending, ``-1``
+    padding where a query sees fewer than ``k`` keys.
+
+    Args:
+        q: index queries ``[b, s, H_I, D_I]`` (roped), float32.
+        weights: per-head weights ``[b, s, H_I]`` (``weights_proj(h) H_I^-0.5``), float32.
+        keys: index keys ``[b, T, D_I]`` (normed, roped) of the whole sequence, float32.
+        query_index: ``[s]`` each query's index among the keys (causal: key ``j <= i``).
+        topk: ``index_topk``; scale: ``D_I^-0.5`` (inside the ReLU, as transformers).
+        query_block, key_block: tile sizes (memory only; the result does not depend on them).
+    """
+    b, s, _, _ = q.shape
+    t = keys.shape[1]
+    k = min(topk, t)
+    out = torch.empty(b, s, k, dtype=torch.int32, device=q.device)
+    key_pos = torch.arange(t, device=q.device)
+    for q0 in range(0, s, query_block):
+        q1 = min(q0 + query_block, s)
+        qi = query_index[q0:q1]
+        last = int(qi.max())
+        vals = q.new_empty(b, q1 - q0, 0)
+        ids = torch.empty(b, q1 - q0, 0, dtype=torch.long, device=q.device)
+        for k0 in range(0, min(last + 1, t), key_block):  # blocks after the block's last query: nothing visible
+            k1 = min(k0 + key_block, t)
+            scores = torch.matmul(q[:, q0:q1], keys[:, None, k0:k1].transpose(-1, -2)) * scale  # [b, q, H_I, kb]
+            index = torch.matmul(weights[:, q0:q1, None, :], scores.relu_()).squeeze(-2)  # [b, q, kb]
+            del scores
+            visible = key_pos[None, k0:k1] <= qi[:, None]  # [q, kb]
+            index.masked_fill_(~visible, float("-inf"))
+            block_ids = key_pos[k0:k1].expand(b, q1 - q0, k1 - k0)
+            vals, ids = _merge_topk(torch.cat((vals, index), -1), torch.cat((ids, block_ids), -1), k)
+        ids = ids.masked_fill(vals == float("-inf"), NO_KEY)
+        if ids.shape[-1] < k:  # fewer keys processed than k (the first queries): pad
+            ids = torch.cat((ids, ids.new_full((b, q1 - q0, k - ids.shape[-1]), NO_KEY)), -1)
+        out[:, q0:q1] = ids.to(torch.int32)
+    return out
+
+
+def _attend_block(q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float,
+                  value_width: int) -> torch.Tensor:
+    """One query block: ``q [b, c, H, w]`` over its selected rows of ``latent [b, T, w]`` (``indices [b, c, k]``,
+    ``-1``: none) -> ``[b, c, H, R]``."""
+    idx = indices.long()
+    valid = idx >= 0
+    rows = latent[torch.arange(latent.shape[0], device=latent.device)[:, None, None], idx.clamp(min=0)]  # [b,c,k,w]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("bchw,bckw->bchk", q, rows).to(acc) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.einsum("bchk,bckr->bchr", probs, rows[..., :value_width])
+
+
+def sparse_latent_attention(q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float,
+                            value_width: int, *, query_block: int = 256) -> torch.Tensor:
+    """Each query over its selected keys only: ``q [b, s, H, w]`` (absorbed: ``[q_nope W_UK | rope(q_rot)]``),
+    ``latent [b, T, w]`` (``[c_kv | rope(k_rot)]``, the one key head; its first ``value_width`` dims are the
+    value), ``indices [b, s, k]`` (:func:`streaming_topk`'s) -> ``sum_j p_j c_kv_j`` ``[b, s, H, R]``.
+
+    Differentiable in ``q`` and ``latent``; each query block is checkpointed under autograd (module docstring).
+    """
+    if q.shape[0] != latent.shape[0] or indices.shape[:2] != q.shape[:2] or q.shape[-1] != latent.shape[-1]:
+        raise ValueError(f"sparse attention: q {tuple(q.shape)}, latent {tuple(latent.shape)} and indices "
+                         f"{tuple(indices.shape)} must agree on batch, queries and width")
+    outs = []
+    for q0 in range(0, q.shape[1], query_block):
+        args = (q[:, q0:q0 + query_block], latent, indices[:, q0:q0 + query_block], scale, value_width)
+        if torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad):
+            outs.append(checkpoint(_attend_block, *args, use_reentrant=False))
+        else:
+            outs.append(_attend_block(*args))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+__all__ = ["NO_KEY", "sparse_latent_attention", "streaming_topk"]
