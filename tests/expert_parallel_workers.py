@@ -98,3 +98,48 @@ def check_all(rank, world):
         _check_model(rank, world, group, config, memory, skew)
     _check_decode(rank, world, group)
     return True
+
+
+# ------------------------------------------------------------------ Trainer(strategy=UlyssesStrategy(expert_parallel))
+def _moe_sft_config():
+    """The MLA + MoE shape on the strategy tests' data (vocab 32 tokens of it are used)."""
+    return mla_config()
+
+
+def trainer_checks(rank, world, ckpt_dir):
+    """Three SGD-with-momentum steps under ``UlyssesStrategy(expert_parallel=True)`` (FSDP2: the experts
+    DTensors over sp, FSDP-sharded over dp) == one process (float64): step-1 gradients and the parameters after
+    3 steps, the experts compared whole (``full_tensor``); world 2 = dp1 x sp2, world 4 = dp2 x sp2 (the experts'
+    gradients summed over the dp replicas). World 2 also saves at step 2 and resumes: bitwise the uninterrupted
+    run (the distributed checkpoint's experts are DTensors at their global index, so ranks never overwrite each
+    other's experts under the same key)."""
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_longctx.training import UlyssesStrategy
+    from strategy_workers import bitwise_equal, fit, max_error, reference_run
+
+    class Layout(L.Callback):  # what the strategy made of the experts: the local slice of a 2-D DTensor
+        seen = None
+
+        def on_train_start(self, trainer, pl_module):
+            experts = [m for m in pl_module.modules() if isinstance(m, Experts)]
+            self.seen = [(type(m.gate_up_proj).__name__, tuple(m.local_weights()[0].shape), m.first_expert,
+                          tuple(m.gate_up_proj.device_mesh.mesh_dim_names)) for m in experts]
+
+    cfg = _moe_sft_config()
+    dp, batch = (1, 4) if world == 2 else (2, 2)
+    grads0, loss0, final = reference_run([(dp, batch)] * 3, shuffle=True, cfg=cfg, dtype=torch.float64)
+    out = {}
+    saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    layout = Layout()
+    callbacks = [layout, saver] if world == 2 else [layout]
+    params, probe = fit(UlyssesStrategy(sp_size=2, expert_parallel=True), world, batch, cfg=cfg,
+                        dtype=torch.float64, callbacks=callbacks)
+    out["fit"] = (max_error(probe.grads, grads0), max_error(params, final), abs(probe.loss - loss0))
+    out["layout"] = layout.seen
+    if world == 2:
+        resumed, _ = fit(UlyssesStrategy(sp_size=2, expert_parallel=True), world, batch, cfg=cfg,
+                         dtype=torch.float64, ckpt_path=f"{ckpt_dir}/step=2.ckpt")
+        out["resume_bitwise"] = bitwise_equal(resumed, params)
+    return out

@@ -43,3 +43,21 @@ def test_one_rank_expert_parallel_is_the_plain_module():
     before = experts.gate_up_proj
     experts.shard_experts(None)
     assert experts.gate_up_proj is before and experts.expert_group is None and torch.is_tensor(before)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: ~2 min on 2 cores
+def test_two_optimizer_steps_under_the_strategy_equal_one_process(world, tmp_path):
+    """``Trainer(strategy=UlyssesStrategy(sp_size=2, expert_parallel=True))`` with FSDP2 (dp1 x sp2 and dp2 x
+    sp2), float64: step-1 gradients, parameters after 3 steps, and (2 ranks) resume at step 2 bitwise."""
+    from expert_parallel_workers import trainer_checks
+    from strategy_workers import run_ranks
+
+    out = run_ranks(trainer_checks, world, str(tmp_path))[0]
+    for label, err in zip(("step-1 grads", "params after 3 steps", "step-1 loss"), out["fit"]):
+        assert err < 1e-10, f"world={world} EP under the strategy: {label} differ by {err:.3e}"
+    # rank 0's view at rest: experts 0..3 of 8 (its EP slice), FSDP-sharded over dp (dp2: 2 of the 4 rows),
+    # on the ("dp", "sp") mesh
+    rows = 4 // (world // 2)
+    assert out["layout"] == [("DTensor", (rows, 32, 32), 0, ("dp", "sp"))] * 2, out["layout"]
+    if world == 2:
+        assert out["resume_bitwise"]

@@ -282,11 +282,12 @@ class Experts(nn.Module):
         self.backend = "auto"
         self.expert_group: dist.ProcessGroup | None = None
         self.first_expert = 0  # global id of local expert 0
+        self.experts_per_rank = x  # X / P once sharded
 
     @property
     def local_experts(self) -> range:
         """The global ids of the experts this rank holds."""
-        return range(self.first_expert, self.first_expert + self.gate_up_proj.shape[0])
+        return range(self.first_expert, self.first_expert + self.experts_per_rank)
 
     def shard_experts(self, group: dist.ProcessGroup | None) -> None:
         """Keep only this rank's contiguous slice of the routed experts (expert parallelism over ``group``, the
@@ -306,7 +307,7 @@ class Experts(nn.Module):
             full = getattr(self, name)
             local = nn.Parameter(full.detach()[start:start + per_rank].clone(), requires_grad=full.requires_grad)
             setattr(self, name, local)
-        self.expert_group, self.first_expert = group, start
+        self.expert_group, self.first_expert, self.experts_per_rank = group, start, per_rank
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate_up_proj, std=self.std)
@@ -376,23 +377,33 @@ class Experts(nn.Module):
         dist.all_reduce(out, group=self.expert_group)
         return out
 
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up_proj, down_proj)`` as this rank's experts: the local slice where the strategy made them
+        DTensors sharded over the EP group (:func:`lightning_longctx.training.parallelize.shard_experts_2d`)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if hasattr(gate_up, "to_local"):  # a DTensor (torch.distributed.tensor): differentiable to_local
+            gate_up, down = gate_up.to_local(), down.to_local()
+        return gate_up, down
+
     def _grouped(self, x_rows: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Two ``torch._grouped_mm`` over the padded groups: ``x_rows [M, E]`` -> ``[M, E]`` (rows past the last
         group are left unwritten by the CUDA kernel; nothing reads them)."""
         offsets = ends.to(torch.int32)
-        gate_up = torch._grouped_mm(x_rows, self.gate_up_proj.to(dtype).transpose(1, 2), offs=offsets)  # [M, 2I]
+        gate_up_proj, down_proj = self.local_weights()
+        gate_up = torch._grouped_mm(x_rows, gate_up_proj.to(dtype).transpose(1, 2), offs=offsets)  # [M, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
-        return torch._grouped_mm((F.silu(gate) * up).contiguous(), self.down_proj.to(dtype).transpose(1, 2),
+        return torch._grouped_mm((F.silu(gate) * up).contiguous(), down_proj.to(dtype).transpose(1, 2),
                                  offs=offsets)
 
     def _loop(self, x_rows: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """One matmul pair per expert that has tokens, over its rows of ``x_rows [N k, E]`` -> ``[N k, E]``. Reads
         the group ends on the host: one sync per call on CUDA (none on the CPU)."""
         pieces, start = [], 0
+        gate_up_proj, down_proj = self.local_weights()
         for expert, end in enumerate(ends.tolist()):
             if end > start:
-                gate, up = F.linear(x_rows[start:end], self.gate_up_proj[expert].to(dtype)).chunk(2, dim=-1)
-                pieces.append(F.linear(F.silu(gate) * up, self.down_proj[expert].to(dtype)))
+                gate, up = F.linear(x_rows[start:end], gate_up_proj[expert].to(dtype)).chunk(2, dim=-1)
+                pieces.append(F.linear(F.silu(gate) * up, down_proj[expert].to(dtype)))
             start = end
         return torch.cat(pieces) if pieces else x_rows
 

@@ -73,7 +73,8 @@ class UlyssesMixin:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(sp_size={self._requested_sp_size}, head_chunk_size={self.head_chunk_size}, "
-                f"sharding={self.sharding!r}) {self._namespace_hint}")
+                f"sharding={self.sharding!r}, expert_parallel={getattr(self, 'expert_parallel', False)}) "
+                f"{self._namespace_hint}")
 
     # ------------------------------------------------------------------------------------------------ layout
     def _resolve_layout(self) -> tuple[int, int]:
@@ -146,7 +147,8 @@ class UlyssesMixin:
         precision = getattr(plugin, "precision", None)
         return parallelize(module, roots, sp_group=self._sp_group, sp_size=sp, sharding=self.sharding,
                            head_chunk_size=self.head_chunk_size, device_type=self.root_device.type,
-                           precision=precision)
+                           precision=precision,
+                           expert_mesh=self._device_mesh if getattr(self, "expert_parallel", False) else None)
 
     def _sync_replicas(self, module: nn.Module) -> None:
         if self.sharding == "replicate":

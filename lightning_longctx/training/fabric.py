@@ -37,7 +37,8 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
     """Ulysses sequence parallelism x data parallelism for ``lightning.fabric.Fabric``.
 
     Args: as :class:`lightning_longctx.training.UlyssesStrategy` (``sp_size``, ``head_chunk_size``,
-    ``sharding``, ``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``, ``on_nonfinite``).
+    ``sharding``, ``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``, ``on_nonfinite``,
+    ``expert_parallel``).
     """
 
     _namespace_hint = "[a lightning.fabric strategy: use lightning.fabric.Fabric, not lightning_fabric.Fabric]"
@@ -51,8 +52,10 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         on_nonfinite: str | None = "raise",
+        expert_parallel: bool = False,
     ) -> None:
         self.nonfinite = NonfiniteGuard(on_nonfinite) if on_nonfinite is not None else None
+        self.expert_parallel = expert_parallel
         self._guarded_module: nn.Module | None = None
         self._optimizer_steps = 0  # optimizer.step() calls so far, skipped ones included (the error names it)
         super().__init__(

@@ -6,7 +6,13 @@ Order (:func:`parallelize`), everything checked before the first collective:
 2. :func:`wire_sequence_parallel`: transformers models get :func:`lightning_longctx.integrations.hf.
    install_ulysses`; every module declaring ``sp_group`` (``DecoderLM``, its attention, installed HF
    attention) gets the SP group, and ``head_chunk_size`` when one is given.
-3. :func:`shard_modules`: FSDP2 ``fully_shard`` on each block (the elements of the outermost
+3. With expert parallelism (``expert_mesh``, the strategy's ``("dp", "sp")`` mesh):
+   :func:`~lightning_longctx.models.moe.enable_expert_parallel` keeps each SP rank's slice of every MoE
+   layer's routed experts, and :func:`shard_experts_2d` makes them DTensors ``Shard(0)`` over ``sp`` and
+   ``fully_shard`` s them over ``dp`` first (torchtitan's order), so the block's FSDP2 leaves them alone: their
+   gradients are summed over the dp replicas only (the EP exchange already summed the SP ranks' tokens), and a
+   distributed checkpoint holds each expert once, at its global index (resumable on another layout).
+4. :func:`shard_modules`: FSDP2 ``fully_shard`` on each block (the elements of the outermost
    ``nn.ModuleList`` s) and then on each root, over all ``dp * sp`` ranks:
    ``"fsdp"`` shards parameters, gradients and optimizer state (ZeRO-3); ``"replicate"`` keeps full replicas
    (an HSDP mesh ``(dp * sp, 1)``) and all-reduces gradients.
@@ -27,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..models.gated_deltanet import GatedDeltaNet, check_linear_layout
+from ..models.moe import Experts, enable_expert_parallel
 from ..parallel import broadcast_coalesced, set_sequence_parallel_group
 from ..parallel.ulysses import _validate_local
 
@@ -166,15 +173,38 @@ def mixed_precision_policy(precision: str | None):
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
 
+def shard_experts_2d(block: nn.Module, expert_mesh: DeviceMesh, *, reshard_after_forward: bool, mp_policy) -> int:
+    """The expert-parallel :class:`~lightning_longctx.models.moe.Experts` of ``block``: their local slices
+    become DTensors ``Shard(0)`` over ``expert_mesh["sp"]`` (global shape ``[X, ...]``; the forward computes on
+    the local slice), then FSDP2 over ``expert_mesh["dp"]``. Returns how many were wrapped."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    count = 0
+    for sub in block.modules():
+        if isinstance(sub, Experts) and sub.expert_group is not None:
+            for name in ("gate_up_proj", "down_proj"):
+                local = getattr(sub, name)
+                dtensor = DTensor.from_local(local.detach(), expert_mesh["sp"], [Shard(0)], run_check=False)
+                setattr(sub, name, nn.Parameter(dtensor, requires_grad=local.requires_grad))
+            fully_shard(sub, mesh=expert_mesh["dp"], reshard_after_forward=reshard_after_forward,
+                        mp_policy=mp_policy)
+            count += 1
+    return count
+
+
 def shard_modules(module: nn.Module, roots: list[nn.Module], *, sharding: str, mesh: DeviceMesh,
-                  mp_policy) -> None:
-    """FSDP2 (with ``mp_policy``) on every block of every root, then on each root; gradients become the sum
-    over all ranks."""
+                  mp_policy, expert_mesh: DeviceMesh | None = None) -> None:
+    """FSDP2 (with ``mp_policy``) on every block of every root (expert-parallel experts first, over
+    ``expert_mesh["dp"]``: :func:`shard_experts_2d`), then on each root; gradients become the sum over all
+    ranks (the experts': over the dp replicas)."""
     from torch.distributed.fsdp import fully_shard
 
     sharded = sharding == "fsdp"  # replicas have nothing to free after forward
     for root in roots:
         for block in blocks(root):
+            if expert_mesh is not None:
+                shard_experts_2d(block, expert_mesh, reshard_after_forward=sharded, mp_policy=mp_policy)
             fully_shard(block, mesh=mesh, reshard_after_forward=sharded, mp_policy=mp_policy)
         # None: FSDP's root default
         fully_shard(root, mesh=mesh, reshard_after_forward=None if sharded else False, mp_policy=mp_policy)
@@ -243,10 +273,12 @@ def parallelize(
     head_chunk_size: int | None,
     device_type: str,
     precision: str | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Steps 1-3 of the module docstring on ``module``, sharding ``roots`` (submodules of ``module`` whose
     ``forward`` runs; ``module`` itself when it is called). ``precision`` (Lightning's string) selects FSDP2's
-    mixed-precision policy (:func:`mixed_precision_policy`). A module parallelized before (e.g. by an earlier
+    mixed-precision policy (:func:`mixed_precision_policy`); ``expert_mesh`` (the ``("dp", "sp")`` mesh) turns on
+    expert parallelism over its ``sp`` dimension (step 3). A module parallelized before (e.g. by an earlier
     ``fit``) is only re-wired to the current group and gradient reduction."""
     check_attention_heads(module, sp_size, head_chunk_size)
     wire_sequence_parallel(module, sp_group if sp_size > 1 else None, sp_size, head_chunk_size)
@@ -259,7 +291,10 @@ def parallelize(
             "itself (sharding='fsdp' or 'replicate'); build the model in configure_model() without calling "
             "fully_shard"
         )
+    if expert_mesh is not None and sp_size > 1:
+        enable_expert_parallel(module, sp_group)
     shard_modules(module, roots, sharding=sharding, mesh=fsdp_mesh(sharding, device_type),
-                  mp_policy=mixed_precision_policy(precision))
+                  mp_policy=mixed_precision_policy(precision),
+                  expert_mesh=expert_mesh if sp_size > 1 else None)
     module._longctx_parallelized = (sharding, str(precision))
     return module

@@ -72,6 +72,10 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         sharding: ``"fsdp"`` (FSDP2 ZeRO-3 over all ``dp x sp`` ranks: parameters, gradients and optimizer
             state sharded; needed for 8B+ models at long context) or ``"replicate"`` (full replicas,
             gradients all-reduced).
+        expert_parallel: shard every MoE layer's routed experts over the SP group (expert parallelism: rank
+            ``p`` keeps experts ``[p X / sp, (p + 1) X / sp)``, tokens travel to their experts by all-to-all; the
+            experts are FSDP-sharded over the dp replicas only). ``n_routed_experts`` must divide by ``sp_size``.
+            The app's ``memory.expert_parallel=auto`` turns it on where the plan is better with it.
         save_distributed_checkpoint, process_group_backend: as in ``ModelParallelStrategy``.
         timeout: every collective's limit (default process group and the mesh's subgroups); a collective that
             times out (or whose peer died) raises ``CollectiveError`` naming it and the phase.
@@ -92,8 +96,10 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         on_nonfinite: str | None = "raise",
+        expert_parallel: bool = False,
     ) -> None:
         self.nonfinite = NonfiniteGuard(on_nonfinite) if on_nonfinite is not None else None
+        self.expert_parallel = expert_parallel
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
