@@ -48,7 +48,6 @@ from .planner import (
     check_budget,
     check_precision,
     kv_cache_bytes,
-    longstraw_sharding,
     max_context,
 )
 from .planner import plan as make_plan
@@ -171,7 +170,7 @@ def format_plan(cfg: DictConfig) -> str:
     request = plan_request(cfg, mode="longstraw")
     request.pop("mode"), request.pop("seq_len")
     ls = max_context(model, cfg.cluster, cfg.memory, mode="longstraw", **request)
-    held = longstraw_sharding(model, ClusterShape.from_config(cfg.cluster)) if world > 1 else "replicate"
+    held = ClusterShape.from_config(cfg.cluster).sharding if world > 1 else "replicate"
     how = f"FSDP-sharded over the {world} ranks" if held == "fsdp" else "replicated"
     lines.append(f"  LongStraw: {ls:>14,} prompt tokens (G={request['group_size']}, responses of "
                  f"{request['response_len']:,} tokens, prompt_grad={request['prompt_grad']}; parameters, "

@@ -8,7 +8,7 @@ layers in :mod:`.mla_shapes` / :mod:`.mla_moe`, the API in :mod:`.planner`; form
 ``docs/memory_planner.md``.
 """
 
-from .budget import Plan, PlanError, check_budget, longstraw_sharding, max_context, plan, suggestions
+from .budget import Plan, PlanError, check_budget, max_context, plan, suggestions
 from .phases import attention_stage_bytes, cache_heads_per_rank, kv_cache_bytes, layer_saved_bytes
 from .shapes import GIB, ClusterShape, MemoryKnobs, ModelShape, check_precision
 
@@ -25,7 +25,6 @@ __all__ = [
     "check_precision",
     "kv_cache_bytes",
     "layer_saved_bytes",
-    "longstraw_sharding",
     "max_context",
     "plan",
     "suggestions",

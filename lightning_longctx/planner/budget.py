@@ -96,14 +96,6 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------------ API
-def longstraw_sharding(model: ModelShape, cluster: ClusterShape) -> str:
-    """How ``LongStrawModule`` holds its states: as ``cluster.sharding`` says (FSDP2-sharded under
-    ``UlyssesStrategy(sharding="fsdp")``, attention and hybrid models alike). ``model`` is accepted so callers
-    need not know that the layer types do not matter."""
-    del model
-    return cluster.sharding
-
-
 def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mode: str = "sft", group_size: int = 8,
          response_len: int = 1024, prompt_grad: str = "full", param_sharding: str | None = None) -> Plan:
     """Per-rank bytes of one training step at ``seq_len`` tokens (SFT sequence or LongStraw prompt).
@@ -116,7 +108,7 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         mode: ``"sft"`` or ``"longstraw"``.
         group_size, response_len, prompt_grad: the LongStraw group (G responses of ``response_len`` tokens).
         param_sharding: how parameters, gradients and optimizer states are held; None = as implemented:
-            ``cluster.sharding`` (:func:`longstraw_sharding`).
+            ``cluster.sharding`` (as ``LongStrawModule`` holds its states under ``UlyssesStrategy``).
     Returns:
         :class:`Plan`. Raises ValueError for an impossible layout (heads vs sp, chunk sizes).
     """
@@ -141,7 +133,7 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         comp, phases, host = sft_phases(model, held, knobs, seq_len)
         local = math.ceil(seq_len / cluster.sp)
     else:
-        held = replace(cluster, sharding=param_sharding or longstraw_sharding(model, cluster))
+        held = replace(cluster, sharding=param_sharding or cluster.sharding)
         comp, phases, host = longstraw_phases(model, held, knobs, seq_len, group_size, response_len, prompt_grad)
         local = (seq_len - 1) // cluster.sp
     comp.update(reserve_terms(cluster, knobs, comp))  # the CUDA runtime's share and memory.reserve_gib

@@ -46,12 +46,6 @@ def _dims(model: ModelShape) -> tuple[int, int, int, int, int]:
     return dq, model.v_head_dim, max(dq, model.v_head_dim), model.latent_width, model.q_lora_rank or 0
 
 
-def latent_cache_bytes(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
-    """The MLA layers' prompt latents for ``tokens`` local tokens: ``layers x tokens x L x b`` (sequence-sharded:
-    ``tokens = S'/P`` per rank; ``tokens = 1`` without SP: the bytes per token)."""
-    return model.mla_layers * tokens * model.latent_width * knobs.dtype_bytes
-
-
 def mla_weight_rows(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
     """One stage's weight copies its ``F.linear`` calls keep: the query rows ``C P dq x (q or E)`` and this rank's
     ``kv_b_proj`` rows ``C (n + dv) R`` (``index_select`` copies)."""
@@ -218,7 +212,6 @@ def mlp_token_saved(model: ModelShape, knobs: MemoryKnobs, index: int, tokens: i
 
 
 __all__ = [
-    "latent_cache_bytes",
     "mla_layout",
     "mla_prefill_bytes",
     "mla_recompute_bytes",

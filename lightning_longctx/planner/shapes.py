@@ -266,10 +266,6 @@ class ModelShape(MLAMoEShape):
             total += per_mixer.get(kind, 0) + sum(mlp.get(t, 0) for t in self.lora_targets)
         return self.lora_r * total
 
-    def trainable_parameters(self) -> int:
-        """What has gradients and optimizer states: the adapters with LoRA, else every parameter."""
-        return self.lora_parameters() if self.lora_r else self.num_parameters()
-
     def num_parameters(self) -> int:
         """``V E (x2 untied) + E`` + per layer: mixer + MLP (``3 E I`` SwiGLU, or the MoE block) + ``2 E`` (norms)."""
         e = self.hidden_size
