@@ -184,15 +184,20 @@ def build_task(cfg: DictConfig, model) -> tuple[Any, Any]:
     return module, data
 
 
-def build_logger(cfg: DictConfig):
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+def build_loggers(cfg: DictConfig) -> list:
+    """The Lightning loggers of ``cfg.logger`` (name -> ``_target_`` node, :mod:`.training.loggers`), in order;
+    ``[]`` = none."""
+    from .training.loggers import build_loggers as build
 
-    lg = cfg.logger
-    if lg.kind == "tensorboard":
-        return TensorBoardLogger(lg.save_dir, name=lg.name, version=lg.version, default_hp_metric=False)
-    if lg.kind == "csv":
-        return CSVLogger(lg.save_dir, name=lg.name, version=lg.version)
-    raise ValueError(f"logger.kind={lg.kind!r} must be 'tensorboard' or 'csv'")
+    nodes = cfg.get("logger") or {}
+    loggers = []
+    for name in nodes:
+        try:
+            loggers += build({str(name): nodes[name]}, _instantiate)
+        except Exception as err:  # noqa: BLE001 - a missing package (mlflow, wandb), a bad argument: name the entry
+            reason = " ".join(str(err).split())
+            raise ConfigError(f"logger.{name} ({nodes[name].get('_target_')}) cannot be built: {reason}") from err
+    return loggers
 
 
 def trainer_kwargs(cfg: DictConfig) -> tuple[dict[str, Any], list[Any]]:
@@ -275,6 +280,8 @@ def summary_callback(cfg: DictConfig):
     """A callback that logs the resolved config as hyperparameters and prints a summary at the end."""
     from lightning.pytorch.callbacks import Callback
 
+    from .training.loggers import log_config, log_dirs, log_metrics
+
     metric = "train/reward_mean" if cfg.task.mode == "longstraw" else "train/loss"
 
     class RunSummary(Callback):
@@ -287,9 +294,8 @@ def summary_callback(cfg: DictConfig):
         def setup(self, trainer, pl_module, stage: str) -> None:
             # before the Trainer's own hyperparameter logging, which writes hparams.yaml once
             self.log_dir = trainer.log_dir  # a collective: every rank calls it
-            if trainer.logger is not None:
-                params = OmegaConf.to_container(cfg, resolve=True)
-                trainer.logger.log_hyperparams(params, metrics={f"hp/final_{metric.split('/')[-1]}": math.nan})
+            params = OmegaConf.to_container(cfg, resolve=True)
+            log_config(trainer.loggers, params, metrics={f"hp/final_{metric.split('/')[-1]}": math.nan})
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             value = trainer.callback_metrics.get(metric)
@@ -309,15 +315,15 @@ def summary_callback(cfg: DictConfig):
             if self.values:
                 k = max(1, len(self.values) // 4)
                 first, last = sum(self.values[:k]) / k, sum(self.values[-k:]) / k
-                if trainer.logger is not None:
-                    trainer.logger.log_metrics({f"hp/final_{metric.split('/')[-1]}": last}, step=trainer.global_step)
+                log_metrics(trainer.loggers, {f"hp/final_{metric.split('/')[-1]}": last}, step=trainer.global_step)
                 lines.append(f"{metric}: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
             lines += [f"{name}: {float(trainer.callback_metrics[name]):.4g}"
                       for name in ("train/tokens_per_s", "train/peak_memory_gib") if name in trainer.callback_metrics]
             lines.append(f"parameters sha256: {self.digest} ({trainer.world_size} rank(s))")
-            if self.log_dir:
-                lines.append(f"TensorBoard logdir: {self.log_dir}")
-                lines.append(f"  tensorboard --logdir {os.path.dirname(self.log_dir)}")
+            for kind, directory in log_dirs(trainer.loggers):
+                lines.append(f"{kind} logdir: {directory}")
+                if kind == "TensorBoard":
+                    lines.append(f"  tensorboard --logdir {os.path.dirname(directory)}")
             self.text = "\n".join(lines)
 
     return RunSummary()
@@ -342,7 +348,7 @@ def build_callbacks(cfg: DictConfig, user: list[Any], trainer_args: dict[str, An
     return callbacks
 
 
-__all__ = ["ConfigError", "build_callbacks", "build_logger", "build_model", "build_task", "check_config",
+__all__ = ["ConfigError", "build_callbacks", "build_loggers", "build_model", "build_task", "check_config",
            "check_targets", "check_task", "check_trainer_keys", "checkpoint_dir", "decoder_config", "importable_cwd",
            "locate", "model_memory_knobs", "parameters_digest", "route_lightning_deprecations", "run_dir",
            "summary_callback", "trainer_kwargs"]

@@ -25,7 +25,7 @@ from . import config_schema  # noqa: F401  (registers the structured configs)
 from .app import (
     ConfigError,
     build_callbacks,
-    build_logger,
+    build_loggers,
     build_model,
     build_task,
     check_config,
@@ -35,6 +35,7 @@ from .app import (
     model_memory_knobs,
     parameters_digest,
     route_lightning_deprecations,
+    run_dir,
     summary_callback,
     trainer_kwargs,
 )
@@ -234,6 +235,7 @@ def run_train(cfg: DictConfig) -> Any:
 
     route_lightning_deprecations()
     kwargs, user_callbacks = trainer_kwargs(cfg)  # trainer.* _target_ nodes (callbacks, plugins, ...) built
+    kwargs.setdefault("default_root_dir", run_dir())  # where the run's own files go (completions.jsonl)
     summary = summary_callback(cfg)
     kwargs["callbacks"] = build_callbacks(cfg, user_callbacks, kwargs, summary)
     ckpt_path = cfg.get("ckpt_path")
@@ -242,6 +244,7 @@ def run_train(cfg: DictConfig) -> Any:
         ckpt_path = resolve_ckpt_path(ckpt_path, checkpoint_dir(cfg))
     if ckpt_path is not None and _is_rank_zero():
         log.info("resuming from %s", ckpt_path)
+    loggers = build_loggers(cfg)  # a logger whose package is missing (mlflow, wandb) stops here, before the model
     pl.seed_everything(cfg.seed, workers=True)
     model = build_model(cfg)
     module, data = build_task(cfg, model)
@@ -254,7 +257,7 @@ def run_train(cfg: DictConfig) -> Any:
                                timeout=timeout, on_nonfinite=cfg.on_nonfinite)
     trainer = pl.Trainer(
         strategy=strategy, accelerator=cluster.accelerator, devices=cluster.devices, num_nodes=cluster.num_nodes,
-        precision=precision, logger=build_logger(cfg), **kwargs,
+        precision=precision, logger=loggers, **kwargs,
     )
     try:
         untrusted = not cfg.trust_checkpoint  # weights-only resume (lightning_longctx.safe_load)

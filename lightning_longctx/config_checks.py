@@ -19,7 +19,8 @@ _HYDRA_KEYS = ("_target_", "_partial_", "_convert_", "_recursive_", "_args_")
 TRAINER_RESERVED = {
     "strategy": "cluster.* (UlyssesStrategy(sp_size=cluster.sp_size, sharding=cluster.sharding, ...))",
     "accelerator": "cluster.accelerator", "devices": "cluster.devices", "num_nodes": "cluster.num_nodes",
-    "precision": "memory.precision", "logger": "the logger group (logger=tensorboard|csv)",
+    "precision": "memory.precision",
+    "logger": "the logger group (logger=tensorboard, logger=[tensorboard,csv], logger.<name>={_target_: ...})",
 }
 MODES = ("sft", "longstraw")
 
@@ -215,8 +216,9 @@ def check_task_files(cfg: DictConfig) -> None:
 
 
 def check_run_settings(cfg: DictConfig) -> None:
-    """``cluster.accelerator`` / ``cluster.process_group_backend``, ``logger.kind``, ``checkpoint.every_n_steps``:
-    values that would otherwise fail only once the Trainer (or the process group) is being built."""
+    """``cluster.accelerator`` / ``cluster.process_group_backend``, the ``logger`` entries,
+    ``checkpoint.every_n_steps``: values that would otherwise fail only once the Trainer (or the process group)
+    is being built."""
     from lightning.pytorch.accelerators import AcceleratorRegistry
 
     from .training.common import check_strategy_args
@@ -229,9 +231,17 @@ def check_run_settings(cfg: DictConfig) -> None:
         check_strategy_args(cluster.get("process_group_backend"))
     except ValueError as err:
         raise ConfigError(f"cluster.{err}") from err
-    kind = cfg.logger.get("kind") if "logger" in cfg else None
-    if kind is not None and kind not in ("tensorboard", "csv"):
-        raise ConfigError(f"logger.kind={kind!r} must be 'tensorboard' or 'csv'")
+    loggers = cfg.get("logger")
+    loggers = OmegaConf.create({}) if loggers is None else loggers  # logger=[] / ~logger: no loggers
+    if not isinstance(loggers, DictConfig) or "_target_" in loggers:
+        raise ConfigError("logger must map names to Lightning logger _target_ nodes (logger=tensorboard, "
+                          "logger=[tensorboard,csv], 'logger.mine={_target_: my_pkg.MyLogger}'), got "
+                          f"{OmegaConf.to_container(loggers) if isinstance(loggers, DictConfig) else loggers!r}")
+    for name in loggers:
+        node = loggers._get_node(name)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(f"logger.{name} must be a _target_ node (a lightning.pytorch.loggers.Logger), got "
+                              f"{OmegaConf.to_container(node) if isinstance(node, DictConfig) else node!r}")
     every = cfg.checkpoint.get("every_n_steps") if "checkpoint" in cfg else None
     if every is not None and every < 1:
         raise ConfigError(f"checkpoint.every_n_steps={every} must be >= 1 (or null: only at the end)")

@@ -2,7 +2,7 @@
 ConfigStore.
 
 The YAML tree (``lightning_longctx/conf``) is validated against these dataclasses where strictness helps: an
-unknown key or a value of the wrong type in ``model``, ``cluster``, ``memory``, ``logger``, ``checkpoint``,
+unknown key or a value of the wrong type in ``model``, ``cluster``, ``memory``, ``checkpoint``,
 ``plan`` or a built-in task's top level fails at composition with Hydra's error naming the key, before any
 work. ``config.yaml`` starts from ``base_config`` (:class:`Config`).
 
@@ -11,6 +11,9 @@ Open nodes (any key, no ``+`` needed; checked where they are used, before any wo
 - ``trainer``: every ``lightning.pytorch.Trainer`` argument (checked against ``inspect.signature(Trainer)``,
   the bad key named); ``trainer.callbacks`` a list of ``_target_`` nodes.
 - ``tokenizer``: ``path`` (default ``model.pretrained``) and whatever a task's tokenizer loader takes.
+- ``logger``: a name per Lightning logger, each a ``_target_`` node (``conf/logger``: ``tensorboard`` (default),
+  ``csv``, ``mlflow``, ``wandb``; several at once with ``logger=[tensorboard,csv]``; none with ``logger=[]``),
+  built by :func:`lightning_longctx.training.loggers.build_loggers`.
 - ``task.module`` / ``task.data`` of the built-in tasks and of tasks that start from ``schema/task/base``:
   ``_target_`` nodes (``hydra.utils.instantiate(cfg.task.module, model=model)`` and
   ``hydra.utils.instantiate(cfg.task.data)``), so a user subclass takes its own keyword arguments.
@@ -247,16 +250,6 @@ class LongSFTConf(TaskConf):
 
 
 @dataclass
-class LoggerConf:
-    """``kind``: ``tensorboard`` or ``csv``; ``save_dir`` defaults to the Hydra run directory."""
-
-    kind: str = "tensorboard"
-    save_dir: str = MISSING
-    name: str = MISSING
-    version: str | None = None
-
-
-@dataclass
 class CheckpointConf:
     """Checkpoints of ``longctx-train`` (on unless ``trainer.enable_checkpointing=false``).
 
@@ -325,7 +318,7 @@ class Config:
     task: Any = None
     tokenizer: Any = field(default_factory=dict)  # open
     trainer: Any = field(default_factory=dict)  # open: any lightning.pytorch.Trainer argument
-    logger: LoggerConf = MISSING
+    logger: Any = field(default_factory=dict)  # open: name -> a Lightning logger _target_ node (conf/logger)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     plan: PlanConf = field(default_factory=PlanConf)
     seed: int = 0
@@ -335,7 +328,7 @@ class Config:
 
 
 TASK_SCHEMAS = {"needle_grpo": NeedleGRPOConf, "long_sft": LongSFTConf}
-OPEN_NODES = ("trainer", "tokenizer")  # keys of Config whose nodes take any key
+OPEN_NODES = ("trainer", "tokenizer", "logger")  # keys of Config whose nodes take any key
 OPEN_TASK_NODES = ("module", "data")
 
 
@@ -370,7 +363,6 @@ __all__ = [
     "ClusterConf",
     "Config",
     "ExportConf",
-    "LoggerConf",
     "LongSFTConf",
     "LongStrawTaskConf",
     "MemoryConf",

@@ -98,7 +98,7 @@ def test_train_passes_memory_precision_to_the_trainer(monkeypatch):
         raise _TrainerBuilt
 
     monkeypatch.setattr(pl, "Trainer", fake_trainer)
-    monkeypatch.setattr(cli, "build_logger", lambda cfg: None)  # its save_dir resolves only inside a Hydra run
+    monkeypatch.setattr(cli, "build_loggers", lambda cfg: [])  # its save_dir resolves only inside a Hydra run
     for overrides, precision in (((), "32-true"), (("memory.precision=bf16-mixed",), "bf16-mixed"),
                                  (("memory.precision=bf16-true",), "bf16-true")):
         with pytest.raises(_TrainerBuilt):

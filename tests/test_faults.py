@@ -274,7 +274,7 @@ def test_an_in_process_run_train_leaves_the_environment_unchanged(monkeypatch):
 
     monkeypatch.delenv(LAUNCHER_ENV, raising=False)
     monkeypatch.setattr(pl, "Trainer", lambda *args, **kwargs: (_ for _ in ()).throw(_TrainerBuilt()))
-    monkeypatch.setattr(cli, "build_logger", lambda cfg: None)  # its save_dir resolves only inside a Hydra run
+    monkeypatch.setattr(cli, "build_loggers", lambda cfg: [])  # its save_dir resolves only inside a Hydra run
     with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["trainer=smoke", "cluster.devices=1"])
     ours = lambda: {k: v for k, v in os.environ.items() if not k.startswith("PL_")}  # noqa: E731

@@ -453,7 +453,7 @@ TRAIN = [  # overrides, fragments of the ConfigError / ValueError; test_config a
     ("data-file-missing", ["task=text_sft", f"task.data.path={MISSING}"], [f"task.data.path='{MISSING}'"]),
     ("tokenizer-null", ["task=text_grpo", f"task.data.path={MISSING}"], ["tokenizer_path is null"]),
     ("tokenizer-missing", ["task=text_grpo", "tokenizer.path=/nonexistent/tok"], ["'/nonexistent/tok'"]),
-    ("logger-kind", ["logger.kind=bogus"], ["logger.kind='bogus'"]),
+    ("logger-target", ["logger.mine={kind: bogus}"], ["logger.mine must be a _target_ node", "'kind': 'bogus'"]),
     ("checkpoint-every", ["checkpoint.every_n_steps=0"], ["checkpoint.every_n_steps=0"]),
     ("nonfinite-policy", ["on_nonfinite=bogus"], ["on_nonfinite='bogus'"]),
 ]

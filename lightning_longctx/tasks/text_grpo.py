@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..longstraw.sampling import StopIds
+from ..training.completions import CompletionLog
 from ..training.longstraw_module import LongStrawModule
 from .rewards import RewardFunctionError, RewardFunctions
 from .text_data import is_conversation, load_tokenizer, stop_ids
@@ -55,13 +56,21 @@ class TextGRPOModule(LongStrawModule):
         check_rewards: the dry call of the reward functions before the first prefill (see the module docstring).
         reward_timeout_s: each reward function call's limit in seconds (None = none; see
             :class:`~.rewards.RewardFunctions`: a timeout names the function).
+        log_completions_every_n_steps: every this many optimizer steps (0, N, 2N, ...) a table of the decoded
+            completions and their rewards goes to ``<run dir>/completions.jsonl`` and TensorBoard's text tab
+            (:class:`~lightning_longctx.training.completions.CompletionLog`); None or 0 = off.
+        completions_max_rows, completions_max_chars: the table's bound: rows per logged step, characters per
+            completion (the prompt's last 300 characters).
         **kwargs: :class:`~lightning_longctx.LongStrawModule`'s (``group_size``, ``max_new_tokens``, ``lr``, ...).
     """
 
     def __init__(self, model: torch.nn.Module, *, tokenizer_path: str | None = None, tokenizer: Any = None,
                  reward_funcs: Any = None, reward_weights: Any = None, eos_token_id: StopIds = None,
                  generation_config_path: str | None = None, check_rewards: bool = True,
-                 reward_timeout_s: float | None = None, **kwargs: Any) -> None:
+                 reward_timeout_s: float | None = None, log_completions_every_n_steps: int | None = None,
+                 completions_max_rows: int = 16, completions_max_chars: int = 2000, **kwargs: Any) -> None:
+        completions = CompletionLog(log_completions_every_n_steps, max_rows=completions_max_rows,
+                                    max_chars=completions_max_chars)  # bad bounds: before the tokenizer loads
         tok = load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path, what="tokenizer_path")
         # import errors before any model work; the timeout per function (the base's would be per group)
         rewards = RewardFunctions(reward_funcs, reward_weights, timeout_s=reward_timeout_s)
@@ -74,6 +83,7 @@ class TextGRPOModule(LongStrawModule):
             kwargs["clip_eps"] = tuple(float(x) for x in kwargs["clip_eps"])
         super().__init__(model, eos_token_id=eos_token_id, **kwargs)
         self.tokenizer, self.rewards, self.check_rewards = tok, rewards, check_rewards
+        self.completion_log = completions
         # the dry call's empty completion ends with the first stop id (the tokenizer's EOS when it has one)
         self.eos_token_id = self.stop_token_ids[0] if self.stop_token_ids else None
         self.last_reward_metrics: dict[str, float] = {}
@@ -106,11 +116,28 @@ class TextGRPOModule(LongStrawModule):
         ``prompt``: the raw prompt (decoded from ``prompt_ids`` when the batch has none)."""
         if prompt is None:
             prompt = self.tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=True)
-        total, per = self.score_completions(prompt, [r.tolist() for r in responses], fields)
+        ids = [r.tolist() for r in responses]
+        total, per = self.score_completions(prompt, ids, fields)
         self.last_reward_metrics = self.rewards.metrics(per)
         if self._trainer is not None:
             self.log_dict(self.last_reward_metrics, on_step=True, batch_size=1, rank_zero_only=True)
+            self._record_completions(prompt, ids, total, per)
         return total
+
+    def _record_completions(self, prompt: Any, ids: list[list[int]], total: torch.Tensor,
+                            per: torch.Tensor) -> None:
+        """This group's rows of the completions table when the step is due (global rank 0 only)."""
+        step = self.trainer.global_step
+        if not (self.completion_log.due(step) and self.trainer.is_global_zero):
+            return
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        shown = prompt[-1].get("content", "") if is_conversation(prompt) else str(prompt)
+        self.completion_log.add(step, str(shown), texts, total.tolist(),
+                                {name: per[i].tolist() for i, name in enumerate(self.rewards.names)})
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        """Write the step's completions table (rows exist only on global rank 0, on a due step)."""
+        self.completion_log.write(self.trainer.default_root_dir, self.loggers)
 
     def dry_run_rewards(self, prompt: Any, fields: dict[str, Any]) -> None:
         """Call every reward function once with G empty completions (``completion_ids`` = ``[[eos]]``) of ``prompt``
