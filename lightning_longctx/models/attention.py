@@ -31,8 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..parallel import group_rank, group_size
-from ..parallel.head_stages import Stage, build_stages, cache_heads, stage_plan
-from ..parallel.ulysses import check_head_layout
+from ..parallel.head_stages import Stage, build_stages, cache_heads, check_head_layout, stage_plan
 from .config import DecoderConfig
 from .fused_attention import (  # noqa: F401  (_stage_qkv, _stage_weights: decode.py's per-rank projection)
     AttentionCall,

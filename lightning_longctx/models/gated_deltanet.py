@@ -120,7 +120,7 @@ def check_linear_layout(key_heads: int, value_heads: int, world: int, chunk: int
 
 
 @functools.cache
-def linear_schedule(key_heads: int, value_heads: int, dk: int, dv: int, world: int, chunk: int | None):
+def linear_schedule(key_heads: int, value_heads: int, world: int, chunk: int | None):
     """Per stage and destination rank: ``(value heads, key heads)`` as tuples of ints (validated, cached)."""
     c = check_linear_layout(key_heads, value_heads, world, chunk)
     r, local = value_heads // key_heads, value_heads // world
@@ -138,7 +138,7 @@ def linear_schedule(key_heads: int, value_heads: int, dk: int, dv: int, world: i
 def _build_stages(key_heads, value_heads, dk, dv, world, rank, chunk, device) -> list[LinearStage]:
     key_dim = key_heads * dk
     stages = []
-    for per_rank in linear_schedule(key_heads, value_heads, dk, dv, world, chunk):
+    for per_rank in linear_schedule(key_heads, value_heads, world, chunk):
         qkv_rows, gate_rows = [], []
         for heads, keys in per_rank:
             channels = ([kh * dk + i for kh in keys for i in range(dk)]
@@ -217,8 +217,8 @@ class GatedDeltaNet(nn.Module):
             stages = _build_stages(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, world, rank,
                                    self.head_chunk_size, device)
             self._stages[key] = stages
-            self._inverse[key] = _inverse_order(linear_schedule(self.num_k_heads, self.num_v_heads, self.head_k_dim,
-                                                                self.head_v_dim, world, self.head_chunk_size), device)
+            self._inverse[key] = _inverse_order(linear_schedule(self.num_k_heads, self.num_v_heads, world,
+                                                                self.head_chunk_size), device)
         return self._stages[key]
 
     # ------------------------------------------------------------------------------------- one stage

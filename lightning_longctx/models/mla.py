@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint
 from ..ops.attention import attention
 from ..ops.merge import prefix_attention
 from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size
-from ..parallel.ulysses import check_head_layout
+from ..parallel.head_stages import check_head_layout
 from .lora import LoRALinear, head_rows_linear, masked_linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
@@ -145,7 +145,7 @@ _PLANS: dict[tuple, tuple[tuple[MLAStage, ...], torch.Tensor | None]] = {}
 
 def mla_stage_plan(heads: int, world: int, rank: int, chunk: int | None, device):
     """``(stages, inverse)``: the stage plan and the index putting the stages' concatenated outputs back in head
-    order (None: already in order). Validated by :func:`~lightning_longctx.parallel.ulysses.check_head_layout`
+    order (None: already in order). Validated by :func:`~lightning_longctx.parallel.head_stages.check_head_layout`
     (the latent is one shared K/V head)."""
     c = check_head_layout(heads, 1, world, chunk)
     key = (heads, world, rank, c, str(device))

@@ -7,6 +7,7 @@ shifted labels and global positions (:mod:`.sharding`), and the DP x SP mesh (:m
 
 from .all_to_all import HeadToSeq, SeqToHead, group_rank, group_size, head_to_seq, seq_to_head
 from .collectives import all_reduce_coalesced, broadcast_coalesced, gather_ints
+from .head_stages import check_head_layout, head_schedule
 from .mesh import build_dp_sp_mesh, check_sp_size, set_sequence_parallel_group
 from .sharding import (
     IGNORE_INDEX,
@@ -17,7 +18,7 @@ from .sharding import (
     shift_labels,
     unshard_sequence,
 )
-from .ulysses import check_group_shapes, head_schedule, ulysses_attention
+from .ulysses import check_group_shapes, ulysses_attention
 
 __all__ = [
     "IGNORE_INDEX",
@@ -27,6 +28,7 @@ __all__ = [
     "broadcast_coalesced",
     "build_dp_sp_mesh",
     "check_group_shapes",
+    "check_head_layout",
     "check_sp_size",
     "gather_ints",
     "group_rank",

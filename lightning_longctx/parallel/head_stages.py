@@ -23,6 +23,7 @@ Only one stage's full-sequence tensors are alive at a time, in both loops.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,62 @@ import torch.distributed as dist
 from ..ops.attention import attention_backward, attention_forward
 from ..ops.merge import merge_attention_outputs, shared_kv_backward, shared_kv_forward
 from .all_to_all import group_size, head_to_seq, seq_to_head
+
+
+def check_head_layout(heads: int, kv_heads: int, world: int, head_chunk_size: int | None) -> int:
+    """The one check of a head layout for ``world`` SP ranks; returns the effective ``head_chunk_size``.
+
+    Raises:
+        TypeError: when ``head_chunk_size`` is neither an int nor None.
+        ValueError: naming the numbers, when the heads cannot be split as Ulysses and the stages need.
+    """
+    if head_chunk_size is not None and (isinstance(head_chunk_size, bool) or not isinstance(head_chunk_size, int)):
+        raise TypeError(f"head_chunk_size={head_chunk_size!r} must be an int or None")
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads}")
+    if heads % world:
+        raise ValueError(f"num_attention_heads={heads} must be divisible by sp_size={world}")
+    if kv_heads % world and world % kv_heads:
+        raise ValueError(f"num_key_value_heads={kv_heads} must divide or be divisible by sp_size={world}")
+    local_heads = heads // world
+    chunk = local_heads if head_chunk_size is None else head_chunk_size
+    if chunk < 1 or local_heads % chunk:
+        raise ValueError(
+            f"head_chunk_size={head_chunk_size} must divide the per-rank heads "
+            f"num_attention_heads/sp_size={heads}/{world}={local_heads}"
+        )
+    groups = heads // kv_heads
+    if groups % chunk and chunk % groups:
+        raise ValueError(
+            f"head_chunk_size={chunk} must divide or be a multiple of the query heads per K/V head "
+            f"({heads}/{kv_heads}={groups}) so each stage's queries map to whole K/V heads"
+        )
+    return chunk
+
+
+@functools.cache
+def head_schedule(heads: int, kv_heads: int, world: int, chunk: int | None) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per stage: the local query heads it sends and the local K/V heads it sends, rank by rank (Python ints).
+
+    Returns a tuple of ``(q_heads, kv_heads)``: ``q_heads`` (``P * C`` ints) lists, for destination rank ``r``
+    in turn, the ``C`` local query heads ``r*H/P + t*C + [0, C)``; ``kv_heads`` (``P * m`` ints) the
+    ``m = max(1, C / g)`` K/V heads those queries use (``g = H / H_kv``). Indices address the head dim of the
+    local ``[batch, s_l, heads, head_dim]`` tensors (all heads of this rank's tokens). Built once per layout
+    (cached): no tensors, so no host-device traffic per call.
+
+    Raises:
+        ValueError: the layout checks of :func:`check_head_layout`, naming the numbers.
+    """
+    chunk = check_head_layout(heads, kv_heads, world, chunk)
+    groups = heads // kv_heads
+    local = heads // world
+    per_rank_kv = max(1, chunk // groups)
+    stages = []
+    for start in range(0, local, chunk):
+        q_heads = tuple(r * local + start + c for r in range(world) for c in range(chunk))
+        kv = tuple((r * local + start) // groups + j for r in range(world) for j in range(per_rank_kv))
+        stages.append((q_heads, kv))
+    return tuple(stages)
 
 
 def _span(heads: Sequence[int]) -> tuple[int, int] | None:
@@ -118,8 +175,6 @@ def kv_add_levels(sent: Sequence[int], device) -> tuple[tuple[torch.Tensor | Non
 
 def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, device) -> list[Stage]:
     """The per-rank stage plan for ``heads``/``kv_heads`` over ``world`` ranks, ``chunk`` heads per stage."""
-    from .ulysses import head_schedule
-
     stages, cache_heads, last = [], 0, None
     as_index = lambda ints: torch.tensor(ints, dtype=torch.long, device=device)  # noqa: E731  (once per layout)
     for q_heads, kv_heads_sent in head_schedule(heads, kv_heads, world, chunk):

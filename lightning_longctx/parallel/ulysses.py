@@ -14,19 +14,17 @@ chunking. Attention runs on ``[batch, s, C, head_dim]``, the result goes back by
 preallocated ``[batch, s_l, H, head_dim]`` output. Only one stage's full-sequence tensors are alive
 at a time, in forward and in backward: backward recomputes the stage's all-to-alls from the saved local
 q/k/v and output instead of keeping them, and saves only the per-stage log-sum-exp. The stage plan and the
-loop are :mod:`.head_stages`' (shared with the decoder's fused attention block).
+loop, and the head-layout rules, are :mod:`.head_stages`' (shared with the decoder's fused attention block).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
 
 from .all_to_all import group_rank, group_size
 from .collectives import gather_ints
-from .head_stages import StageAttention, run_backward, run_forward, stage_plan
+from .head_stages import StageAttention, check_head_layout, run_backward, run_forward, stage_plan
 
 
 def _validate_local(query, key, value, world: int, head_chunk_size: int | None) -> int:
@@ -51,8 +49,6 @@ def _validate_local(query, key, value, world: int, head_chunk_size: int | None) 
         raise ValueError(f"ulysses_attention needs floating-point query/key/value, got {query.dtype}")
     if not (query.device == key.device == value.device):
         raise ValueError(f"device mismatch: query {query.device}, key {key.device}, value {value.device}")
-    if head_chunk_size is not None and (isinstance(head_chunk_size, bool) or not isinstance(head_chunk_size, int)):
-        raise TypeError(f"head_chunk_size={head_chunk_size!r} must be an int or None")
     return check_head_layout(query.shape[2], key.shape[2], world, head_chunk_size)
 
 
@@ -65,34 +61,6 @@ def _check_options(group, causal, softmax_scale) -> None:
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
                                       or not 0 < softmax_scale < float("inf")):
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite number > 0 or None (head_dim ** -0.5)")
-
-
-def check_head_layout(heads: int, kv_heads: int, world: int, head_chunk_size: int | None) -> int:
-    """The one check of a head layout for ``world`` SP ranks; returns the effective ``head_chunk_size``.
-
-    Raises:
-        ValueError: naming the numbers, when the heads cannot be split as Ulysses and the stages need.
-    """
-    if heads % kv_heads:
-        raise ValueError(f"num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads}")
-    if heads % world:
-        raise ValueError(f"num_attention_heads={heads} must be divisible by sp_size={world}")
-    if kv_heads % world and world % kv_heads:
-        raise ValueError(f"num_key_value_heads={kv_heads} must divide or be divisible by sp_size={world}")
-    local_heads = heads // world
-    chunk = local_heads if head_chunk_size is None else head_chunk_size
-    if chunk < 1 or local_heads % chunk:
-        raise ValueError(
-            f"head_chunk_size={head_chunk_size} must divide the per-rank heads "
-            f"num_attention_heads/sp_size={heads}/{world}={local_heads}"
-        )
-    groups = heads // kv_heads
-    if groups % chunk and chunk % groups:
-        raise ValueError(
-            f"head_chunk_size={chunk} must divide or be a multiple of the query heads per K/V head "
-            f"({heads}/{kv_heads}={groups}) so each stage's queries map to whole K/V heads"
-        )
-    return chunk
 
 
 def check_group_shapes(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str = "input") -> None:
@@ -108,31 +76,6 @@ def check_group_shapes(tensor: torch.Tensor, group: dist.ProcessGroup | None, wh
         rows = ", ".join(f"rank {r}: {list(shape)}" for r, shape in enumerate(shapes))
         raise ValueError(f"ranks of the sequence-parallel group hold {what} of different shapes ({rows}); every "
                          "rank needs the same local shape (pad the sequence to a multiple of sp_size)")
-
-
-@functools.cache
-def head_schedule(heads: int, kv_heads: int, world: int, chunk: int | None) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Per stage: the local query heads it sends and the local K/V heads it sends, rank by rank (Python ints).
-
-    Returns a tuple of ``(q_heads, kv_heads)``: ``q_heads`` (``P * C`` ints) lists, for destination rank ``r``
-    in turn, the ``C`` local query heads ``r*H/P + t*C + [0, C)``; ``kv_heads`` (``P * m`` ints) the
-    ``m = max(1, C / g)`` K/V heads those queries use (``g = H / H_kv``). Indices address the head dim of the
-    local ``[batch, s_l, heads, head_dim]`` tensors (all heads of this rank's tokens). Built once per layout
-    (cached): no tensors, so no host-device traffic per call.
-
-    Raises:
-        ValueError: the layout checks of :func:`check_head_layout`, naming the numbers.
-    """
-    chunk = check_head_layout(heads, kv_heads, world, chunk)
-    groups = heads // kv_heads
-    local = heads // world
-    per_rank_kv = max(1, chunk // groups)
-    stages = []
-    for start in range(0, local, chunk):
-        q_heads = tuple(r * local + start + c for r in range(world) for c in range(chunk))
-        kv = tuple((r * local + start) // groups + j for r in range(world) for j in range(per_rank_kv))
-        stages.append((q_heads, kv))
-    return tuple(stages)
 
 
 class _UlyssesAttention(torch.autograd.Function):

@@ -3,7 +3,7 @@
 Main API: :func:`plan` (one sequence length, ``mode="sft"`` or ``"longstraw"``) -> :class:`Plan` with a
 per-rank byte breakdown, the phase that sets the peak and ``fits``; :func:`max_context` (binary search over
 the sequence length); :func:`check_budget` (raises :class:`PlanError` naming what to change). Arithmetic
-only (the head-layout rules come from ``parallel.ulysses.check_head_layout``, so the plan and the run refuse
+only (the head-layout rules come from ``parallel.head_stages.check_head_layout``, so the plan and the run refuse
 the same layouts), no Lightning, no process group: it runs before any process starts.
 
 Every formula counts the tensors this package's code keeps alive (``models/``, ``ops/``, ``longstraw/``), as

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from ..parallel.head_stages import head_schedule
 from .phases import (
     FLOAT32,
     mlp_transients,
@@ -33,8 +34,6 @@ A = FLOAT32  # float32 statistics / accumulators
 # ------------------------------------------------------------------------------------------- shared pieces
 @lru_cache(maxsize=256)
 def _distinct_kv(heads: int, kv_heads: int, sp: int, chunk: int | None) -> int:
-    from ..parallel.ulysses import head_schedule
-
     return max(len(set(kv)) for _, kv in head_schedule(heads, kv_heads, sp, chunk))
 
 

@@ -22,7 +22,7 @@ backward sums each tile's parameter gradients in float32: for a MoE layer that i
 
 from __future__ import annotations
 
-from ..parallel.ulysses import check_head_layout
+from ..parallel.head_stages import check_head_layout
 from .phases import norm_saved
 from .shapes import FLOAT32, INT64, MemoryKnobs, ModelShape
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from ..parallel.ulysses import check_head_layout
+from ..parallel.head_stages import check_head_layout
 from .shapes import (
     FLOAT32,
     FULL_ATTENTION,

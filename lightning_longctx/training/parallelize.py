@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..models.gated_deltanet import GatedDeltaNet, check_linear_layout
 from ..models.moe import Experts, enable_expert_parallel
 from ..parallel import broadcast_coalesced, set_sequence_parallel_group
-from ..parallel.ulysses import _validate_local
+from ..parallel.head_stages import check_head_layout
 
 SHARDING_MODES = ("fsdp", "replicate")
 _HEAD_ATTRS = ("num_heads", "num_attention_heads")
@@ -73,14 +73,13 @@ def attention_shapes(module: nn.Module) -> dict[tuple[int, int, int | None], str
 
 def check_attention_heads(module: nn.Module, sp_size: int, head_chunk_size: int | None = None) -> None:
     """Raise ``ValueError`` naming the numbers if any attention shape of ``module`` cannot run on ``sp_size``
-    ranks (the rules of :func:`lightning_longctx.parallel.ulysses_attention`, checked on meta tensors), or any
-    Gated DeltaNet layer's heads (:func:`lightning_longctx.models.gated_deltanet.check_linear_layout`)."""
+    ranks (the rules of :func:`lightning_longctx.parallel.ulysses_attention`:
+    :func:`~lightning_longctx.parallel.check_head_layout`), or any Gated DeltaNet layer's heads
+    (:func:`lightning_longctx.models.gated_deltanet.check_linear_layout`)."""
     for (heads, kv, chunk), where in attention_shapes(module).items():
         chunk = head_chunk_size if head_chunk_size is not None else chunk
-        q = torch.empty(1, 1, heads, 2, device="meta")
-        k = torch.empty(1, 1, kv, 2, device="meta")
         try:
-            _validate_local(q, k, k, sp_size, chunk)
+            check_head_layout(heads, kv, sp_size, chunk)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
     for where, sub in module.named_modules():  # Gated DeltaNet layers: value heads split over the ranks
