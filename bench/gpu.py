@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import MIB, Clock, free, group_inputs, guarded, measure, straw_row, sync  # noqa: E402, F401
 from gpu_hybrid import fla_version, hybrid_bench  # noqa: E402
 
-from lightning_longctx.longstraw import longstraw_step  # noqa: E402
+from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
 from lightning_longctx.ops import (  # noqa: E402
     attention_cuda,
@@ -170,8 +170,8 @@ def max_seq(runs: list[dict]) -> dict:
 def straw_step(model, prompt, responses, advantages, prompt_grad: str, logits_chunk: int) -> float:
     model.zero_grad(set_to_none=True)
     # keywords only, and only those longstraw_step has had from the start
-    out = longstraw_step(model, prompt, responses, advantages, prompt_grad=prompt_grad,
-                         logits_chunk_size=logits_chunk)
+    out = longstraw_step(model, prompt, responses, advantages, loss=LossOptions(prompt_grad=prompt_grad),
+                         memory=StepMemory(logits_chunk_size=logits_chunk))
     model.zero_grad(set_to_none=True)
     return out.loss
 

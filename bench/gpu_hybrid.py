@@ -14,7 +14,7 @@ import time
 import torch
 from gpu_common import Clock, free, group_inputs, guarded, straw_row, sync
 
-from lightning_longctx.longstraw import longstraw_step, policy_token_terms, response_weights
+from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step, policy_token_terms, response_weights
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
 from lightning_longctx.ops import chunked_token_logprobs, gated_delta_cuda, gated_delta_rule
 
@@ -170,7 +170,8 @@ def hybrid_check(model, args, device, clock: Clock) -> dict:
     segment = args.check_segment
     result = dict(prompt_tokens=args.check_prompt, state_segment=segment, G=3, dtype="float32")
     warm = group_inputs(args, device, args.warmup_seq, 2, gen)
-    longstraw_step(model, *warm, prompt_grad="full", logits_chunk_size=args.logits_chunk, state_segment=64)
+    longstraw_step(model, *warm, loss=LossOptions(prompt_grad="full"),
+                   memory=StepMemory(logits_chunk_size=args.logits_chunk, state_segment=64))
     model.zero_grad(set_to_none=True)
     autograd_reference(model, *warm, args.logits_chunk)
     prompt, responses, advantages = group_inputs(
@@ -185,8 +186,9 @@ def hybrid_check(model, args, device, clock: Clock) -> dict:
             continue
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        out = longstraw_step(model, prompt, responses, advantages, prompt_grad=prompt_grad,
-                             logits_chunk_size=args.logits_chunk, state_segment=segment, measure_memory=False)
+        out = longstraw_step(model, prompt, responses, advantages, loss=LossOptions(prompt_grad=prompt_grad),
+                             memory=StepMemory(logits_chunk_size=args.logits_chunk, state_segment=segment,
+                                               measure_memory=False))
         sync(device)
         seconds = time.perf_counter() - t0
         got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -212,8 +214,8 @@ def hybrid_straw(model, args, device, clock: Clock) -> dict:
 
     def step(inputs, prompt_grad):
         model.zero_grad(set_to_none=True)
-        out = longstraw_step(model, *inputs, prompt_grad=prompt_grad, logits_chunk_size=args.logits_chunk,
-                             state_segment=segment)
+        out = longstraw_step(model, *inputs, loss=LossOptions(prompt_grad=prompt_grad),
+                             memory=StepMemory(logits_chunk_size=args.logits_chunk, state_segment=segment))
         model.zero_grad(set_to_none=True)
         return out.loss
 

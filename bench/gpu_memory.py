@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_longctx.longstraw import longstraw_step  # noqa: E402
+from lightning_longctx.longstraw import StepMemory, longstraw_step  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
 from lightning_longctx.ops import track_memory  # noqa: E402
 from lightning_longctx.ops.transfers import TransferCounter  # noqa: E402
@@ -85,7 +85,8 @@ the device's counters (CUDA) or the tracker's (CPU)."""
     advantages = torch.randn(group, generator=gen).to(device)
 
     def step():
-        longstraw_step(model, prompt, responses, advantages, logits_chunk_size=chunk, measure_memory=False)
+        longstraw_step(model, prompt, responses, advantages,
+                       memory=StepMemory(logits_chunk_size=chunk, measure_memory=False))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_longctx.longstraw import longstraw_step, sample  # noqa: E402
+from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step, sample  # noqa: E402
 from lightning_longctx.longstraw.offload import simulated_streams  # noqa: E402
 from lightning_longctx.longstraw.step import prefill_for_step  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
@@ -72,8 +72,8 @@ def run_step(smoke, device, dtype, offload: bool, backend: str = "auto"):
     model = build(smoke, device, dtype, backend)
     prompt, responses, advantages = inputs(smoke, device)
     with staging(smoke):
-        out = longstraw_step(model, prompt, responses, advantages, offload_prompt_cache=offload,
-                             measure_memory=False)
+        out = longstraw_step(model, prompt, responses, advantages,
+                             memory=StepMemory(offload_prompt_cache=offload, measure_memory=False))
     return out.loss, out.logprobs, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -81,7 +81,8 @@ def run_sample(smoke, device, dtype, offload: bool, prompt_cache: str, backend: 
     model = build(smoke, device, dtype, backend)
     prompt, responses, _ = inputs(smoke, device)
     with staging(smoke):
-        state = prefill_for_step(model, prompt, prompt_grad="full", offload_prompt_cache=offload)
+        state = prefill_for_step(model, prompt, loss=LossOptions(prompt_grad="full"),
+                                 memory=StepMemory(offload_prompt_cache=offload))
         return sample(model, prompt, len(responses), max_new_tokens=SIZES[smoke][9], temperature=1.0,
                       prompt_state=state, generator=torch.Generator(device).manual_seed(7), prompt_cache=prompt_cache)
 
@@ -100,11 +101,13 @@ def traffic(model, prompt, responses, advantages, new_tokens: int, simulate: boo
     and the exact step over that same prompt state (``simulate``: the copies through the CPU stand-in)."""
     device = prompt.device
     with simulated_streams() if simulate else contextlib.nullcontext(), TransferCounter() as counter:
-        state = prefill_for_step(model, prompt, prompt_grad="full", offload_prompt_cache=True)
+        state = prefill_for_step(model, prompt, loss=LossOptions(prompt_grad="full"),
+                                 memory=StepMemory(offload_prompt_cache=True))
         with phase("rollouts"):
             sample(model, prompt, len(responses), max_new_tokens=new_tokens, prompt_state=state,
                    generator=torch.Generator(device).manual_seed(7))
-        longstraw_step(model, prompt, responses, advantages, prompt_state=state, measure_memory=False)
+        longstraw_step(model, prompt, responses, advantages, prompt_state=state,
+                       memory=StepMemory(measure_memory=False))
     return counter.summary()
 
 

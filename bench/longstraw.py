@@ -1,7 +1,7 @@
 """LongStraw exact vs detached vs naive full autograd: peak memory and time for G = 2, 4, 8 (one run).
 
-- ``exact``: ``longstraw_step(prompt_grad="full")``: prefill once, replay each response, grouped backward.
-- ``detached``: ``longstraw_step(prompt_grad="none")``: LongStraw as published (biased gradient).
+- ``exact``: ``LossOptions(prompt_grad="full")``: prefill once, replay each response, grouped backward.
+- ``detached``: ``LossOptions(prompt_grad="none")``: LongStraw as published (biased gradient).
 - ``naive``: what a standard GRPO trainer does: the G sequences ``cat(P, r_i)`` as one batch, plain
   autograd (memory-efficient attention and chunked log-probs, so the difference is the algorithm).
 
@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_longctx.longstraw import longstraw_step, policy_token_terms, response_weights  # noqa: E402
+from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step, policy_token_terms, response_weights  # noqa: E402
 from lightning_longctx.longstraw.prefix import prefill  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
 from lightning_longctx.models.config import FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION  # noqa: E402
@@ -117,8 +117,9 @@ def measure(mode, model, prompt, responses, advantages, args):
         if mode == "naive":
             naive_step(model, prompt, responses, advantages, args.logits_chunk)
         else:
-            longstraw_step(model, prompt, responses, advantages, prompt_grad="full" if mode == "exact" else "none",
-                           logits_chunk_size=args.logits_chunk, state_segment=args.state_segment)
+            longstraw_step(model, prompt, responses, advantages,
+                           loss=LossOptions(prompt_grad="full" if mode == "exact" else "none"),
+                           memory=StepMemory(logits_chunk_size=args.logits_chunk, state_segment=args.state_segment))
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

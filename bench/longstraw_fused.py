@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import longstraw_baselines as baselines  # noqa: E402
 
-from lightning_longctx.longstraw import longstraw_step  # noqa: E402
+from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step  # noqa: E402
 from lightning_longctx.longstraw.prefix import branch_logprobs, grouped_backward, make_branch  # noqa: E402
 from lightning_longctx.longstraw.step import prefill_for_step  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
@@ -57,8 +57,6 @@ from lightning_longctx.models.fused_attention import FusedAttention  # noqa: E40
 from lightning_longctx.ops import track_memory  # noqa: E402
 
 MIB = 2.0**20
-STEP_ARGS = set(inspect.signature(longstraw_step).parameters)
-PREFILL_ARGS = set(inspect.signature(prefill_for_step).parameters)
 BRANCH_ARGS = set(inspect.signature(branch_logprobs).parameters)
 
 
@@ -100,12 +98,13 @@ class PhaseClock:
         return self.seconds
 
 
-def step(model, prompt, responses, advantages, *, measure=False, phases=False, **options):
-    options = {k: v for k, v in options.items() if k in STEP_ARGS}
+def step(model, prompt, responses, advantages, *, measure=False, phases=False, prompt_grad="full", **memory):
+    """Seconds and peak bytes of one exact step (``memory``: :class:`StepMemory` knobs)."""
     model.zero_grad(set_to_none=True)
     clock = PhaseClock() if phases else None
     start = time.perf_counter()
-    out = longstraw_step(model, prompt, responses, advantages, measure_memory=measure, progress=clock, **options)
+    out = longstraw_step(model, prompt, responses, advantages, progress=clock,
+                         loss=LossOptions(prompt_grad=prompt_grad), memory=StepMemory(measure_memory=measure, **memory))
     seconds = time.perf_counter() - start
     return (seconds, out.peak_bytes, clock.finish()) if phases else (seconds, out.peak_bytes)
 
@@ -117,9 +116,6 @@ def section_time(args, report):
     runs = {"exact, keep off": dict(prompt_grad="full", keep_attention_output="off"),
             "exact, keep device": dict(prompt_grad="full", keep_attention_output="device"),
             "detached": dict(prompt_grad="none")}
-    if "keep_attention_output" not in STEP_ARGS:
-        runs.pop("exact, keep device")
-        print("  (no keep_attention_output in this longstraw_step)")
     rows, phases = {}, {}
     for name, options in runs.items():
         step(model, short[0][:256], short[1], short[2], **options)  # warm-up
@@ -229,9 +225,8 @@ def grouped_backward_peak(model, prompt, responses, adv, keep):
     """Peak bytes of ``grouped_backward`` alone, beyond what is live when it starts; seconds; and its attention
     part (:class:`AttentionPart`)."""
     model.zero_grad(set_to_none=True)
-    extra = {"keep_attention_output": keep} if "keep_attention_output" in PREFILL_ARGS else {}
     with track_memory(prompt.device) as mem:
-        state = prefill_for_step(model, prompt, **extra)
+        state = prefill_for_step(model, prompt, memory=StepMemory(keep_attention_output=keep))
         for i, response in enumerate(responses):
             branch = make_branch(state, response)
             logp = branch_logprobs(model, state, branch)
@@ -249,7 +244,7 @@ def grouped_backward_peak(model, prompt, responses, adv, keep):
 def section_chunk(args, report):
     out = {}
     prompt, responses, adv = group(args, 2)
-    for keep in ("off", "device") if "keep_attention_output" in PREFILL_ARGS else ("off",):
+    for keep in ("off", "device"):
         for chunk in (1, None):
             # the tiled MLP: its [s, 3E] intermediates would otherwise dominate the peak at any chunk size
             model = build(args, 16, args.chunk_kv_heads, chunk, mlp_chunk=args.chunk_mlp)

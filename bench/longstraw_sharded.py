@@ -103,7 +103,7 @@ def planned_bytes(args, mode: str) -> tuple[int, str]:
 def worker(rank: int, world: int, args) -> list[dict]:
     import torch.distributed as dist
 
-    from lightning_longctx.longstraw import group_advantages, longstraw_step
+    from lightning_longctx.longstraw import StepGroups, StepMemory, group_advantages, longstraw_step
     from lightning_longctx.ops import track_memory
 
     torch.set_num_threads(1)
@@ -118,7 +118,8 @@ def worker(rank: int, world: int, args) -> list[dict]:
         model = _model(args, mode).to(device)
         if mode.startswith("fsdp"):
             _shard(model)
-        step = dict(group=dist.group.WORLD, measure_memory=False, logits_chunk_size=args.logits_chunk)
+        step = dict(groups=StepGroups(sp_group=dist.group.WORLD),
+                    memory=StepMemory(measure_memory=False, logits_chunk_size=args.logits_chunk))
         dist.barrier()
         with track_memory(device) as mem:  # the first step of a fresh model: every buffer is allocated inside
             longstraw_step(model, prompt, responses, advantages, **step)

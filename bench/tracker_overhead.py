@@ -1,7 +1,7 @@
 """Cost of the dispatch-mode live-tensor tracker on a demo-sized LongStraw group step.
 
 The tiny preset, a 1024-token prompt, G=8, 2 new tokens (what ``make demo`` runs per group): sampling plus one
-exact step, with and without ``longstraw_step(measure_memory=...)``, interleaved, median of 8. Training loops
+exact step, with and without ``StepMemory(measure_memory=...)``, interleaved, median of 8. Training loops
 pass ``measure_memory=False`` and log the device's own peak (``ops.tracker.device_peak_bytes``) instead.
 
 Usage: ``.venv/bin/python bench/tracker_overhead.py``
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from lightning_longctx.longstraw import longstraw_step, sample
+from lightning_longctx.longstraw import StepMemory, longstraw_step, sample
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
 
 
@@ -29,7 +29,7 @@ def main() -> None:
     def step(measure: bool) -> float:
         start = time.perf_counter()
         responses = sample(model, prompt, 8, max_new_tokens=2)
-        longstraw_step(model, prompt, responses, advantages, measure_memory=measure)
+        longstraw_step(model, prompt, responses, advantages, memory=StepMemory(measure_memory=measure))
         return time.perf_counter() - start
 
     step(True), step(False)  # warm-up

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from distributed import run_distributed
+from lightning_longctx.longstraw import StepGroups, StepMemory
 
 VOCAB, STEPS, SAMPLES = 32, 2, 4
 LR = {"gqa": 0.5, "hybrid": 0.02}  # the hybrid's random norms and slow decay make far larger gradients
@@ -146,8 +147,8 @@ def bf16_mixed_hybrid_step(rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, VOCAB, (40,), generator=g)
     responses = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 5)]
-    longstraw_step(policy, prompt, responses, torch.tensor([1.0, -1.0]), group=dist.group.WORLD,
-                   measure_memory=False)
+    longstraw_step(policy, prompt, responses, torch.tensor([1.0, -1.0]), memory=StepMemory(measure_memory=False),
+                   groups=StepGroups(sp_group=dist.group.WORLD))
     grads = [p.grad.full_tensor() for p in policy.parameters() if p.grad is not None]
     return {"grads": len(grads), "params": sum(1 for _ in policy.parameters()),
             "finite": all(bool(torch.isfinite(t).all()) for t in grads), "dtypes": {str(t.dtype) for t in grads}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_longctx.longstraw import longstraw_step
+from lightning_longctx.longstraw import StepGroups, StepMemory, longstraw_step
 from lightning_longctx.models import MemoryConfig
 from lightning_longctx.models.fused_attention import PrefixCache, PromptPass, _lora_stage_qkv, _stage_weights
 from lightning_longctx.models.lora import masked_linear
@@ -182,10 +182,10 @@ def reference_grads(model, prompt, responses, advantages):
     return loss, {n: g for n, g in grads.items() if n not in frozen}
 
 
-def step_error(model, prompt, responses, advantages, group=None, **options) -> float:
+def step_error(model, prompt, responses, advantages, **options) -> float:
     """Relative error of one exact step's loss and trainable gradients against full autograd."""
     want_loss, want = reference_grads(model, prompt, responses, advantages)
-    out = longstraw_step(model, prompt, responses, advantages, group=group, **options)
+    out = longstraw_step(model, prompt, responses, advantages, **options)
     got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     assert got.keys() == want.keys()
@@ -213,6 +213,8 @@ def sp_worker(rank, world):
     )):
         model = step_model(shape, chunk)
         prompt, responses, advantages = make_group(3, prompt_len=prompt_len, seed=case)
-        worst[f"step {case}"] = step_error(model, prompt, responses, advantages, group=group, state_segment=64,
-                                           keep_attention_output=keep, replay_checkpointing=ckpt)
+        worst[f"step {case}"] = step_error(model, prompt, responses, advantages,
+                                           memory=StepMemory(state_segment=64, keep_attention_output=keep,
+                                                             replay_checkpointing=ckpt),
+                                           groups=StepGroups(sp_group=group))
     return worst

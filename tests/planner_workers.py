@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_longctx.longstraw import StepGroups, StepMemory
+
 # Per rank (sp=2): 3 query heads over 1 K/V head of 64 (27B: 3 over 1 of 256), 6 linear value heads of 32 over
 # 2 key heads (27B: 6 of 128 over 2); an attention layer below the top, so the grouped backward recomputes one in
 # full, a linear layer, and the top attention layer (only its K/V).
@@ -70,8 +72,9 @@ def sharded_step_peaks(rank: int, world: int, prompt: int, response: int, group:
     for mode in modes:
         model = policy(lora=mode.endswith("lora"))
         shard(model)
-        out = longstraw_step(model, prompt_ids, responses, advantages, group=dist.group.WORLD,
-                             logits_chunk_size=KNOBS["logits_chunk_size"], measure_memory=True)
+        out = longstraw_step(model, prompt_ids, responses, advantages,
+                             memory=StepMemory(logits_chunk_size=KNOBS["logits_chunk_size"], measure_memory=True),
+                             groups=StepGroups(sp_group=dist.group.WORLD))
         rows.append(dict(mode=mode, held=held_bytes(model), peak=out.peak_bytes))
         del model
     return rows
@@ -115,8 +118,9 @@ def longstraw_peak(rank, world, seq, knobs, fields):
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 64, (seq,), generator=gen)
     responses = [torch.randint(0, 64, (8,), generator=gen) for _ in range(4)]
-    out = longstraw_step(model, prompt, responses, torch.randn(4, generator=gen), logits_chunk_size=knobs.get(
-        "logits_chunk_size"), group=dist.group.WORLD if world > 1 else None)
+    out = longstraw_step(model, prompt, responses, torch.randn(4, generator=gen),
+                         memory=StepMemory(logits_chunk_size=knobs.get("logits_chunk_size")),
+                         groups=StepGroups(sp_group=dist.group.WORLD if world > 1 else None))
     return out.peak_bytes
 
 

@@ -31,6 +31,7 @@ from distributed import run_distributed
 from lightning_longctx.longstraw import longstraw_step, sample, score
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
 from lightning_longctx.parallel import shard_batch, ulysses_attention
+from test_longstraw import with_options
 
 VOCAB = 64
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -290,25 +291,26 @@ STEP = [  # test_longstraw pins the group checks (lengths, vocabulary, loss_type
     ("advantages-list", dict(advantages=[1.0, -1.0]), TypeError, ["advantages", "list"]),
     ("advantages-2d", dict(advantages=torch.ones(1, 2)), ValueError, ["(1, 2)"]),
     ("advantages-nan", dict(advantages=torch.tensor([1.0, NAN])), ValueError, ["nan"]),
-    ("loss-type", dict(loss_type="sum"), ValueError, ["'sum'"]),
-    ("prompt-grad", dict(prompt_grad="half"), ValueError, ["'half'"]),
-    ("beta-negative", dict(beta=-1.0), ValueError, ["beta=-1.0"]),
-    ("beta-nan", dict(beta=NAN), ValueError, ["beta=nan"]),
-    ("clip-eps-negative", dict(clip_eps=(-0.1, 0.2)), ValueError, ["clip_eps=(-0.1, 0.2)"]),
-    ("clip-eps-float", dict(clip_eps=0.2), ValueError, ["clip_eps=0.2"]),
-    ("temperature-0", dict(temperature=0), ValueError, ["temperature=0"]),
-    ("temperature-bool", dict(temperature=True), ValueError, ["temperature=True"]),
-    ("logits-chunk-0", dict(logits_chunk_size=0), ValueError, ["logits_chunk_size=0"]),
-    ("state-segment", dict(state_segment=63), ValueError, ["state_segment=63"]),
-    ("keep-attention-output", dict(keep_attention_output="gpu"), ValueError, ["'gpu'"]),
-    ("accumulate-dtype-int", dict(accumulate_dtype=torch.int32), TypeError, ["torch.int32"]),
-    ("accumulate-dtype-str", dict(accumulate_dtype="float32"), TypeError, ["'float32'"]),
-    ("group-str", dict(group="world"), TypeError, ["group", "str"]),
-    ("dp-group-str", dict(dp_group="dp"), TypeError, ["dp_group", "str"]),
+    ("loss-type", dict(loss=dict(loss_type="sum")), ValueError, ["'sum'"]),
+    ("prompt-grad", dict(loss=dict(prompt_grad="half")), ValueError, ["'half'"]),
+    ("beta-negative", dict(loss=dict(beta=-1.0)), ValueError, ["beta=-1.0"]),
+    ("beta-nan", dict(loss=dict(beta=NAN)), ValueError, ["beta=nan"]),
+    ("clip-eps-negative", dict(loss=dict(clip_eps=(-0.1, 0.2))), ValueError, ["clip_eps=(-0.1, 0.2)"]),
+    ("clip-eps-float", dict(loss=dict(clip_eps=0.2)), ValueError, ["clip_eps=0.2"]),
+    ("temperature-0", dict(loss=dict(temperature=0)), ValueError, ["temperature=0"]),
+    ("temperature-bool", dict(loss=dict(temperature=True)), ValueError, ["temperature=True"]),
+    ("logits-chunk-0", dict(memory=dict(logits_chunk_size=0)), ValueError, ["logits_chunk_size=0"]),
+    ("state-segment", dict(memory=dict(state_segment=63)), ValueError, ["state_segment=63"]),
+    ("keep-attention-output", dict(memory=dict(keep_attention_output="gpu")), ValueError, ["'gpu'"]),
+    ("accumulate-dtype-int", dict(groups=dict(accumulate_dtype=torch.int32)), TypeError, ["torch.int32"]),
+    ("accumulate-dtype-str", dict(groups=dict(accumulate_dtype="float32")), TypeError, ["'float32'"]),
+    ("group-str", dict(groups=dict(sp_group="world")), TypeError, ["group", "str"]),
+    ("dp-group-str", dict(groups=dict(dp_group="dp")), TypeError, ["dp_group", "str"]),
     ("prompt-state-str", dict(prompt_state="x"), TypeError, ["prompt_state", "str"]),
-    ("replay-checkpointing-str", dict(replay_checkpointing="yes"), TypeError, ["replay_checkpointing='yes'"]),
+    ("replay-checkpointing-str", dict(memory=dict(replay_checkpointing="yes")), TypeError,
+     ["replay_checkpointing='yes'"]),
     ("old-logprobs-count", dict(old_logprobs=[torch.zeros(3)]), ValueError, ["old_logprobs has 1 entries"]),
-    ("max-response-length", dict(loss_type="seq_mean_token_sum_norm", max_response_length=2), ValueError,
+    ("max-response-length", dict(loss=dict(loss_type="seq_mean_token_sum_norm", max_response_length=2)), ValueError,
      ["max_response_length=2"]),
 ]
 
@@ -316,7 +318,7 @@ STEP = [  # test_longstraw pins the group checks (lengths, vocabulary, loss_type
 @pytest.mark.parametrize("change, exc, fragments", [c[1:] for c in STEP], ids=[c[0] for c in STEP])
 def test_longstraw_step_refuses(model, change, exc, fragments):
     args = dict(model=model, prompt_ids=PROMPT, responses=RESPONSES, advantages=torch.tensor([1.0, -1.0])) | change
-    refused(lambda: longstraw_step(**args), exc, *fragments, model=model)
+    refused(lambda: longstraw_step(**with_options(args)), exc, *fragments, model=model)
 
 
 SCORE = [

@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from lightning_longctx.longstraw import group_advantages, longstraw_step, sample, score
+from lightning_longctx.longstraw import (
+    LossOptions,
+    StepGroups,
+    StepMemory,
+    group_advantages,
+    longstraw_step,
+    sample,
+    score,
+)
 from lightning_longctx.models import DecoderConfig, DecoderLM
 
 VOCAB = 61
@@ -111,8 +119,9 @@ def test_grouped_backward_matches_full_autograd(loss_type, off_policy, g):
         beta = 0.1
     want_loss, want = reference(model, prompt, responses, advantages, loss_type=loss_type, old=old, ref=ref,
                                 beta=beta)
-    out = longstraw_step(model, prompt, responses, advantages, loss_type=loss_type, old_logprobs=old,
-                         ref_logprobs=ref, beta=beta, max_response_length=MAX_LEN, logits_chunk_size=3)
+    out = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
+                         loss=LossOptions(loss_type=loss_type, beta=beta, max_response_length=MAX_LEN),
+                         memory=StepMemory(logits_chunk_size=3))
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss) + 1e-14, (out.loss, want_loss)
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want, label=loss_type)
     if off_policy and g > 1:
@@ -133,7 +142,7 @@ def test_detached_prompt_equals_reference_with_prompt_kv_detached():
     """prompt_grad="none" == the same replay over a cache that carries no gradient (LongStraw's variant)."""
     model = tiny_model()
     prompt, responses, advantages = make_group(3)
-    out = longstraw_step(model, prompt, responses, advantages, prompt_grad="none")
+    out = longstraw_step(model, prompt, responses, advantages, loss=LossOptions(prompt_grad="none"))
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
@@ -270,6 +279,15 @@ def test_sampling_respects_eos():
     assert stopped.tolist() == first[:2].tolist()
 
 
+OPTION_CLASSES = {"loss": LossOptions, "memory": StepMemory, "groups": StepGroups}
+
+
+def with_options(args: dict) -> dict:
+    """``longstraw_step``'s arguments with the ``loss`` / ``memory`` / ``groups`` dicts of a test case made into
+    their option objects here, inside the call a test expects to fail (their checks raise when they are made)."""
+    return {k: OPTION_CLASSES[k](**v) if k in OPTION_CLASSES else v for k, v in args.items()}
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -279,12 +297,12 @@ def test_sampling_respects_eos():
          "response 1 must be a non-empty"),
         (dict(prompt_ids=torch.tensor([], dtype=torch.long)), "prompt_ids must be a non-empty"),
         (dict(prompt_ids=torch.tensor([1, VOCAB])), "outside the vocabulary"),
-        (dict(loss_type="sum"), "unknown loss_type"),
-        (dict(prompt_grad="partial"), "unknown prompt_grad"),
+        (dict(loss=dict(loss_type="sum")), "unknown loss_type"),
+        (dict(loss=dict(prompt_grad="partial")), "unknown prompt_grad"),
         (dict(old_logprobs=[torch.zeros(1), torch.zeros(4), torch.zeros(3)]), "old_logprobs[2] has shape"),
         (dict(ref_logprobs=[torch.zeros(1)]), "ref_logprobs has 1 entries for G=3"),
         (dict(old_logprobs=[torch.zeros(1), torch.full((4,), float("inf")), torch.zeros(2)]), "non-finite"),
-        (dict(loss_type="seq_mean_token_sum_norm"), "needs max_response_length"),
+        (dict(loss=dict(loss_type="seq_mean_token_sum_norm")), "needs max_response_length"),
     ],
 )
 def test_bad_input_is_refused_before_any_work(kwargs, message):
@@ -293,7 +311,7 @@ def test_bad_input_is_refused_before_any_work(kwargs, message):
     args = dict(prompt_ids=prompt, responses=responses, advantages=advantages) | kwargs
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
-        longstraw_step(model, **args)
+        longstraw_step(model, **with_options(args))
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
@@ -311,8 +329,9 @@ def _sp_worker(rank, world):
         old, ref = policy_inputs(ref_model, prompt, responses, perturb=0.3)
         want_loss, want = reference(ref_model, prompt, responses, advantages, loss_type=loss_type, old=old,
                                     ref=ref, beta=0.05)
-        out = longstraw_step(model, prompt, responses, advantages, loss_type=loss_type, old_logprobs=old,
-                             ref_logprobs=ref, beta=0.05, max_response_length=MAX_LEN, group=dist.group.WORLD)
+        out = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
+                             loss=LossOptions(loss_type=loss_type, beta=0.05, max_response_length=MAX_LEN),
+                             groups=StepGroups(sp_group=dist.group.WORLD))
         assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (case, out.loss, want_loss)
         got = {n: p.grad for n, p in model.named_parameters()}
         assert_grads_close(got, want, label=f"case {case} rank {rank}")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from lightning_longctx.longstraw import longstraw_step
+from lightning_longctx.longstraw import StepMemory, longstraw_step
 from lightning_longctx.longstraw.prefix import attention_output_bytes, branch_logprobs, grouped_backward, make_branch
 from lightning_longctx.longstraw.step import prefill_for_step
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
@@ -50,8 +50,9 @@ def test_every_mode_equals_the_old_plain_autograd_path(shape, chunk, lora, kv_he
 def test_exact_step_equals_full_autograd(shape, chunk, lora, keep, ckpt):
     model = step_model(shape, chunk, lora)
     prompt, responses, advantages = make_group(3, prompt_len=23)
-    assert step_error(model, prompt, responses, advantages, keep_attention_output=keep, replay_checkpointing=ckpt,
-                      state_segment=64, logits_chunk_size=4) < TOL
+    assert step_error(model, prompt, responses, advantages,
+                      memory=StepMemory(keep_attention_output=keep, replay_checkpointing=ckpt, state_segment=64,
+                                        logits_chunk_size=4)) < TOL
 
 
 def test_offloaded_cache_and_the_memory_config_knobs():
@@ -59,8 +60,8 @@ def test_offloaded_cache_and_the_memory_config_knobs():
     the host; the knobs read from ``MemoryConfig`` when the step's arguments are None."""
     model = step_model("llama", 1)
     prompt, responses, advantages = make_group(4, prompt_len=17)
-    assert step_error(model, prompt, responses, advantages, offload_prompt_cache=True,
-                      keep_attention_output="host") < TOL
+    assert step_error(model, prompt, responses, advantages,
+                      memory=StepMemory(offload_prompt_cache=True, keep_attention_output="host")) < TOL
     model.configure_memory(MemoryConfig(head_chunk_size=1, activation_checkpointing=True,
                                         keep_attention_output="device"))
     state = prefill_for_step(model, prompt)
@@ -71,7 +72,7 @@ def test_offloaded_cache_and_the_memory_config_knobs():
     with pytest.raises(ValueError, match="keep_attention_output"):
         MemoryConfig(keep_attention_output="yes")
     with pytest.raises(ValueError, match="keep_attention_output"):
-        longstraw_step(model, prompt, responses, advantages, keep_attention_output="cpu")
+        longstraw_step(model, prompt, responses, advantages, memory=StepMemory(keep_attention_output="cpu"))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -92,7 +93,7 @@ def _wide_model(chunk, layers=2, heads=16, head_dim=16, kv_heads=4, hidden=32, v
 def _grouped_backward_peak(model, prompt, responses, keep="off") -> int:
     """Peak bytes of ``grouped_backward`` beyond what is live when it starts."""
     with track_memory(prompt.device) as mem:
-        state = prefill_for_step(model, prompt, keep_attention_output=keep)
+        state = prefill_for_step(model, prompt, memory=StepMemory(keep_attention_output=keep))
         for response in responses:
             branch_logprobs(model, state, make_branch(state, response)).sum().backward()
         start = mem.current_bytes
@@ -164,7 +165,8 @@ def test_step_peak_does_not_grow_with_the_group_size():
     peaks = {}
     for keep in ("off", "device"):
         for g in (2, 8):
-            out = longstraw_step(model, prompt, responses[:g], advantages[:g], keep_attention_output=keep)
+            out = longstraw_step(model, prompt, responses[:g], advantages[:g],
+                                 memory=StepMemory(keep_attention_output=keep))
             peaks[keep, g] = out.peak_bytes
             model.zero_grad(set_to_none=True)
         assert peaks[keep, 8] <= 1.02 * peaks[keep, 2], peaks

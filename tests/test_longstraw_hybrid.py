@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from lightning_longctx.longstraw import longstraw_step, sample, score
+from lightning_longctx.longstraw import LossOptions, StepGroups, StepMemory, longstraw_step, sample, score
 from lightning_longctx.models import MemoryConfig
 from models_common import single_thread, tiny_config  # noqa: F401 - single_thread is an autouse fixture
 from models_common import tiny_model as random_model
@@ -44,9 +44,9 @@ def test_hybrid_grouped_backward_matches_full_autograd(loss_type, g, prompt_len,
     old, ref = policy_inputs(model, prompt, responses, perturb=0.3)
     want_loss, want = reference(model, prompt, responses, advantages, loss_type=loss_type, old=old, ref=ref,
                                 beta=0.05)
-    out = longstraw_step(model, prompt, responses, advantages, loss_type=loss_type, old_logprobs=old,
-                         ref_logprobs=ref, beta=0.05, max_response_length=MAX_LEN, state_segment=segment,
-                         logits_chunk_size=4)
+    out = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
+                         loss=LossOptions(loss_type=loss_type, beta=0.05, max_response_length=MAX_LEN),
+                         memory=StepMemory(state_segment=segment, logits_chunk_size=4))
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (out.loss, want_loss)
     got = {n: p.grad for n, p in model.named_parameters()}
     assert got.keys() == want.keys() and all(g is not None for g in got.values())
@@ -57,7 +57,7 @@ def test_hybrid_detached_prompt_differs_from_exact():
     """``prompt_grad="none"`` drops the gradient through the recurrent state: same loss, other gradient."""
     model = hybrid_model()
     prompt, responses, advantages = make_group(3, prompt_len=40)
-    out = longstraw_step(model, prompt, responses, advantages, prompt_grad="none")
+    out = longstraw_step(model, prompt, responses, advantages, loss=LossOptions(prompt_grad="none"))
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     full_loss, full = reference(model, prompt, responses, advantages, loss_type="token_mean")
     assert abs(out.loss - full_loss) < 1e-10
@@ -96,7 +96,7 @@ def test_hybrid_bf16_autocast_step_is_as_accurate_as_plain_bf16_autograd():
         _, plain_grads = reference(plain, prompt, responses, advantages, loss_type="token_mean")
     model = hybrid_model().float()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        longstraw_step(model, prompt, responses, advantages, state_segment=64)
+        longstraw_step(model, prompt, responses, advantages, memory=StepMemory(state_segment=64))
     assert model.model.layers[0].linear_attn.in_proj_qkv.weight.grad.dtype == torch.float32
     assert worst({n: p.grad for n, p in model.named_parameters()}) <= 1.5 * worst(plain_grads)
 
@@ -105,7 +105,7 @@ def test_bad_state_segment_is_refused():
     model = hybrid_model()
     prompt, responses, advantages = make_group(2, prompt_len=10)
     with pytest.raises(ValueError, match="state_segment=100 must be a positive multiple"):
-        longstraw_step(model, prompt, responses, advantages, state_segment=100)
+        longstraw_step(model, prompt, responses, advantages, memory=StepMemory(state_segment=100))
 
 
 def _sp_worker(rank, world):
@@ -118,8 +118,9 @@ def _sp_worker(rank, world):
         ref_model, model = hybrid_model(), hybrid_model(chunk)
         prompt, responses, advantages = make_group(g, prompt_len=prompt_len, seed=case)
         want_loss, want = reference(ref_model, prompt, responses, advantages, loss_type=loss_type, beta=0.0)
-        out = longstraw_step(model, prompt, responses, advantages, loss_type=loss_type,
-                             max_response_length=MAX_LEN, group=dist.group.WORLD, state_segment=segment)
+        out = longstraw_step(model, prompt, responses, advantages,
+                             loss=LossOptions(loss_type=loss_type, max_response_length=MAX_LEN),
+                             memory=StepMemory(state_segment=segment), groups=StepGroups(sp_group=dist.group.WORLD))
         assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss) + 1e-14, (case, out.loss, want_loss)
         got = {n: p.grad for n, p in model.named_parameters()}
         assert_grads_close(got, want, label=f"case {case} rank {rank}")
@@ -147,7 +148,7 @@ def test_offloaded_prompt_cache_gives_the_same_exact_step(layers):
     prompt, responses, advantages = make_group(3, prompt_len=70)
     want_loss, want = reference(hybrid_model(layer_types=layers), prompt, responses, advantages, loss_type="token_mean")
     model = hybrid_model(layer_types=layers)
-    out = longstraw_step(model, prompt, responses, advantages, offload_prompt_cache=True, offload_checkpoints=True,
-                         state_segment=64)
+    out = longstraw_step(model, prompt, responses, advantages,
+                         memory=StepMemory(offload_prompt_cache=True, offload_checkpoints=True, state_segment=64))
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss) + 1e-14
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want, label=f"offload {layers}")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from lightning_longctx.longstraw import longstraw_step, score
+from lightning_longctx.longstraw import LossOptions, StepGroups, StepMemory, longstraw_step, score
 from models_common import single_thread, tiny_config  # noqa: F401 - single_thread is an autouse fixture
 from models_common import tiny_model as random_model
 from test_longstraw import MAX_LEN, assert_grads_close, make_group, policy_inputs, reference
@@ -60,8 +60,8 @@ def test_lora_grouped_step_matches_full_autograd_and_leaves_the_base_frozen(shap
     old, ref = policy_inputs(model, prompt, responses, perturb=0.3)
     want_loss, want = lora_reference(model, prompt, responses, advantages, loss_type="token_mean", old=old,
                                      ref=ref, beta=0.05)
-    out = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref, beta=0.05,
-                         max_response_length=MAX_LEN, state_segment=64)
+    out = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
+                         loss=LossOptions(beta=0.05, max_response_length=MAX_LEN), memory=StepMemory(state_segment=64))
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss) + 1e-14
     got = trainable_grads(model)
     assert got.keys() == want.keys() and all("lora_" in n for n in got)
@@ -92,7 +92,8 @@ def _sp_worker(rank, world):
         model = lora_model(shape)
         prompt, responses, advantages = make_group(3, prompt_len=33, seed=case)
         want_loss, want = lora_reference(lora_model(shape), prompt, responses, advantages, loss_type="token_mean")
-        out = longstraw_step(model, prompt, responses, advantages, group=dist.group.WORLD, state_segment=64)
+        out = longstraw_step(model, prompt, responses, advantages, memory=StepMemory(state_segment=64),
+                             groups=StepGroups(sp_group=dist.group.WORLD))
         assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss) + 1e-14
         got = trainable_grads(model)
         assert_grads_close(got, want, label=f"sp lora {shape} rank {rank}")
@@ -116,7 +117,7 @@ def test_hydra_model_lora_builds_adapters_and_the_module_uses_the_base_as_kl_ref
     model = cli.build_model(cfg)
     assert model.has_lora() and all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
     module, _ = cli.build_task(cfg, model)
-    assert module.ref_model is None and module.step_kwargs["beta"] == 0.04
+    assert module.ref_model is None and module.loss_options.beta == 0.04
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from lightning_longctx.longstraw import longstraw_step, score
+from lightning_longctx.longstraw import LossOptions, StepGroups, StepMemory, longstraw_step, score
 from lightning_longctx.models import MemoryConfig
 from mla_workers import mla_config, mla_model, qwen_moe_config
 from models_common import single_thread  # noqa: F401 - single_thread is an autouse fixture
@@ -43,9 +43,9 @@ def test_mla_grouped_backward_matches_full_autograd(loss_type, g, prompt_len, me
     old, ref = policy_inputs(model, prompt, responses, perturb=0.3)
     want_loss, want = reference(_model(**overrides), prompt, responses, advantages, loss_type=loss_type, old=old,
                                 ref=ref, beta=0.05)
-    out = longstraw_step(model, prompt, responses, advantages, loss_type=loss_type, old_logprobs=old,
-                         ref_logprobs=ref, beta=0.05, max_response_length=MAX_LEN, logits_chunk_size=4,
-                         state_segment=64)
+    out = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
+                         loss=LossOptions(loss_type=loss_type, beta=0.05, max_response_length=MAX_LEN),
+                         memory=StepMemory(logits_chunk_size=4, state_segment=64))
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (out.loss, want_loss)
     got = {n: p.grad for n, p in model.named_parameters()}
     assert got.keys() == want.keys() and all(g is not None for g in got.values())
@@ -61,7 +61,7 @@ def test_mla_detached_prompt_differs_from_exact_and_score_equals_full_forward():
         logits = model(torch.cat([prompt, r])[None]).logits[0]
         want = F.log_softmax(logits[s - 1: s - 1 + r.numel()], -1).gather(1, r[:, None])[:, 0]
         torch.testing.assert_close(lp, want.detach(), atol=1e-10, rtol=0)
-    out = longstraw_step(model, prompt, responses, advantages, prompt_grad="none")
+    out = longstraw_step(model, prompt, responses, advantages, loss=LossOptions(prompt_grad="none"))
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     full_loss, full = reference(_model(), prompt, responses, advantages, loss_type="token_mean")
     assert abs(out.loss - full_loss) < 1e-10
@@ -77,8 +77,10 @@ def _sp_worker(rank, world):
         model = _model(memory, **overrides)
         prompt, responses, advantages = make_group(g, prompt_len=prompt_len, seed=case)
         want_loss, want = reference(_model(**overrides), prompt, responses, advantages, loss_type=loss_type)
-        out = longstraw_step(model, prompt, responses, advantages, loss_type=loss_type, max_response_length=MAX_LEN,
-                             group=dist.group.WORLD, replay_checkpointing=case == 0, state_segment=64)
+        out = longstraw_step(model, prompt, responses, advantages,
+                             loss=LossOptions(loss_type=loss_type, max_response_length=MAX_LEN),
+                             memory=StepMemory(replay_checkpointing=case == 0, state_segment=64),
+                             groups=StepGroups(sp_group=dist.group.WORLD))
         assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss) + 1e-14, (case, out.loss, want_loss)
         got = {n: p.grad for n, p in model.named_parameters()}
         assert_grads_close(got, want, label=f"case {case} rank {rank}")
@@ -109,7 +111,8 @@ def _fsdp_step(rank):
     shard_modules(model, [model], sharding="fsdp", mesh=fsdp_mesh("fsdp", "cpu"),
                   mp_policy=mixed_precision_policy(None))
     register_prefix_state_methods([model])
-    out = longstraw_step(model, prompt, responses, advantages, group=dist.group.WORLD, measure_memory=False)
+    out = longstraw_step(model, prompt, responses, advantages, memory=StepMemory(measure_memory=False),
+                         groups=StepGroups(sp_group=dist.group.WORLD))
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (out.loss, want_loss)
     got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     assert_grads_close(got, want, label=f"FSDP2 rank {rank}")
@@ -166,7 +169,8 @@ def test_mla_with_offload_options_gives_the_same_exact_step():
     prompt, responses, advantages = make_group(3, prompt_len=30)
     want_loss, want = reference(_model(), prompt, responses, advantages, loss_type="token_mean")
     model = _model()
-    out = longstraw_step(model, prompt, responses, advantages, offload_prompt_cache=True, offload_checkpoints=True,
-                         keep_attention_output="device")
+    out = longstraw_step(model, prompt, responses, advantages,
+                         memory=StepMemory(offload_prompt_cache=True, offload_checkpoints=True,
+                                           keep_attention_output="device"))
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss)
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want, label="MLA offload")

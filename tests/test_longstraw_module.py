@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning_longctx  # noqa: F401  (registers "ulysses")
-from lightning_longctx.longstraw import group_advantages, longstraw_step
+from lightning_longctx.longstraw import LossOptions, group_advantages, longstraw_step
 from lightning_longctx.models import DecoderConfig, DecoderLM
 from lightning_longctx.tasks.needle import NeedleGRPO, NeedleHaystack, collate_prompt_groups, needle_reward
 
@@ -42,7 +42,7 @@ def test_module_takes_one_exact_step_per_group_and_logs_metrics(tmp_path):
     expected = _model()
     prompt = batch["prompt_ids"][0]
     advantages = group_advantages(needle_reward(responses[0], batch["answer"][0]))
-    longstraw_step(expected, prompt, responses[0], advantages, max_response_length=4)
+    longstraw_step(expected, prompt, responses[0], advantages, loss=LossOptions(max_response_length=4))
     with torch.no_grad():
         for p in expected.parameters():
             p -= 0.1 * p.grad
@@ -131,7 +131,8 @@ def test_max_grad_norm_clips_the_exact_gradient_before_the_step(tmp_path):
     expected = _model()
     responses = batch["responses"][0]
     longstraw_step(expected, batch["prompt_ids"][0], responses,
-                   group_advantages(needle_reward(responses, batch["answer"][0])), max_response_length=4)
+                   group_advantages(needle_reward(responses, batch["answer"][0])),
+                   loss=LossOptions(max_response_length=4))
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in expected.parameters()]))
     assert norm > 100 * max_norm  # the clip really acts
     with torch.no_grad():
@@ -157,7 +158,7 @@ def test_lr_warmup_and_cosine_follow_the_schedule_and_resume_from_a_checkpoint(t
     AdamW state: the parameters match the uninterrupted run bitwise)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_longctx.training.longstraw_module import lr_factor
+    from lightning_longctx.training.schedule import lr_factor
 
     lr, steps = 0.05, 5
     want = [lr * f for f in (1 / 3, 2 / 3, 1.0, 0.75, 0.25)]
@@ -204,12 +205,12 @@ def test_memory_offload_checkpoints_reaches_longstraw_step_from_the_cli(tmp_path
     model = cli.build_model(cfg)
     assert model.memory.offload_checkpoints is False  # the model's own checkpoints: off without checkpointing
     module, data = cli.build_task(cfg, model)
-    assert module.step_kwargs["offload_checkpoints"] is True and module.step_kwargs["offload_prompt_cache"] is True
+    assert module.step_memory.offload_checkpoints is True and module.step_memory.offload_prompt_cache is True
     assert (module.max_grad_norm, module.lr_warmup_steps, module.lr_schedule) == (0.5, 3, "constant")
     cosine = cfg_for("task.seq_len=32", "task.lr_schedule=cosine", "task.max_grad_norm=null")
     cosine_module, _ = cli.build_task(cosine, cli.build_model(cosine))
     assert (cosine_module.lr_schedule, cosine_module.max_grad_norm) == ("cosine", None)
-    assert cosine_module.step_kwargs["offload_checkpoints"] is False
+    assert cosine_module.step_memory.offload_checkpoints is False
     defaults = cfg_for().task
     assert (defaults.max_grad_norm, defaults.lr_warmup_steps, defaults.lr_schedule) == (1.0, 0, "constant")
 
@@ -217,7 +218,7 @@ def test_memory_offload_checkpoints_reaches_longstraw_step_from_the_cli(tmp_path
     real_step = lsm.longstraw_step
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["offload_checkpoints"])
+        seen.append(kwargs["memory"].offload_checkpoints)
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(lsm, "longstraw_step", spy)
@@ -241,8 +242,9 @@ def test_external_engine_responses_with_behaviour_logprobs_clip_against_them(tmp
     prompt = batch["prompt_ids"][0]
     advantages = group_advantages(needle_reward(responses[0], batch["answer"][0]))
     expected, on_policy = _model(), _model()
-    longstraw_step(expected, prompt, responses[0], advantages, old_logprobs=old[0], max_response_length=4)
-    longstraw_step(on_policy, prompt, responses[0], advantages, max_response_length=4)
+    longstraw_step(expected, prompt, responses[0], advantages, old_logprobs=old[0],
+                   loss=LossOptions(max_response_length=4))
+    longstraw_step(on_policy, prompt, responses[0], advantages, loss=LossOptions(max_response_length=4))
     module = NeedleGRPO(_model(), group_size=3, max_new_tokens=4, lr=0.1)
     module.configure_optimizers = lambda: torch.optim.SGD(module.model.parameters(), lr=0.1)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="ulysses", max_steps=1, logger=False,

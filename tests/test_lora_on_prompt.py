@@ -18,6 +18,7 @@ keep ``on_prompt`` and PEFT ignores our key.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from lightning_longctx.longstraw import longstraw_step, score
+from lightning_longctx.longstraw import LossOptions, StepGroups, StepMemory, longstraw_step, score
 from lightning_longctx.models import DecoderLM, MemoryConfig
 from lightning_longctx.models.lora import ON_PROMPT_KEY, adapters_from_position, lora_on_prompt
 from models_common import single_thread, tiny_config, tiny_model  # noqa: F401 - single_thread is an autouse fixture
@@ -140,9 +141,10 @@ def oracle(model, prompt, responses, advantages, *, old=None, ref=None, beta=0.0
     return loss.item(), logprobs, dict(zip(params, grads))
 
 
-def run_step(model, *args, **kwargs):
+def run_step(model, *args, memory: StepMemory | None = None, **kwargs):
     """``longstraw_step`` without the CPU memory tracker (a dispatch mode that slows tiny ops)."""
-    return longstraw_step(model, *args, measure_memory=False, **kwargs)
+    memory = dataclasses.replace(memory or StepMemory(), measure_memory=False)
+    return longstraw_step(model, *args, memory=memory, **kwargs)
 
 
 def step_grads(model):
@@ -167,7 +169,8 @@ def test_step_equals_full_autograd_without_a_grouped_backward(shape, monkeypatch
     prefill = step_module.prefill
     monkeypatch.setattr(step_module, "prefill", lambda *a, **kw: calls.append(kw) or prefill(*a, **kw))
     monkeypatch.setattr(step_module, "grouped_backward", lambda *a, **kw: pytest.fail("grouped backward ran"))
-    out = run_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref, beta=0.05)
+    out = run_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
+                   loss=LossOptions(beta=0.05))
     assert [(kw["keep_checkpoints"], kw["cache_requires_grad"]) for kw in calls] == [(False, False)]
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (out.loss, want_loss)
     assert 0 < out.clip_fraction < 1 and out.kl > 0
@@ -188,7 +191,7 @@ def test_prompt_grad_none_is_the_same_exact_step_and_on_prompt_true_still_runs_t
     results = []
     for prompt_grad in ("full", "none"):
         model = make_model()
-        run_step(model, prompt, responses, advantages, prompt_grad=prompt_grad)
+        run_step(model, prompt, responses, advantages, loss=LossOptions(prompt_grad=prompt_grad))
         results.append(step_grads(model))
     for name, g in results[0].items():
         torch.testing.assert_close(results[1][name], g, atol=0, rtol=0)
@@ -244,7 +247,7 @@ def test_hybrid_and_a_trainable_base_parameter_are_exact():
             return hybrid(seq[None]).logits[0]
 
     want_loss, _, want = oracle(hybrid, prompt, responses, advantages, logits=own_logits)
-    out = run_step(hybrid, prompt, responses, advantages, state_segment=64)
+    out = run_step(hybrid, prompt, responses, advantages, memory=StepMemory(state_segment=64))
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss)
     assert_grads_close(step_grads(hybrid), want, label="hybrid on_prompt=False")
 
@@ -264,7 +267,7 @@ def _sp_worker(rank, world):
         model = make_model(shape)
         prompt, responses, advantages = make_group(3, prompt_len=PROMPT, seed=case)
         want_loss, want_logp, want = oracle(model, prompt, responses, advantages)
-        out = run_step(model, prompt, responses, advantages, group=dist.group.WORLD)
+        out = run_step(model, prompt, responses, advantages, groups=StepGroups(sp_group=dist.group.WORLD))
         assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (out.loss, want_loss)
         for got_lp, want_lp in zip(out.logprobs, want_logp):
             torch.testing.assert_close(got_lp, want_lp, atol=1e-10, rtol=0)

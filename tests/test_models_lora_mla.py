@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from distributed import run_distributed  # noqa: E402
-from lightning_longctx.longstraw import longstraw_step, sample  # noqa: E402
+from lightning_longctx.longstraw import StepGroups, StepMemory, longstraw_step, sample  # noqa: E402
 from lightning_longctx.models import DecoderLM, LoRALinear, MemoryConfig  # noqa: E402
 from lightning_longctx.models.lora import adapters_from_position  # noqa: E402
 from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch  # noqa: E402
@@ -221,7 +221,8 @@ def _check_step(case, group=None):
     model = lora_mla(memory, on_prompt, q_lora)
     prompt, responses, advantages = make_group(3, prompt_len=prompt_len, seed=case)
     want_loss, want_logp, want = oracle(model, prompt, responses, advantages, logits=own_logits(model))
-    out = longstraw_step(model, prompt, responses, advantages, group=group, measure_memory=False, state_segment=64)
+    out = longstraw_step(model, prompt, responses, advantages,
+                         memory=StepMemory(measure_memory=False, state_segment=64), groups=StepGroups(sp_group=group))
     label = f"case {case} on_prompt={on_prompt} q_lora={q_lora}"
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (label, out.loss, want_loss)
     for got_lp, want_lp in zip(out.logprobs, want_logp):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from lightning_longctx.longstraw import StepGroups
 from numerics_workers import adamw_updates, coalesced_reduction, run_ranks, setup_collectives
 
 
@@ -77,7 +78,7 @@ def _bf16_group_errors():
     for accumulate in (torch.float32, torch.bfloat16):
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            longstraw_step(model, prompt, responses, advantages.float(), accumulate_dtype=accumulate)
+            longstraw_step(model, prompt, responses, advantages.float(), groups=StepGroups(accumulate_dtype=accumulate))
         got = {n: p.grad.double() for n, p in model.named_parameters()}
         errors[accumulate] = _relative(got, want)
         dtypes[accumulate] = {p.grad.dtype for p in model.parameters()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_longctx.longstraw import longstraw_step, sample
+from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step, sample
 from lightning_longctx.longstraw.offload import DeferredStreams, HostStager, simulated_streams
 from lightning_longctx.longstraw.step import prefill_for_step
 from models_common import single_thread  # noqa: F401 - autouse fixture
@@ -54,13 +54,12 @@ def run_step(offload: bool, streams=None, *, prefilled: bool = False, **options)
     """Loss, log-probs and every parameter gradient of one exact step (a fresh model, same seed)."""
     model = float_model(options.pop("chunk", 1), hybrid=options.pop("hybrid", False))
     prompt, responses, advantages = make_group(3, prompt_len=23)
+    memory = StepMemory(offload_prompt_cache=offload, measure_memory=False, **options)
     with simulated_streams(streams):
         state = None
         if prefilled:  # the prompt state made ahead (as sample / score share it), then the step
-            state = prefill_for_step(model, prompt, prompt_grad="full", offload_prompt_cache=offload, **{
-                k: v for k, v in options.items() if k == "keep_attention_output"})
-        out = longstraw_step(model, prompt, responses, advantages.float(), offload_prompt_cache=offload,
-                             measure_memory=False, prompt_state=state, **options)
+            state = prefill_for_step(model, prompt, loss=LossOptions(prompt_grad="full"), memory=memory)
+        out = longstraw_step(model, prompt, responses, advantages.float(), prompt_state=state, memory=memory)
     return out.loss, out.logprobs, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -106,7 +105,8 @@ def test_offloaded_sampling_equals_the_device_cache(prompt_cache, temperature):
         model = float_model()
         prompt, _, _ = make_group(1, prompt_len=23)
         with simulated_streams():
-            state = prefill_for_step(model, prompt, prompt_grad="full", offload_prompt_cache=offload)
+            state = prefill_for_step(model, prompt, loss=LossOptions(prompt_grad="full"),
+                                     memory=StepMemory(offload_prompt_cache=offload))
             return sample(model, prompt, 3, max_new_tokens=6, temperature=temperature, prompt_state=state,
                           generator=torch.Generator().manual_seed(5), prompt_cache=prompt_cache)
 

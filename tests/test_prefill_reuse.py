@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from lightning_longctx.longstraw import longstraw_step, prefill_for_step, sample, score
+from lightning_longctx.longstraw import (
+    LossOptions,
+    StepGroups,
+    StepMemory,
+    longstraw_step,
+    prefill_for_step,
+    sample,
+    score,
+)
 from models_common import grads, single_thread  # noqa: F401 - single_thread: an autouse fixture
 from sampling_workers import VOCAB, build_model, greedy_reference, make_prompt
 
@@ -28,15 +36,16 @@ def test_one_prefill_for_sample_score_and_step_equals_separate_prefills(kind):
     advantages = torch.tensor([1.0, -0.5, 0.25])
     want_responses = sample(model, prompt, 3, max_new_tokens=4, temperature=0.0)
     want_old = score(model, prompt, want_responses)
-    longstraw_step(model, prompt, want_responses, advantages, old_logprobs=want_old, state_segment=64)
+    longstraw_step(model, prompt, want_responses, advantages, old_logprobs=want_old,
+                   memory=StepMemory(state_segment=64))
     want = grads(model)
     model.zero_grad(set_to_none=True)
 
-    state = prefill_for_step(model, prompt, state_segment=64)
+    state = prefill_for_step(model, prompt, memory=StepMemory(state_segment=64))
     responses = sample(model, prompt, 3, max_new_tokens=4, temperature=0.0, prompt_state=state)
     old = score(model, prompt, responses, prompt_state=state)
-    out = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, state_segment=64,
-                         prompt_state=state)
+    out = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, prompt_state=state,
+                         memory=StepMemory(state_segment=64))
     assert [r.tolist() for r in responses] == [r.tolist() for r in want_responses]
     for a, b in zip(old, want_old):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
@@ -51,7 +60,7 @@ def test_one_prefill_for_sample_score_and_step_equals_separate_prefills(kind):
 
 def test_a_prompt_state_is_refused_after_the_parameters_change_or_for_another_prompt():
     model, prompt = build_model("plain"), make_prompt(15)
-    state = prefill_for_step(model, prompt, prompt_grad="none")
+    state = prefill_for_step(model, prompt, loss=LossOptions(prompt_grad="none"))
     responses = _group()
     score(model, prompt, responses, prompt_state=state)  # fine: nothing changed
     with pytest.raises(ValueError, match="other prompt ids"):
@@ -60,15 +69,15 @@ def test_a_prompt_state_is_refused_after_the_parameters_change_or_for_another_pr
         next(model.parameters()).add_(1e-3)  # what optimizer.step() does: an in-place update
     for call in (lambda: score(model, prompt, responses, prompt_state=state),
                  lambda: sample(model, prompt, 2, max_new_tokens=2, prompt_state=state),
-                 lambda: longstraw_step(model, prompt, responses, torch.ones(3), prompt_grad="none",
-                                        prompt_state=state)):
+                 lambda: longstraw_step(model, prompt, responses, torch.ones(3), prompt_state=state,
+                                        loss=LossOptions(prompt_grad="none"))):
         with pytest.raises(ValueError, match="parameters changed since prompt_state was prefilled"):
             call()
 
 
 def test_a_state_without_checkpoints_is_refused_for_the_exact_step():
     model, prompt = build_model("plain"), make_prompt(15)
-    state = prefill_for_step(model, prompt, prompt_grad="none")
+    state = prefill_for_step(model, prompt, loss=LossOptions(prompt_grad="none"))
     with pytest.raises(ValueError, match="without the grouped backward's checkpoints"):
         longstraw_step(model, prompt, _group(), torch.ones(3), prompt_state=state)
 
@@ -84,8 +93,9 @@ def test_logprobs_follow_the_sampling_temperature(temperature):
             logits = model(torch.cat([prompt, r])[None]).logits[0, prompt.numel() - 1:-1]
             want.append(torch.log_softmax(logits / temperature, dim=-1).gather(1, r[:, None])[:, 0])
     scored = score(model, prompt, responses, temperature=temperature)
-    out = longstraw_step(model, prompt, responses, torch.tensor([1.0, 0.0, -1.0]), temperature=temperature,
-                         state_segment=64, measure_memory=False)
+    out = longstraw_step(model, prompt, responses, torch.tensor([1.0, 0.0, -1.0]),
+                         loss=LossOptions(temperature=temperature),
+                         memory=StepMemory(state_segment=64, measure_memory=False))
     for a, b, c in zip(scored, out.logprobs, want):
         torch.testing.assert_close(a, c, rtol=0, atol=1e-12)
         torch.testing.assert_close(b, c, rtol=0, atol=1e-12)
@@ -112,10 +122,10 @@ def _fsdp_sample_worker(rank: int, world: int, kind: str) -> dict:
                   mp_policy=mixed_precision_policy(None))
     register_prefix_state_methods([model])
     group = dist.group.WORLD
-    state = prefill_for_step(model, prompt, group=group, state_segment=64)
+    state = prefill_for_step(model, prompt, memory=StepMemory(state_segment=64), groups=StepGroups(sp_group=group))
     got = sample(model, prompt, 3, max_new_tokens=5, temperature=0.0, group=group, prompt_state=state)
-    out = longstraw_step(model, prompt, got, torch.tensor([1.0, -1.0, 0.5]), group=group, state_segment=64,
-                         prompt_state=state, measure_memory=False)
+    out = longstraw_step(model, prompt, got, torch.tensor([1.0, -1.0, 0.5]), prompt_state=state,
+                         memory=StepMemory(state_segment=64, measure_memory=False), groups=StepGroups(sp_group=group))
     return {"got": [r.tolist() for r in got], "want": want, "loss": out.loss}
 
 

@@ -35,6 +35,7 @@ import time
 import pytest
 import torch
 
+from lightning_longctx.longstraw import StepGroups
 from lightning_longctx.parallel.spawn import run_distributed
 
 STEPS = 200
@@ -91,7 +92,7 @@ def soak_worker(rank: int, world: int, steps: int) -> dict:
             advantages = group_advantages(torch.randn(GROUP, generator=data, dtype=torch.float64).float())
             t0 = time.perf_counter()
             outer.reset_peak()
-            longstraw_step(model, prompt, responses, advantages, group=dist.group.WORLD)
+            longstraw_step(model, prompt, responses, advantages, groups=StepGroups(sp_group=dist.group.WORLD))
             peaks.append(outer.peak_bytes)  # absolute: everything earlier steps retained is in it
             optimizer.step()
             optimizer.zero_grad()

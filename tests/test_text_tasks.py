@@ -322,7 +322,7 @@ def test_text_grpo_yaml_instantiates_and_trains_two_steps_in_process(tmp_path, h
     data = instantiate(cfg.task.data)
     assert isinstance(module, TextGRPOModule) and isinstance(data, TextPromptData)
     assert module.group_size == 3 and module.lr == 1e-2 and module.sample_kwargs["max_new_tokens"] == 3
-    assert module.step_kwargs["logits_chunk_size"] == 64 and module.step_kwargs["offload_prompt_cache"] is True
+    assert module.step_memory.logits_chunk_size == 64 and module.step_memory.offload_prompt_cache is True
     # the signature lists the base module's keywords too (longctx-train checks task.module's keys against it)
     accepted = set(inspect.signature(TextGRPOModule).parameters)
     assert {"tokenizer_path", "reward_funcs", "top_p", "max_grad_norm"} <= accepted

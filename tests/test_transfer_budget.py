@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_longctx.longstraw import longstraw_step, sample
+from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step, sample
 from lightning_longctx.longstraw.offload import simulated_streams
 from lightning_longctx.longstraw.step import prefill_for_step
 from lightning_longctx.ops.transfers import TransferCounter
@@ -51,8 +51,8 @@ def replay_traffic(branches: int):
     model = tiny_model(head_chunk_size=1).float()  # 4 heads, one per stage: 4 stages per layer
     prompt, responses, advantages = make_group(branches, prompt_len=PROMPT)
     with simulated_streams(), TransferCounter() as counter:
-        longstraw_step(model, prompt, responses, advantages.float(), offload_prompt_cache=True,
-                       measure_memory=False)
+        longstraw_step(model, prompt, responses, advantages.float(),
+                       memory=StepMemory(offload_prompt_cache=True, measure_memory=False))
     return counter.phases, len(model.layers), cache_bytes(model)
 
 
@@ -72,7 +72,8 @@ def rollout_traffic(max_new_tokens: int, prompt_cache: str = "device"):
     model.memory.rollout_prompt_cache = prompt_cache
     prompt, _, _ = make_group(1, prompt_len=PROMPT)
     with simulated_streams():
-        state = prefill_for_step(model, prompt, prompt_grad="full", offload_prompt_cache=True)
+        state = prefill_for_step(model, prompt, loss=LossOptions(prompt_grad="full"),
+                                 memory=StepMemory(offload_prompt_cache=True))
         with TransferCounter() as counter, phase("rollouts"):
             sample(model, prompt, 3, max_new_tokens=max_new_tokens, prompt_state=state,
                    generator=torch.Generator().manual_seed(0))

@@ -1,5 +1,7 @@
-"""Type and range checks of the LongStraw entry points' arguments (``longstraw_step``, ``score``,
-``LongStrawModule.check_arguments``): each raises ``ValueError`` / ``TypeError`` naming the value, before any work.
+"""Checks of the tensors the LongStraw entry points take (``longstraw_step``, ``score``, ``sample``): token ids,
+shapes, the vocabulary, advantages and log-probs, and that every rank of the SP group passes the same group.
+Each raises ``ValueError`` / ``TypeError`` naming the value, before any work. (The options' checks are their
+dataclasses' own, :mod:`.options`.)
 """
 
 from __future__ import annotations
@@ -7,13 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..parallel import gather_ints, group_size
-from .losses import LOSS_TYPES, response_weights
-from .state import PromptState
-
-PROMPT_GRADS = ("full", "none")
+from .losses import response_weights
+from .options import LossOptions
 
 
 def check_token_tensors(prompt_ids, responses) -> None:
@@ -29,40 +28,13 @@ def check_token_tensors(prompt_ids, responses) -> None:
             raise ValueError(f"{name} must hold integer token ids, got {ids.dtype}")
 
 
-def check_logits_chunk_size(logits_chunk_size) -> None:
-    if logits_chunk_size is not None and (isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int)
-                                          or logits_chunk_size < 1):
-        raise ValueError(f"logits_chunk_size={logits_chunk_size!r} must be a positive int (tokens per chunk) or None")
-
-
-def check_step_options(*, beta=0.0, clip_eps=(0.2, 0.2), accumulate_dtype=None, group=None, dp_group=None,
-                       prompt_state=None, replay_checkpointing=None, defer_grad_sync=None) -> None:
-    """The non-tensor options of :func:`longstraw_step`; raises ``ValueError`` / ``TypeError`` naming the value."""
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < float("inf"):
-        raise ValueError(f"beta={beta!r} must be a finite number >= 0 (the KL coefficient)")
-    if (not isinstance(clip_eps, (tuple, list)) or len(clip_eps) != 2 or any(
-            isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e < float("inf") for e in clip_eps)):
-        raise ValueError(f"clip_eps={clip_eps!r} must be a pair (eps_low, eps_high) of finite numbers >= 0")
-    if accumulate_dtype is not None and (not isinstance(accumulate_dtype, torch.dtype)
-                                         or not accumulate_dtype.is_floating_point):
-        raise TypeError(f"accumulate_dtype={accumulate_dtype!r} must be a floating torch.dtype or None")
-    for name, value in (("group", group), ("dp_group", dp_group)):
-        if value is not None and not isinstance(value, dist.ProcessGroup):
-            raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got {type(value).__name__}")
-    if prompt_state is not None and not isinstance(prompt_state, PromptState):
-        raise TypeError(f"prompt_state must be a PromptState from prefill_for_step or None, got "
-                        f"{type(prompt_state).__name__}")
-    for name, value in (("replay_checkpointing", replay_checkpointing), ("defer_grad_sync", defer_grad_sync)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{name}={value!r} must be a bool or None")
-
-
 def validate_group(
-    model, prompt_ids, responses, advantages=None, *, loss_type="token_mean", prompt_grad="full",
-    old_logprobs=None, ref_logprobs=None, max_response_length=None,
+    model, prompt_ids, responses, advantages=None, *, loss: LossOptions | None = None, old_logprobs=None,
+    ref_logprobs=None,
 ) -> None:
-    """Every input check of :func:`longstraw_step`; raises ``ValueError`` (``TypeError`` for a wrong kind of
-    argument) before any work."""
+    """Every check of :func:`longstraw_step`'s tensors (``loss``: its :class:`~.options.LossOptions`, for
+    Dr.GRPO's ``max_response_length`` against the responses); raises ``ValueError`` (``TypeError`` for a wrong
+    kind of argument) before any work."""
     if not isinstance(getattr(model, "output_weight", None), torch.Tensor):
         raise TypeError(f"model must be a DecoderLM (or implement its prefix-state API: output_weight, embed, layers, "
                         f"...), got {type(model).__name__}")
@@ -76,10 +48,8 @@ def validate_group(
         raise ValueError(f"layers {dynamic} use a length-dependent RoPE (dynamic NTK / longrope): the prompt state "
                          "and each branch would be rotated with different frequencies than the whole sequence; "
                          "LongStraw supports static RoPE types (default, linear, llama3, yarn)")
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
-    if prompt_grad not in PROMPT_GRADS:
-        raise ValueError(f"unknown prompt_grad {prompt_grad!r}; choose one of {PROMPT_GRADS}")
+    if loss is not None and not isinstance(loss, LossOptions):
+        raise TypeError(f"loss must be a LossOptions, got {type(loss).__name__}")
     if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
         raise ValueError(f"prompt_ids must be a non-empty 1-D tensor of token ids, got shape {tuple(prompt_ids.shape)}")
     if len(responses) == 0:
@@ -107,8 +77,8 @@ def validate_group(
                 raise ValueError(f"{name}[{i}] has shape {tuple(lp.shape)}, response {i} has {tuple(response.shape)}")
             if not bool(torch.isfinite(lp).all()):
                 raise ValueError(f"{name}[{i}] has non-finite values")
-    if loss_type == "seq_mean_token_sum_norm":
-        response_weights([r.numel() for r in responses], loss_type, max_response_length)
+    if loss is not None and loss.loss_type == "seq_mean_token_sum_norm":
+        response_weights([r.numel() for r in responses], loss.loss_type, loss.max_response_length)
 
 
 def check_group_agrees(prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], group) -> None:
@@ -125,10 +95,4 @@ def check_group_agrees(prompt_ids: torch.Tensor, responses: Sequence[torch.Tenso
                          "must pass the same full prompt and responses")
 
 
-def check_temperature(temperature) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature={temperature!r} must be a finite number > 0 (1 = the plain log-probs)")
-
-
-__all__ = ["PROMPT_GRADS", "check_group_agrees", "check_logits_chunk_size", "check_step_options",
-           "check_temperature", "check_token_tensors", "validate_group"]
+__all__ = ["check_group_agrees", "check_token_tensors", "validate_group"]

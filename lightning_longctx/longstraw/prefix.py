@@ -37,9 +37,8 @@ from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, sh
 from .latent import mla_layer_backward
 from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
 from .offload import HostStager
+from .options import check_keep_attention_output
 from .state import PromptState, _to_host
-
-KEEP_ATTENTION_OUTPUT = ("off", "device", "host")
 
 
 def prompt_weights(model):
@@ -108,11 +107,6 @@ def _keeper(kept: list, host: bool):
     """``keep(stage, out, lse)`` for :class:`PromptPass`: append the stage's pair to ``kept`` (host copies)."""
     move = _to_host if host else (lambda t: t)
     return lambda _stage, out, lse: kept.append((move(out), move(lse)))
-
-
-def check_keep_attention_output(keep: str) -> None:
-    if keep not in KEEP_ATTENTION_OUTPUT:
-        raise ValueError(f"keep_attention_output={keep!r}; choose one of {KEEP_ATTENTION_OUTPUT}")
 
 
 def _is_attention(layer) -> bool:

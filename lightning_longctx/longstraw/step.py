@@ -18,12 +18,15 @@ on the response positions only (``>= S``), so the prompt state depends on frozen
 is zero. Either ``prompt_grad`` then runs the detached step (no cache gradient, no checkpoints, no grouped
 backward), and it is exact: the gradient of the loss of that model.
 
-Under sequence parallelism over ``group`` every rank passes the same full tensors; the step shards them
-itself, and at the end sums the step's parameter gradients over ``group`` (so each rank holds the exact
+Under sequence parallelism over ``groups.sp_group`` every rank passes the same full tensors; the step shards
+them itself, and at the end sums the step's parameter gradients over that group (so each rank holds the exact
 gradient, as one device would) before adding them to whatever ``.grad`` held before.
 
+Options: one frozen dataclass per concern (:mod:`.options`): ``loss=LossOptions(...)``,
+``memory=StepMemory(...)``, ``groups=StepGroups(...)``.
+
 Numerics: the step's parameter gradients and the prompt-cache gradients are summed over the G branches (and
-the grouped backward) and reduced over ``group`` in ``accumulate_dtype`` (fp32 by default, whatever the
+the grouped backward) and reduced over ``groups.sp_group`` in ``groups.accumulate_dtype`` (fp32 by default, whatever the
 compute dtype; :mod:`.grads`), with one flattened collective per bucket over every trainable parameter.
 """
 
@@ -41,22 +44,21 @@ from ..models.lora import prompt_frozen
 from ..ops.tracker import track_memory
 from ..parallel import group_size, set_sequence_parallel_group
 from ..parallel.collective_guard import mark, phase, progress_marker
-from .checks import (
-    PROMPT_GRADS,
-    check_group_agrees,
-    check_logits_chunk_size,
-    check_step_options,
-    check_temperature,
-    validate_group,
-)
+from .checks import check_group_agrees, validate_group
 from .grad_sync import fsdp_sharded, reshard, set_grad_sync, set_layer_grad_sync, small_trainable_state
 from .grads import GroupGradients, accumulation_dtype
-from .linear_backward import DEFAULT_STATE_SEGMENT, check_state_segment
 from .losses import policy_token_terms, response_weights
+from .options import (
+    LossOptions,
+    StepGroups,
+    StepMemory,
+    check_keep_attention_output,
+    check_logits_chunk_size,
+    check_temperature,
+)
 from .prefix import (
     PromptState,
     branch_logprobs,
-    check_keep_attention_output,
     check_prompt_state,
     grouped_backward,
     make_branch,
@@ -106,40 +108,55 @@ def _needs_grouped_backward(model, prompt_grad: str) -> bool:
 
 
 def prefill_for_step(
-    model, prompt_ids: torch.Tensor, *, group: dist.ProcessGroup | None = None, prompt_grad: str = "full",
-    offload_checkpoints: bool = False, state_segment: int = DEFAULT_STATE_SEGMENT,
-    offload_prompt_cache: bool = False, accumulate_dtype: torch.dtype | None = None, progress=None,
-    keep_attention_output: str | None = None,
+    model, prompt_ids: torch.Tensor, *, loss: LossOptions | None = None, memory: StepMemory | None = None,
+    groups: StepGroups | None = None, progress: Callable[[str], None] | None = None,
 ) -> PromptState:
-    """The prompt's state as :func:`longstraw_step` with the same arguments prefills it (checkpoints and cache
+    """The prompt's state as :func:`longstraw_step` with the same options prefills it (checkpoints and cache
     gradients when the grouped backward runs), to prefill once for ``sample``, ``score`` and the step::
 
-        state = prefill_for_step(policy, prompt, group=sp)
+        state = prefill_for_step(policy, prompt, groups=StepGroups(sp_group=sp))
         responses = sample(policy, prompt, G, max_new_tokens=..., group=sp, prompt_state=state)
         old = score(policy, prompt, responses, group=sp, prompt_state=state)  # when the step clips
-        longstraw_step(policy, prompt, responses, advantages, old_logprobs=old, group=sp, prompt_state=state)
+        longstraw_step(policy, prompt, responses, advantages, old_logprobs=old, groups=StepGroups(sp_group=sp),
+                       prompt_state=state)
 
-    Valid until the parameters change (an optimizer step); the step consumes it. ``keep_attention_output``: as
-    :func:`longstraw_step`'s (None: the model's ``MemoryConfig``).
+    Valid until the parameters change (an optimizer step); the step consumes it. What it reads: ``loss.
+    prompt_grad``, ``memory``'s prefill knobs (``offload_checkpoints``, ``offload_prompt_cache``,
+    ``state_segment``, ``keep_attention_output``), ``groups.sp_group`` and ``groups.accumulate_dtype``.
     """
-    validate_group(model, prompt_ids, [prompt_ids[-1:]], prompt_grad=prompt_grad)  # the prompt's checks
-    check_state_segment(state_segment)
-    keep = _memory_knob(model, "keep_attention_output", "off") if keep_attention_output is None \
-        else keep_attention_output
-    check_keep_attention_output(keep)
-    set_sequence_parallel_group(model, group)
-    full = _needs_grouped_backward(model, prompt_grad)
-    grad_dtype = accumulation_dtype([p for p in model.parameters() if p.requires_grad], accumulate_dtype)
+    loss, memory, groups = _options(loss, memory, groups)
+    validate_group(model, prompt_ids, [prompt_ids[-1:]])  # the prompt's checks
+    keep = memory.keep_attention_output
+    if keep is None:
+        keep = _memory_knob(model, "keep_attention_output", "off")
+        check_keep_attention_output(keep)
+    set_sequence_parallel_group(model, groups.sp_group)
+    full = _needs_grouped_backward(model, loss.prompt_grad)
+    grad_dtype = accumulation_dtype([p for p in model.parameters() if p.requires_grad], groups.accumulate_dtype)
     with phase("prefill"):  # a collective failure names the phase and the last layer done
-        return prefill(model, prompt_ids, group, keep_checkpoints=full, cache_requires_grad=full,
-                       offload_checkpoints=offload_checkpoints, progress=progress_marker(progress),
-                       grad_dtype=grad_dtype, state_segment=state_segment, offload_prompt_cache=offload_prompt_cache,
-                       keep_attention_output=keep if full else "off")
+        return prefill(model, prompt_ids, groups.sp_group, keep_checkpoints=full, cache_requires_grad=full,
+                       offload_checkpoints=memory.offload_checkpoints, progress=progress_marker(progress),
+                       grad_dtype=grad_dtype, state_segment=memory.state_segment,
+                       offload_prompt_cache=memory.offload_prompt_cache, keep_attention_output=keep if full else "off")
 
 
 def _memory_knob(model, name: str, default):
     """``model.memory.<name>`` (a ``DecoderLM``'s :class:`~lightning_longctx.models.MemoryConfig`), else ``default``."""
     return getattr(getattr(model, "memory", None), name, default)
+
+
+def _options(loss, memory, groups) -> tuple[LossOptions, StepMemory, StepGroups]:
+    """The three option objects, each of its class (None: its defaults); their values were checked when they
+    were made."""
+    out = []
+    for name, value, kind in (("loss", loss, LossOptions), ("memory", memory, StepMemory),
+                              ("groups", groups, StepGroups)):
+        if value is None:
+            value = kind()
+        elif not isinstance(value, kind):
+            raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
+        out.append(value)
+    return tuple(out)
 
 
 def longstraw_step(
@@ -148,111 +165,55 @@ def longstraw_step(
     responses: Sequence[torch.Tensor],
     advantages: torch.Tensor,
     *,
-    loss_type: str = "token_mean",
-    prompt_grad: str = "full",
+    loss: LossOptions | None = None,
+    memory: StepMemory | None = None,
+    groups: StepGroups | None = None,
     old_logprobs: Sequence[torch.Tensor] | None = None,
     ref_logprobs: Sequence[torch.Tensor] | None = None,
-    beta: float = 0.0,
-    clip_eps: tuple[float, float] = (0.2, 0.2),
-    group: dist.ProcessGroup | None = None,
-    dp_group: dist.ProcessGroup | None = None,
-    max_response_length: int | None = None,
-    logits_chunk_size: int | None = None,
-    offload_checkpoints: bool = False,
-    progress: Callable[[str], None] | None = None,
-    accumulate_dtype: torch.dtype | None = None,
-    measure_memory: bool = True,
-    state_segment: int = DEFAULT_STATE_SEGMENT,
-    offload_prompt_cache: bool = False,
-    defer_grad_sync: bool | None = None,
     prompt_state: PromptState | None = None,
-    temperature: float = 1.0,
-    keep_attention_output: str | None = None,
-    replay_checkpointing: bool | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> StepOutput:
     """Accumulate into ``param.grad`` the exact gradient of the group loss for one prompt and G responses.
 
     Args:
         model: a ``DecoderLM`` (or anything with its prefix-state API, see ``prefix.py``).
-        prompt_ids: ``[S]`` full prompt, identical on every rank of ``group``.
+        prompt_ids: ``[S]`` full prompt, identical on every rank of ``groups.sp_group``.
         responses: G tensors ``[T_i]``, ``T_i >= 1``.
         advantages: ``[G]``, e.g. from :func:`~lightning_longctx.longstraw.group_advantages`.
-        loss_type: ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO) or ``seq_mean_token_sum_norm``
-            (Dr.GRPO; needs ``max_response_length``).
-        prompt_grad: ``"full"`` (exact) or ``"none"`` (detached prompt state: LongStraw's biased variant).
-            With prefix-frozen adapters (``on_prompt=False``, nothing else trainable) both are the exact
-            detached step.
+        loss: the objective (:class:`~.options.LossOptions`, None = its defaults: loss type, ``prompt_grad``,
+            KL ``beta``, ``clip_eps``, Dr.GRPO's ``max_response_length``, the log-prob ``temperature``).
+        memory: the memory knobs (:class:`~.options.StepMemory`, None = its defaults: chunked logits, host
+            offload of the prompt's checkpoints and K/V cache, linear layers' ``state_segment``,
+            ``keep_attention_output``, ``replay_checkpointing``, ``measure_memory``); exact whatever they are.
+        groups: where the gradients are summed (None = one process; :class:`~.options.StepGroups`: the SP and DP groups,
+            ``accumulate_dtype``, FSDP2's ``defer_grad_sync``).
         old_logprobs, ref_logprobs: G tensors ``[T_i]`` from :func:`score` (on-policy / no KL when None).
-        beta: KL (k3) coefficient. clip_eps: ``(eps_low, eps_high)``.
-        group: sequence-parallel group (None = one process).
-        dp_group: data-parallel group whose ranks each ran their own group step: after the SP sum, the step's
-            gradients are averaged over it, still in ``accumulate_dtype`` (None = no data parallelism). With
-            FSDP2-sharded parameters (the Ulysses strategy's ``sharding="fsdp"``) FSDP's reduce-scatter after
-            each backward does the reduction (fp32 under bf16-mixed): each rank's loss is scaled by ``1 / dp``.
-        logits_chunk_size: tokens per lm_head chunk (never materialises ``[tokens, vocab]``).
-        offload_checkpoints: keep the prompt's layer checkpoints in pinned host memory.
-        accumulate_dtype: the dtype the step's parameter gradients and the prompt-cache gradients are summed in
-            over the G branches and the grouped backward, and reduced over ``group`` in; default float32
-            (float64 for float64 models). With bf16 compute this keeps the sum of G bf16 gradients exact to
-            fp32 precision; the result is added to ``.grad`` in the parameters' dtype.
-        state_segment: Gated DeltaNet layers keep their recurrent state every that many prompt tokens (a
-            multiple of 64; optionally on the host with ``offload_checkpoints``), and the grouped backward
-            recomputes their scan one such segment at a time, in reverse (memory per layer: one state per
-            segment in the prefill, one segment's scan graph in the backward).
-        offload_prompt_cache: keep the attention layers' prompt K/V and its fp32 gradient buffer in (pinned)
-            host memory; each branch brings one layer at a time to the device, the next one in flight on a
-            side stream, and the grouped backward stages the summed gradients the same way (device memory: two
-            layers' K/V instead of all; cost: the cache crosses PCIe once per branch).
-        defer_grad_sync: with FSDP2-sharded parameters, skip the reduce-scatter after each replay's backward
-            and let the gradients accumulate unsharded (fp32) until each module's last backward of the step
-            (``set_requires_gradient_sync``): worth it when the trainable state is small. None = when under 10%
-            of the parameters train (LoRA); full fine-tuning reduce-scatters after every backward, since its
-            unsharded gradients would not fit.
-        prompt_state: the prompt's state from :func:`prefill_for_step` with this step's ``prompt_grad`` and
-            memory options, e.g. the one :func:`~lightning_longctx.longstraw.sample` and :func:`score` just used
-            (one prefill for the rollouts, the old log-probs and the step); consumed by the grouped backward.
-            Refused if the parameters changed since it was prefilled (after an optimizer step: prefill again).
-            None = prefill here. Its prefill is then outside ``peak_bytes`` and ``seconds``.
-        temperature: the log-probs (and entropies) are those of ``softmax(logits / temperature)``, the
-            distribution :func:`~lightning_longctx.longstraw.sample` drew from (TRL's convention); 1 = plain.
-        keep_attention_output: ``"device"`` / ``"host"``: the prefill keeps each attention layer's prompt
-            attention output and LSE (per layer but the last, ``S' H/P (d b + 4)`` bytes on this rank, about
-            ``H / H_kv`` times its K cache) there, and the grouped backward runs the attention backward from
-            them instead of attending over the prompt again (it recomputes only norms, projections, RoPE, o_proj
-            and the MLP). ``"off"``: recompute (one stage's q/k/v alive at a time). Exact either way. None = the
-            model's ``MemoryConfig.keep_attention_output`` (``"off"``). A given ``prompt_state`` keeps what it
-            was prefilled with.
-        replay_checkpointing: recompute each layer of a branch in its backward, keeping only the layer inputs
-            (the prompt cache is never copied), so a long response's replay holds one layer's activations
-            instead of all; identical gradients, one more branch forward. None = the model's
-            ``MemoryConfig.activation_checkpointing``.
-        measure_memory: track the step's peak live tensor bytes (``StepOutput.peak_bytes``; on CPU a dispatch
-            mode that sees every op, which costs time on small ops): False for training loops, which read the
-            device's own peak (``ops.tracker.device_peak_bytes``). On CUDA the allocator's peak counter is read,
-            never reset (the caller's ``max_memory_allocated`` window stays as it was): exact when the counter
-            was reset before the step or the step sets a new high (``ops.tracker.CudaMemoryTracker``).
+        prompt_state: the prompt's state from :func:`prefill_for_step` with this step's options, e.g. the one
+            :func:`~lightning_longctx.longstraw.sample` and :func:`score` just used (one prefill for the
+            rollouts, the old log-probs and the step); consumed by the grouped backward. Refused if the
+            parameters changed since it was prefilled (after an optimizer step: prefill again). None = prefill
+            here. Its prefill is then outside ``peak_bytes`` and ``seconds``.
+        progress: ``progress(message)`` after each prefill layer, branch and grouped-backward layer.
     Returns:
         :class:`StepOutput`. Raises ValueError on bad input before touching the model.
     """
-    validate_group(model, prompt_ids, responses, advantages, loss_type=loss_type, prompt_grad=prompt_grad,
-                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, max_response_length=max_response_length)
-    check_state_segment(state_segment)
-    check_temperature(temperature)
-    check_logits_chunk_size(logits_chunk_size)
-    check_step_options(beta=beta, clip_eps=clip_eps, accumulate_dtype=accumulate_dtype, group=group,
-                       dp_group=dp_group, prompt_state=prompt_state, replay_checkpointing=replay_checkpointing,
-                       defer_grad_sync=defer_grad_sync)
-    if keep_attention_output is not None:
-        check_keep_attention_output(keep_attention_output)
+    loss, memory, groups = _options(loss, memory, groups)
+    validate_group(model, prompt_ids, responses, advantages, loss=loss, old_logprobs=old_logprobs,
+                   ref_logprobs=ref_logprobs)
+    if prompt_state is not None and not isinstance(prompt_state, PromptState):
+        raise TypeError(f"prompt_state must be a PromptState from prefill_for_step or None, got "
+                        f"{type(prompt_state).__name__}")
+    group, dp_group = groups.sp_group, groups.dp_group
+    replay_checkpointing = memory.replay_checkpointing
     if replay_checkpointing is None:
         replay_checkpointing = bool(_memory_knob(model, "activation_checkpointing", False))
     check_group_agrees(prompt_ids, responses, group)
     set_sequence_parallel_group(model, group)
     lengths = [r.numel() for r in responses]
-    weights = response_weights(lengths, loss_type, max_response_length)
+    weights = response_weights(lengths, loss.loss_type, loss.max_response_length)
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_dtype = accumulation_dtype(params, accumulate_dtype)
-    full = _needs_grouped_backward(model, prompt_grad)
+    grad_dtype = accumulation_dtype(params, groups.accumulate_dtype)
+    full = _needs_grouped_backward(model, loss.prompt_grad)
     if prompt_state is not None:
         check_prompt_state(prompt_state, model, prompt_ids, group, for_backward=full)
     sharded = fsdp_sharded(model)
@@ -262,7 +223,7 @@ def longstraw_step(
         # DP mean. The gradients are then final when the step returns; no reduction of our own.
         grad_scale = 1.0 / group_size(dp_group)
         step_grads = contextlib.nullcontext()
-        defer = small_trainable_state(model, params) if defer_grad_sync is None else defer_grad_sync
+        defer = small_trainable_state(model, params) if groups.defer_grad_sync is None else groups.defer_grad_sync
         set_grad_sync(model, not defer)
     else:
         grad_scale = 1.0
@@ -271,26 +232,23 @@ def longstraw_step(
     start = time.perf_counter()
     totals = torch.zeros(4, dtype=torch.float64, device=prompt_ids.device)  # loss, KL, clipped, entropy sums
     logprobs_out = []
-    tracker = track_memory(prompt_ids.device, reset_peak=False) if measure_memory else contextlib.nullcontext()
-    with tracker as memory, step_grads, phase("replay"):
+    tracker = track_memory(prompt_ids.device, reset_peak=False) if memory.measure_memory else contextlib.nullcontext()
+    with tracker as measured, step_grads, phase("replay"):
         state = prompt_state
         if state is None:
-            state = prefill_for_step(model, prompt_ids, group=group, prompt_grad=prompt_grad,
-                                     offload_checkpoints=offload_checkpoints, state_segment=state_segment,
-                                     offload_prompt_cache=offload_prompt_cache, accumulate_dtype=accumulate_dtype,
-                                     progress=progress, keep_attention_output=keep_attention_output)
+            state = prefill_for_step(model, prompt_ids, loss=loss, memory=memory, groups=groups, progress=progress)
         for i, response in enumerate(responses):
             mark(f"replay branch {i + 1}/{len(responses)}")
             branch = make_branch(state, response)
-            logp_l, entropy_l = branch_logprobs(model, state, branch, logits_chunk_size=logits_chunk_size,
-                                                entropy=True, temperature=temperature,
+            logp_l, entropy_l = branch_logprobs(model, state, branch, logits_chunk_size=memory.logits_chunk_size,
+                                                entropy=True, temperature=loss.temperature,
                                                 checkpoint_layers=replay_checkpointing)
             valid = branch.response_index >= 0
             terms = policy_token_terms(
                 logp_l, advantages[i].to(logp_l.dtype),
                 old_logp=None if old_logprobs is None else _local_slice(old_logprobs[i], branch),
                 ref_logp=None if ref_logprobs is None else _local_slice(ref_logprobs[i], branch),
-                beta=beta, clip_eps=clip_eps,
+                beta=loss.beta, clip_eps=loss.clip_eps,
             )
             # masked sums, not boolean indexing: no host sync per branch
             loss_l = weights[i] * torch.where(valid, terms.loss, 0).sum()
@@ -324,7 +282,7 @@ def longstraw_step(
     return StepOutput(
         loss=loss_total, logprobs=logprobs_out, kl=kl_sum / tokens, clip_fraction=clipped / tokens,
         entropy=entropy_sum / tokens, tokens=tokens, prompt_tokens=prompt_ids.numel(),
-        peak_bytes=memory.peak_bytes if measure_memory else 0, seconds=time.perf_counter() - start,
+        peak_bytes=measured.peak_bytes if memory.measure_memory else 0, seconds=time.perf_counter() - start,
     )
 
 
@@ -356,4 +314,4 @@ def score(model, prompt_ids, responses, *, group=None, logits_chunk_size=None, p
     return out
 
 
-__all__ = ["PROMPT_GRADS", "StepOutput", "longstraw_step", "prefill_for_step", "score", "validate_group"]
+__all__ = ["StepOutput", "longstraw_step", "prefill_for_step", "score"]

@@ -13,8 +13,8 @@
   no allocator rounding, so tests can pin them exactly.
 - :class:`CudaMemoryTracker`: reads the CUDA caching allocator (``memory_allocated`` and
   ``max_memory_allocated``) relative to the amount allocated on entry; it resets the allocator's (global)
-  peak counter on entry unless ``reset_peak=False`` (what ``longstraw_step(measure_memory=True)`` uses, so a
-  caller's own ``max_memory_allocated`` window is left as it was).
+  peak counter on entry unless ``reset_peak=False`` (what ``longstraw_step`` uses under
+  ``StepMemory(measure_memory=True)``, so a caller's own ``max_memory_allocated`` window is left as it was).
 
 Limits of :class:`MemoryTracker`: it sees only what crosses the dispatcher, so workspaces a fused
 kernel allocates and frees internally, tensors built without dispatch (``torch.from_numpy``) and

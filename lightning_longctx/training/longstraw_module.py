@@ -12,7 +12,7 @@ peak relative to what was in use at entry, and measured at no per-op cost.
 
 Precision: under ``precision="bf16-mixed"`` the parameters, gradients and AdamW states stay fp32 and the step
 computes in bf16 (Lightning's autocast around ``training_step``); the step's gradients and the prompt-cache
-gradients are summed over the group and reduced in fp32 (see ``longstraw_step``'s ``accumulate_dtype``).
+gradients are summed over the group and reduced in fp32 (see ``StepGroups.accumulate_dtype``).
 
 Batch format: a dict with ``prompt_ids`` (a list of ``[S]`` tensors, or one ``[S]`` tensor) and optionally
 ``responses`` (per prompt, a list of G token tensors produced elsewhere, e.g. by vLLM, with optionally their
@@ -56,21 +56,51 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from ..longstraw import group_advantages, longstraw_step, prefill_for_step, sample, score
+from ..longstraw import (
+    LossOptions,
+    StepGroups,
+    StepMemory,
+    group_advantages,
+    longstraw_step,
+    prefill_for_step,
+    sample,
+    score,
+)
 from ..longstraw.checks import check_group_agrees
 from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
-from ..longstraw.sampling import StopIds, stop_token_ids
+from ..longstraw.sampling import StopIds, check_sampling_options, stop_token_ids
 from ..models.lora import prompt_frozen
 from ..ops.tracker import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
 from ..parallel.collective_guard import phase
 from ..tasks.rewards import RewardFunctionError, call_with_timeout, check_timeout
-from .longstraw_options import check_longstraw_arguments, lr_factor
+from .schedule import check_lr_schedule, lr_factor
 
 log = logging.getLogger(__name__)
 
 REWARD_ERROR_POLICIES = ("raise", "skip_group")
 REWARD_HISTORY = 10_000  # groups whose mean reward ``reward_history`` keeps (the oldest drop out)
+
+
+def step_options(arguments: dict[str, Any]) -> tuple[LossOptions, StepMemory]:
+    """The step's :class:`~lightning_longctx.longstraw.LossOptions` and :class:`~lightning_longctx.longstraw.
+    StepMemory` from :class:`LongStrawModule`'s arguments (those absent take the dataclasses' defaults; what
+    else ``arguments`` holds is ignored). Their checks raise ``ValueError`` / ``TypeError`` naming the value.
+
+    ``max_response_length`` (Dr.GRPO's ``L``) defaults to ``max_new_tokens``; the log-prob temperature is
+    ``logprob_temperature``, or the sampling ``temperature`` (1 when sampling greedily)."""
+    given = {k: v for k, v in arguments.items() if v is not None}
+    temperature = given.get("logprob_temperature")
+    if temperature is None:
+        sampled = given.get("temperature", 1.0)
+        temperature = sampled if isinstance(sampled, (int, float)) and sampled > 0 else 1.0
+    loss = LossOptions(**{k: given[k] for k in ("loss_type", "prompt_grad", "beta", "clip_eps") if k in given},
+                       max_response_length=given.get("max_response_length", given.get("max_new_tokens")),
+                       temperature=temperature)
+    memory = StepMemory(**{k: given[k] for k in ("logits_chunk_size", "offload_checkpoints", "offload_prompt_cache",
+                                                 "state_segment") if k in given},
+                        measure_memory=False)  # the module logs the device's own peak (no per-op tracking)
+    return loss, memory
 
 
 def _returns(value):
@@ -84,10 +114,14 @@ class LongStrawModule(pl.LightningModule):
     Args:
         model: the policy (a ``DecoderLM``).
         group_size: responses sampled per prompt (G).
-        loss_type, prompt_grad, beta, clip_eps, max_response_length, logits_chunk_size, offload_checkpoints,
-            offload_prompt_cache, defer_grad_sync, state_segment: see ``longstraw_step`` (``state_segment``:
-            hybrids' linear layers; ``defer_grad_sync``: FSDP2, reduce-scatter once per step for small trainable
-            state such as LoRA).
+        loss_type, prompt_grad, beta, clip_eps, max_response_length: the step's
+            :class:`~lightning_longctx.longstraw.LossOptions` (``self.loss_options``; ``max_response_length``
+            defaults to ``max_new_tokens``).
+        logits_chunk_size, offload_checkpoints, offload_prompt_cache, state_segment: the step's
+            :class:`~lightning_longctx.longstraw.StepMemory` (``self.step_memory``; ``state_segment``: hybrids'
+            linear layers).
+        defer_grad_sync: the step's :class:`~lightning_longctx.longstraw.StepGroups` (FSDP2: reduce-scatter once
+            per step for small trainable state such as LoRA).
         scale_rewards: GRPO advantages ``(r - mean) / (std + 1e-4)``; False = Dr.GRPO ``r - mean``.
         ref_model: frozen reference policy for the KL term (needed when ``beta > 0``, unless ``model`` has LoRA
             adapters: the reference is then the base model with the adapters disabled).
@@ -97,7 +131,8 @@ class LongStrawModule(pl.LightningModule):
             ``self.stop_token_ids`` holds them as a tuple.
         logprob_temperature: the step's (and the KL reference's) log-probs are those of
             ``softmax(logits / logprob_temperature)``; None = the sampling ``temperature`` (TRL's convention: the
-            loss sees the distribution the responses were drawn from), or 1 when sampling greedily.
+            loss sees the distribution the responses were drawn from), or 1 when sampling greedily
+            (``self.loss_options.temperature``).
         lr, weight_decay: AdamW.
         max_grad_norm: clip the step's gradients to this global L2 norm before ``optimizer.step()``
             (None = no clipping; the norm is logged either way).
@@ -123,11 +158,24 @@ class LongStrawModule(pl.LightningModule):
 
     @staticmethod
     def check_arguments(**arguments) -> None:
-        """The checks of the arguments that need no model (``ValueError`` naming the value). ``longctx-train``
-        runs them on ``task.module`` before it builds the model (:func:`lightning_longctx.config_checks.
-        check_module_arguments`); a subclass extends them by overriding this (its own arguments arrive too:
-        :func:`~.longstraw_options.check_longstraw_arguments` ignores what it does not know)."""
-        check_longstraw_arguments(**arguments)
+        """The checks of the arguments that need no model (``ValueError`` naming the value): the step's options
+        (:func:`step_options`), sampling, the optimizer and its LR schedule. ``longctx-train`` runs them on
+        ``task.module`` before it builds the model (:func:`lightning_longctx.config_checks.
+        check_module_arguments`); a subclass extends them by overriding this (its own arguments arrive too, and
+        are ignored here)."""
+        step_options(arguments)
+        group_size = arguments.get("group_size", 4)
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size={group_size!r} must be an int >= 1 (responses per prompt)")
+        check_sampling_options(group_size, **{k: arguments[k] for k in ("max_new_tokens", "temperature", "top_p",
+                                                                         "top_k") if k in arguments})
+        lr, max_grad_norm = arguments.get("lr", 1e-4), arguments.get("max_grad_norm")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+            raise ValueError(f"lr={lr!r} must be a finite number > 0")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0 (or None: no clipping)")
+        check_lr_schedule(warmup_steps=arguments.get("lr_warmup_steps", 0),
+                          schedule=arguments.get("lr_schedule", "constant"))
 
     def __init__(
         self,
@@ -168,11 +216,13 @@ class LongStrawModule(pl.LightningModule):
         self.reward_timeout_s, self.on_reward_error = check_timeout(reward_timeout_s), on_reward_error
         self.reward_context = ""  # what the current reward() call is about (the step, the prompt): for its errors
         self.skipped_reward_groups = 0
-        self.check_arguments(group_size=group_size, loss_type=loss_type, prompt_grad=prompt_grad, beta=beta,
-                             clip_eps=clip_eps, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             top_k=top_k, logprob_temperature=logprob_temperature, logits_chunk_size=logits_chunk_size,
-                             state_segment=state_segment, lr=lr, max_grad_norm=max_grad_norm,
-                             lr_warmup_steps=lr_warmup_steps, lr_schedule=lr_schedule)
+        arguments = dict(group_size=group_size, loss_type=loss_type, prompt_grad=prompt_grad, beta=beta,
+                         clip_eps=clip_eps, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                         top_k=top_k, logprob_temperature=logprob_temperature, max_response_length=max_response_length,
+                         logits_chunk_size=logits_chunk_size, offload_checkpoints=offload_checkpoints,
+                         offload_prompt_cache=offload_prompt_cache, state_segment=state_segment, lr=lr,
+                         max_grad_norm=max_grad_norm, lr_warmup_steps=lr_warmup_steps, lr_schedule=lr_schedule)
+        self.check_arguments(**arguments)
         if beta > 0 and ref_model is None and not getattr(model, "has_lora", lambda: False)():
             raise ValueError(f"beta={beta} needs a ref_model for the KL term (or a model with LoRA adapters: the "
                              "reference is then the base with the adapters disabled)")
@@ -182,22 +232,15 @@ class LongStrawModule(pl.LightningModule):
             ref_model.requires_grad_(False)
         self.automatic_optimization = False
         self.group_size = group_size
-        self.step_kwargs = dict(
-            loss_type=loss_type, prompt_grad=prompt_grad, beta=beta, clip_eps=tuple(clip_eps),
-            max_response_length=max_response_length or max_new_tokens, logits_chunk_size=logits_chunk_size,
-            offload_checkpoints=offload_checkpoints, offload_prompt_cache=offload_prompt_cache,
-            defer_grad_sync=defer_grad_sync,
-            state_segment=state_segment,
-        )
+        # the same option objects for every prefill and step (the groups come from the strategy's mesh per step)
+        self.loss_options, self.step_memory = step_options(arguments)
+        if defer_grad_sync is not None and not isinstance(defer_grad_sync, bool):
+            raise TypeError(f"defer_grad_sync={defer_grad_sync!r} must be a bool or None")
+        self.defer_grad_sync = defer_grad_sync
         output = getattr(model, "output_weight", None)  # [vocab, E] on a DecoderLM: the stop ids must lie in it
         self.stop_token_ids = stop_token_ids(eos_token_id, output.shape[0] if output is not None else None)
         self.sample_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   eos_token_id=self.stop_token_ids or None)
-        if logprob_temperature is None:
-            logprob_temperature = temperature if temperature > 0 else 1.0
-        if not 0 < logprob_temperature < math.inf:
-            raise ValueError(f"logprob_temperature={logprob_temperature} must be a finite number > 0")
-        self.logprob_temperature = float(logprob_temperature)
         self.scale_rewards = scale_rewards
         self.lr, self.weight_decay, self.seed = lr, weight_decay, seed
         self.max_grad_norm = max_grad_norm
@@ -399,7 +442,7 @@ class LongStrawModule(pl.LightningModule):
         """The KL reference's log-probs ``[T_i]``: ``ref_model``'s, or with LoRA and no ``ref_model`` the frozen
         base's (the policy with its adapters disabled: no second copy of the model). Prefix-frozen adapters
         (``on_prompt=False``) leave the prompt state the base's, so the policy's ``prompt_state`` serves."""
-        kwargs = dict(group=sp_group, temperature=self.logprob_temperature)
+        kwargs = dict(group=sp_group, temperature=self.loss_options.temperature)
         if self.ref_model is not None:
             return score(self.ref_model, prompt, responses, **kwargs)
         shared = prompt_state if prompt_frozen(self.model) else None
@@ -409,9 +452,13 @@ class LongStrawModule(pl.LightningModule):
     def prefill(self, prompt: torch.Tensor, sp_group=None):
         """The prompt's one prefill for this group (:func:`~lightning_longctx.longstraw.prefill_for_step`):
         the rollouts decode over it and the step replays over it."""
-        options = {k: self.step_kwargs[k] for k in ("prompt_grad", "offload_checkpoints", "offload_prompt_cache",
-                                                    "state_segment")}
-        return prefill_for_step(self.model, prompt, group=sp_group, progress=self.progress, **options)
+        return prefill_for_step(self.model, prompt, loss=self.loss_options, memory=self.step_memory,
+                                groups=self.step_groups(sp_group), progress=self.progress)
+
+    def step_groups(self, sp_group=None, dp_group=None) -> StepGroups:
+        """The step's :class:`~lightning_longctx.longstraw.StepGroups`: the strategy's SP and DP groups (None
+        where that dimension has one rank) and this module's ``defer_grad_sync``."""
+        return StepGroups(sp_group=sp_group, dp_group=dp_group, defer_grad_sync=self.defer_grad_sync)
 
     def training_step(self, batch: dict, batch_idx: int):
         prompts = batch["prompt_ids"]
@@ -446,13 +493,12 @@ class LongStrawModule(pl.LightningModule):
             if given is not None and batch.get("old_logprobs") is not None:
                 old = [torch.as_tensor(lp, device=prompt.device) for lp in batch["old_logprobs"][index]]
             ref = None
-            if self.step_kwargs["beta"] > 0:
+            if self.loss_options.beta > 0:
                 ref = self.reference_logprobs(prompt, responses, sp_group, prompt_state=state)
             # exact group gradient: summed over SP, averaged over DP replicas, in fp32
-            out = longstraw_step(self.model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
-                                 group=sp_group,
-                                 dp_group=dp_group, progress=self.progress, measure_memory=False, prompt_state=state,
-                                 temperature=self.logprob_temperature, **self.step_kwargs)
+            out = longstraw_step(self.model, prompt, responses, advantages, loss=self.loss_options,
+                                 memory=self.step_memory, groups=self.step_groups(sp_group, dp_group),
+                                 old_logprobs=old, ref_logprobs=ref, prompt_state=state, progress=self.progress)
             del state
             with phase("gradient clipping"):
                 grad_norm = self.clip_and_measure()  # the gradients are final: summed over SP, averaged over DP
