@@ -143,3 +143,87 @@ def trainer_checks(rank, world, ckpt_dir):
                          dtype=torch.float64, ckpt_path=f"{ckpt_dir}/step=2.ckpt")
         out["resume_bitwise"] = bitwise_equal(resumed, params)
     return out
+
+
+# ---------------------------------------------------------------------------- LongStraw with expert parallelism
+def _assert_ep_grads(model, want, world, label):
+    """Non-expert gradients == one process (the step summed them over SP); each rank's experts == the one
+    process' rows of them (complete on their owner, never summed over the group)."""
+    from test_longstraw import assert_grads_close
+
+    full = {}
+    for n, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        if is_expert_parameter(model, n) and not hasattr(p, "full_tensor"):
+            want = {**want, n: _local_rows(model, n, want[n])}
+        full[n] = g
+    assert_grads_close(full, want, label=label)
+
+
+def longstraw_checks(rank, world):
+    """``longstraw_step(prompt_grad="full")`` with expert parallelism == full autograd over cat(P, r_i)
+    (float64, 1e-8): MLA + MoE (random and skewed routing), Qwen3.5-MoE, and (2 ranks) FSDP2 with the experts'
+    2-D shards; the global grad norm == the one process' norm; greedy ``sample`` == greedy full forwards."""
+    from lightning_longctx.longstraw import longstraw_step, sample
+    from lightning_longctx.parallel.expert_parallel import global_grad_norm
+    from test_longstraw import MAX_LEN, make_group, reference
+    from test_longstraw_mla import _greedy_by_full_forward
+
+    group = dist.group.WORLD
+    cases = [(mla_config(), 3, 23, False), (mla_config(), 2, 17, True), (qwen_moe_config(), 3, 70, False)]
+    for case, (config, g, prompt_len, skew) in enumerate(cases):
+        reference_model = mla_model(config)
+        if skew:
+            _skew(reference_model)
+        model = copy_model(reference_model, MemoryConfig(head_chunk_size=1))
+        assert enable_expert_parallel(model, group) > 0
+        prompt, responses, advantages = make_group(g, prompt_len=prompt_len, seed=case)
+        want_loss, want = reference(reference_model, prompt, responses, advantages, loss_type="token_mean")
+        out = longstraw_step(model, prompt, responses, advantages, max_response_length=MAX_LEN, group=group,
+                             state_segment=64)
+        assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (case, out.loss, want_loss)
+        _assert_ep_grads(model, want, world, f"EP LongStraw case {case} rank {rank}")
+        want_norm = torch.nn.utils.get_total_norm(list(want.values()))
+        assert_close_rel(global_grad_norm(list(model.parameters())), want_norm, 1e-10, f"EP grad norm case {case}")
+    if world == 2:
+        _longstraw_fsdp(rank, world)
+    prompt, _, _ = make_group(1, prompt_len=21, seed=3)
+    reference_model = mla_model(mla_config())
+    model = copy_model(reference_model, None)
+    enable_expert_parallel(model, group)
+    got = sample(model, prompt, 2, max_new_tokens=4, temperature=0.0, group=group)
+    assert [r.tolist() for r in got] == [_greedy_by_full_forward(reference_model, prompt, 4)] * 2
+    return True
+
+
+def _longstraw_fsdp(rank, world):
+    from lightning_longctx.longstraw import longstraw_step
+    from lightning_longctx.parallel import build_dp_sp_mesh
+    from lightning_longctx.parallel.expert_parallel import clip_grads_by_mesh_, global_grad_norm
+    from lightning_longctx.training.parallelize import (
+        fsdp_mesh,
+        mixed_precision_policy,
+        register_prefix_state_methods,
+        shard_modules,
+    )
+    from test_longstraw import make_group, reference
+
+    prompt, responses, advantages = make_group(3, prompt_len=23, seed=9)
+    reference_model = mla_model(mla_config())
+    want_loss, want = reference(reference_model, prompt, responses, advantages, loss_type="token_mean")
+    model = copy_model(reference_model, MemoryConfig(head_chunk_size=1))
+    enable_expert_parallel(model, dist.group.WORLD)
+    shard_modules(model, [model], sharding="fsdp", mesh=fsdp_mesh("fsdp", "cpu"),
+                  mp_policy=mixed_precision_policy(None), expert_mesh=build_dp_sp_mesh(world))
+    register_prefix_state_methods([model])
+    out = longstraw_step(model, prompt, responses, advantages, group=dist.group.WORLD, measure_memory=False)
+    assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (out.loss, want_loss)
+    _assert_ep_grads(model, want, world, f"EP LongStraw FSDP2 rank {rank}")
+    want_norm = torch.nn.utils.get_total_norm(list(want.values()))
+    norm = global_grad_norm(list(model.parameters()))
+    assert_close_rel(norm, want_norm, 1e-10, "EP FSDP2 grad norm")
+    # clipping to half the norm scales every gradient by torch's coefficient, the DTensors of both meshes included
+    clip_grads_by_mesh_(list(model.parameters()), float(norm) / 2, norm)
+    coef = float(norm) / 2 / (float(norm) + 1e-6)  # clip_grads_with_norm_'s max_norm / (total_norm + 1e-6)
+    _assert_ep_grads(model, {n: w * coef for n, w in want.items()}, world, f"EP FSDP2 clipped rank {rank}")

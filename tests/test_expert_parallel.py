@@ -61,3 +61,14 @@ def test_two_optimizer_steps_under_the_strategy_equal_one_process(world, tmp_pat
     assert out["layout"] == [("DTensor", (rows, 32, 32), 0, ("dp", "sp"))] * 2, out["layout"]
     if world == 2:
         assert out["resume_bitwise"]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: ~1 min on 2 cores
+def test_longstraw_step_with_expert_parallelism_equals_full_autograd(world):
+    """``longstraw_step`` with the experts sharded over the SP group == full autograd over cat(P, r_i)
+    (float64, 1e-8; the step skips the SP sum for expert shards), with FSDP2 2-D expert shards on 2 ranks,
+    the global grad norm, and greedy sampling (decode on replicated rows)."""
+    from distributed import run_distributed
+    from expert_parallel_workers import longstraw_checks
+
+    assert run_distributed(longstraw_checks, world, timeout=300.0) == [True] * world

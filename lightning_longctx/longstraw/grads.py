@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import all_reduce_coalesced, group_size
+from ..parallel.expert_parallel import expert_shard_group
 
 
 def accumulation_dtype(params, requested: torch.dtype | None) -> torch.dtype:
@@ -141,7 +142,9 @@ class GroupGradients:
 
         With more than one rank every parameter takes part in the reductions (zeros where this rank got no
         gradient), so all ranks issue the same collectives; on one rank a parameter without a gradient keeps
-        ``.grad`` as it was.
+        ``.grad`` as it was. Expert-parallel shards (:func:`~lightning_longctx.parallel.expert_parallel.
+        mark_expert_shard`, EP group = ``group``) skip the sum over ``group``: each rank's gradient of its own
+        experts is already complete; they are averaged over ``dp_group`` like the rest.
         """
         grads = self.step_gradients()
         reductions = [(g, divide_by) for g, divide_by in ((group, 1), (dp_group, group_size(dp_group)))
@@ -149,7 +152,9 @@ class GroupGradients:
         if reductions:
             grads = [torch.zeros_like(p, dtype=self.dtype) if g is None else g for p, g in zip(self.params, grads)]
         for reduce_group, divide_by in reductions:
-            all_reduce_coalesced(grads, reduce_group, divide_by=divide_by)
+            skip_experts = reduce_group is group
+            reduced = [g for p, g in zip(self.params, grads) if not (skip_experts and expert_shard_group(p))]
+            all_reduce_coalesced(reduced, reduce_group, divide_by=divide_by)
         for p, grad, old in zip(self.params, grads, self._stashed):
             if grad is None:
                 p.grad = old

@@ -63,7 +63,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..parallel.all_to_all import group_rank, group_size
-from ..parallel.expert_parallel import ExchangeRows, exchange_counts
+from ..parallel.expert_parallel import ExchangeRows, exchange_counts, mark_expert_shard
 
 EXPERT_BACKENDS = ("auto", "grouped", "loop")
 GROUP_ALIGNMENT_BYTES = 16  # the grouped GEMM's TMA loads: every group's first element 16-byte aligned
@@ -306,6 +306,7 @@ class Experts(nn.Module):
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(self, name)
             local = nn.Parameter(full.detach()[start:start + per_rank].clone(), requires_grad=full.requires_grad)
+            mark_expert_shard(local, group)
             setattr(self, name, local)
         self.expert_group, self.first_expert, self.experts_per_rank = group, start, per_rank
 

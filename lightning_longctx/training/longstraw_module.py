@@ -73,6 +73,7 @@ from ..models.lora import prompt_frozen
 from ..ops.tracker import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
 from ..parallel.collective_guard import phase
+from ..parallel.expert_parallel import clip_grads_by_mesh_, global_grad_norm
 from ..tasks.rewards import RewardFunctionError, call_with_timeout, check_timeout
 from .schedule import check_lr_schedule, lr_factor
 
@@ -294,14 +295,15 @@ class LongStrawModule(pl.LightningModule):
 
     def clip_and_measure(self) -> float:
         """The global L2 norm of the step's (final) gradients before clipping; clips them to ``max_grad_norm``
-        when set. Every rank holds the same full gradients here, so the norm needs no collective."""
-        grads = [p.grad for p in self._trainable_parameters() if p.grad is not None]
-        if not grads:
+        when set. Replicated gradients are the same full gradients on every rank; FSDP2 shards and
+        expert-parallel shards are summed over their meshes / EP group
+        (:func:`~lightning_longctx.parallel.expert_parallel.global_grad_norm`)."""
+        params = self._trainable_parameters()
+        if not any(p.grad is not None for p in params):
             return 0.0
-        if self.max_grad_norm is None:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(self._trainable_parameters(), self.max_grad_norm)
+        norm = global_grad_norm(params)
+        if self.max_grad_norm is not None:
+            clip_grads_by_mesh_(params, self.max_grad_norm, norm)
         return float(norm)
 
     def group_rewards(self, prompt: torch.Tensor, responses: list[torch.Tensor], fields: dict,
