@@ -14,7 +14,8 @@ Streaming top-k (:func:`streaming_topk`): the index score ``I[i, j] = sum_h w[i,
 tile at a time and merged into a running top-k per query, so no ``[s, T]`` score tensor ever exists: the largest
 transient is ``[b, query_block, H_I, key_block]`` floats. Key blocks wholly after a query block are skipped. Ties
 are deterministic: score descending, then the lowest key index (transformers' ``torch.topk`` leaves ties
-unspecified; with random weights they do not occur at the boundary, see tests/test_dsa.py). A query that sees
+unspecified; with random weights they do not occur at the boundary, see tests/test_dsa.py), found without a
+sort: all scores above the ``k``-th best, then the lowest keys equal to it. A query that sees
 fewer than ``k`` keys selects all of them and pads with ``-1`` (transformers selects masked keys there, which its
 causal mask then removes: the same attention).
 
@@ -35,14 +36,15 @@ NO_KEY = -1  # the index of a padding slot (a query that sees fewer than k keys)
 
 def _merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The best ``k`` of candidates ``vals, ids [..., m]`` whose ids ascend along the last dim: score descending,
-    ties to the lowest id (a stable sort keeps the ascending order among equal scores), returned with ids
-    ascending again (so the next merge's candidates ascend too)."""
-    if vals.shape[-1] > k:
-        order = torch.sort(vals, dim=-1, descending=True, stable=True).indices[..., :k]
-        ids = ids.gather(-1, order)
-        ids, by_id = torch.sort(ids, dim=-1)
-        vals = vals.gather(-1, order).gather(-1, by_id)
-    return vals, ids
+    ties to the lowest id, returned in ascending id order (so the next merge's candidates ascend too). Every score
+    above the ``k``-th best is taken, then the lowest-id ones equal to it until ``k`` (no sort: one ``topk``)."""
+    if vals.shape[-1] <= k:
+        return vals, ids
+    kth = vals.topk(k, dim=-1).values[..., -1:]  # [..., 1]
+    above, tied = vals > kth, vals == kth
+    take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
+    shape = (*vals.shape[:-1], k)
+    return vals[take].view(shape), ids[take].view(shape)
 
 
 @torch.no_grad()
@@ -90,9 +92,11 @@ def _attend_block(q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, 
                   value_width: int) -> torch.Tensor:
     """One query block: ``q [b, c, H, w]`` over its selected rows of ``latent [b, T, w]`` (``indices [b, c, k]``,
     ``-1``: none) -> ``[b, c, H, R]``."""
+    b, t, w = latent.shape
     idx = indices.long()
     valid = idx >= 0
-    rows = latent[torch.arange(latent.shape[0], device=latent.device)[:, None, None], idx.clamp(min=0)]  # [b,c,k,w]
+    flat = (idx.clamp(min=0) + t * torch.arange(b, device=idx.device)[:, None, None]).flatten()
+    rows = latent.reshape(b * t, w).index_select(0, flat).view(*idx.shape, w)  # [b, c, k, w]
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = torch.einsum("bchw,bckw->bchk", q, rows).to(acc) * scale
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
