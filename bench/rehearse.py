@@ -1,8 +1,10 @@
 """The full-size rehearsals of issue 24 (``longctx-rehearse``), each in a process of its own, and
 ``bench/rehearsal.md``: per run the command, the rehearsal's wall time, measured vs planned per phase, the verdict.
 
-Runs the SFT rows this session's rehearsal supports (LongStraw rows are listed as not rehearsed yet, see
-docs/rehearsal.md). Each rehearsal writes its JSON to ``bench/results/rehearse_<name>.json``.
+Runs (a)-(e) of issue 24 (LongStraw rows with ``rehearsal.decode_steps``: the rollouts' counts scaled up, said in
+each row's notes); ``{longest}`` in a command is the planner's longest LongStraw prompt for it. Each rehearsal
+writes its JSON to ``bench/results/rehearse_<name>.json``; ``--only`` reruns some rows and keeps the others'
+figures from their JSON files.
 
 Example::
 
@@ -23,37 +25,88 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 GIB = 2**30
 
-REFERENCES = {"c_llama3_8b_sft_5m": "UPipe reports 98.25 tokens/s per GPU for this run"}
+REFERENCES = {
+    "c_llama3_8b_sft_5m": "UPipe reports 98.25 tokens/s per GPU for this run",
+    "a_qwen3_5_27b_grpo_2m": "the paper reports 6,785 s per step (G=8, detached prompt) and 5,199 s (G=2)",
+}
+QWEN_GRPO = ("model=qwen3_5_27b cluster=node_8gpu memory=h20_96g task=needle_grpo task.group_size=8 "
+             "task.max_new_tokens=8192 model.lora.r=16")
+LLAMA_GRPO = ("model=llama3_8b cluster=node_8gpu memory=h100_80g task=needle_grpo task.group_size=8 "
+              "task.max_new_tokens=8192")
+DEEPSEEK_GRPO = ("model=deepseek_v3 cluster=slurm_4x8gpu memory=h20_96g task=needle_grpo task.group_size=8 "
+                 "task.max_new_tokens=8192 model.lora.r=16 model.lora.target_modules=[q_a_proj,q_b_proj,"
+                 "kv_a_proj_with_mqa,kv_b_proj,o_proj]")
+# LongStraw rehearsals: one step (the optimizer states primed), DECODE_STEPS of the 8,192 decode steps run
+DECODE_STEPS = 2
+LONGSTRAW = f"rehearsal.steps=1 rehearsal.decode_steps={DECODE_STEPS}"
+LONGEST = "{longest}"  # replaced by the planner's longest LongStraw prompt for the rest of the command
 RUNS = {
-    # issue 24 item 7c: UPipe's 5M-token Llama3-8B SFT on 8 H100
+    # issue 24 item 7: a (the paper's 2,097,152 positions), b (the planner's longest prompt), c (UPipe's 5M SFT),
+    # d (Llama3-8B LongStraw, full fine-tuning), e (DeepSeek-V3 on 4 x 8 H20, LoRA)
+    "a_qwen3_5_27b_grpo_2m": f"{QWEN_GRPO} task.seq_len=2088960 {LONGSTRAW}",
+    "b_qwen3_5_27b_grpo_longest": f"{QWEN_GRPO} task.seq_len={LONGEST} {LONGSTRAW}",
     "c_llama3_8b_sft_5m": "model=llama3_8b cluster=node_8gpu memory=h100_80g task=long_sft task.seq_len=5242880",
+    "d_llama3_8b_grpo_longest": f"{LLAMA_GRPO} task.seq_len={LONGEST} {LONGSTRAW}",
+    "e_deepseek_v3_grpo_longest": f"{DEEPSEEK_GRPO} task.seq_len={LONGEST} {LONGSTRAW}",
     # the same layout at 256 Ki tokens (a quick check of the method at full model size)
     "llama3_8b_sft_256k": "model=llama3_8b cluster=node_8gpu memory=h100_80g task=long_sft task.seq_len=262144",
 }
-NOT_YET = {
-    "a": "model=qwen3_5_27b cluster=node_8gpu memory=h20_96g task=needle_grpo task.group_size=8 "
-         "task.max_new_tokens=8192 model.lora.r=16 task.seq_len=2088960",
-    "b": "the same at the planner's longest prompt",
-    "d": "Llama3-8B LongStraw, full fine-tuning, 8 H100, at the planner's longest prompt",
-    "e": "model=deepseek_v3 cluster=slurm_4x8gpu memory=h20_96g LoRA r=16, G=8x8192, at the planner's longest prompt",
-}
+
+
+def longest_prompt(overrides: list[str]) -> int:
+    """The planner's longest LongStraw prompt for ``overrides`` (what ``longctx-plan`` prints)."""
+    from lightning_longctx.cli import model_shape, plan_request
+    from lightning_longctx.planner import max_context
+    from lightning_longctx.rehearse import compose
+
+    cfg = compose([o for o in overrides if not o.startswith(("task.seq_len=", "rehearsal."))])
+    request = plan_request(cfg, mode="longstraw")
+    request.pop("mode"), request.pop("seq_len")
+    return max_context(model_shape(cfg), cfg.cluster, cfg.memory, mode="longstraw", **request)
+
+
+def resolve(overrides: str) -> str:
+    """``overrides`` with :data:`LONGEST` replaced by the planner's figure."""
+    if LONGEST not in overrides:
+        return overrides
+    return overrides.replace(LONGEST, str(longest_prompt(overrides.split())))
 
 
 def run(name: str, overrides: str, timeout: float) -> dict:
-    """One rehearsal in a fresh process; its JSON figures plus ``command`` and ``wall_s`` (or ``error``)."""
+    """One rehearsal in a fresh process; its JSON figures plus ``command``, ``wall_s`` and the machine's load
+    average over the last minute at its end (or ``error``). Kept in ``rehearse_<name>.run.json`` too."""
+    overrides = resolve(overrides)
     out = os.path.join(RESULTS, f"rehearse_{name}.json")
     command = [sys.executable, "-m", "lightning_longctx.rehearse.cli", *overrides.split(), f"rehearsal.out={out}"]
     start = time.perf_counter()
+    meta = {"command": overrides}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"command": overrides, "error": f"timed out after {timeout:g} s"}
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        return {"command": overrides, "error": (done.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall}
-    with open(out) as f:
-        figures = json.load(f)
-    return {**figures, "command": overrides, "wall_s": wall, "table": done.stdout}
+        meta.update(error=f"timed out after {timeout:g} s", wall_s=timeout)
+    else:
+        meta["wall_s"] = time.perf_counter() - start
+        if done.returncode != 0:
+            meta["error"] = (done.stderr.strip().splitlines() or ["?"])[-1]
+        else:
+            meta["table"] = done.stdout
+    meta["load"] = os.getloadavg()[0]
+    with open(os.path.join(RESULTS, f"rehearse_{name}.run.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    return stored(name)
+
+
+def stored(name: str) -> dict | None:
+    """A row's last figures and run record (None: never run)."""
+    meta_path = os.path.join(RESULTS, f"rehearse_{name}.run.json")
+    if not os.path.exists(meta_path):
+        return None
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if "error" in meta:
+        return meta
+    with open(os.path.join(RESULTS, f"rehearse_{name}.json")) as f:
+        return {**json.load(f), **meta}
 
 
 def markdown(results: dict[str, dict]) -> str:
@@ -64,9 +117,11 @@ def markdown(results: dict[str, dict]) -> str:
     for name, r in results.items():
         lines += [f"## {name}", "", f"`longctx-rehearse {r['command']}`", ""]
         if "error" in r:
-            lines += [f"not rehearsed: {r['error']}", ""]
+            lines += [f"not rehearsed: {r['error']} (after {r.get('wall_s', 0):.0f} s, load average "
+                      f"{r.get('load', float('nan')):.1f})", ""]
             continue
-        lines += [f"rehearsal wall time {r['seconds']:.0f} s (process {r['wall_s']:.0f} s); rank 0 of "
+        lines += [f"rehearsal wall time {r['seconds']:.0f} s (process {r['wall_s']:.0f} s, load average "
+                  f"{r.get('load', float('nan')):.1f} on 2 cores); rank 0 of "
                   f"{r['world_size']}; peak {r['peak_bytes'] / GIB:.2f} GiB + reserve {r['reserve_bytes'] / GIB:.2f} "
                   f"GiB vs budget {r['budget_bytes'] / GIB:.1f} GiB: **{'fits' if r['fits'] else 'does not fit'}**",
                   "", "| phase | measured GiB | planned GiB | diff | TFLOP | collectives (count) |",
@@ -92,8 +147,6 @@ def markdown(results: dict[str, dict]) -> str:
                   for t in peak["largest_tensors"]]
         lines += [f"- note: {n}" for n in r["notes"]]
         lines.append("")
-    lines += ["## Not rehearsed yet (LongStraw, docs/rehearsal.md)", ""]
-    lines += [f"- {key}: `{text}`" for key, text in NOT_YET.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -103,10 +156,13 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rehearsal (issue 24: 15 min)")
     args = parser.parse_args(argv)
     os.makedirs(RESULTS, exist_ok=True)
-    results = {name: run(name, overrides, args.timeout) for name, overrides in RUNS.items()
-               if args.only is None or name in args.only}
-    for name, r in results.items():
-        print(f"== {name}: {r.get('error') or r['table']}", flush=True)
+    results = {}
+    for name, overrides in RUNS.items():
+        if args.only is None or name in args.only:
+            results[name] = run(name, overrides, args.timeout)
+            print(f"== {name}: {results[name].get('error') or results[name]['table']}", flush=True)
+        elif (kept := stored(name)) is not None:
+            results[name] = kept
     with open(os.path.join(HERE, "rehearsal.md"), "w") as f:
         f.write(markdown(results))
 

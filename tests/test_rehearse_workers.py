@@ -139,3 +139,129 @@ def sharded_sft_peaks(rank: int, world: int, overrides: list[str]):
         step(boundary)
     dist.barrier()
     return peaks, {name: dict(counts) for name, counts in kinds.counts.items()}
+
+
+# ------------------------------------------------------------------------------------------------ LongStraw
+# The phases LongStrawModule.training_step marks that the rehearsal compares (the step's own names).
+LONGSTRAW_PHASES = ("prefill", "sampling", "replay", "grouped backward", "gradient clipping", "optimizer step")
+
+
+def _phase_name() -> str:
+    from lightning_longctx.parallel.collective_guard import current_phase
+
+    return current_phase().split(" (")[0]
+
+
+def _phase_peak_tracker():
+    """The project's live-tensor tracker with the peak per marked phase (``tracker.peaks``), read after every op."""
+    from lightning_longctx.ops.tracker import MemoryTracker
+
+    class PhasePeaks(MemoryTracker):
+        def __init__(self):
+            super().__init__()
+            self.peaks: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            name = _phase_name()
+            self.peaks[name] = max(self.peaks.get(name, 0), self.current_bytes)
+            return out
+
+    return PhasePeaks()
+
+
+class PhaseCollectives(TorchDispatchMode):
+    """Counts the ``c10d`` ops by the marked phase and kind (``counts[phase][kind]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.counts[_phase_name()][func._overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _held(module, optimizer) -> list:
+    params = list(module.parameters())
+    return [*[_local(p) for p in params], *[_local(p.grad) for p in params if p.grad is not None],
+            *[_local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]]
+
+
+def fitted_longstraw_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
+    """A 1-process gloo world: ``Trainer.fit`` of the config's LongStraw task for 2 steps under
+    ``UlyssesStrategy``; the second ``training_step``'s peak per phase (the tracker entered at batch start)."""
+    import lightning.pytorch as pl
+
+    from lightning_longctx.app import build_model, build_task
+    from lightning_longctx.rehearse import compose
+    from lightning_longctx.training import UlyssesStrategy
+
+    cfg = compose(overrides)
+    torch.manual_seed(0)
+    module, data = build_task(cfg, build_model(cfg))
+
+    class StepPeaks(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:  # with the first step's gradients and AdamW states alive
+                self.mem = _phase_peak_tracker().__enter__()
+                self.mem.track(*_held(pl_module, trainer.optimizers[0]))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                self.mem.__exit__(None, None, None)
+
+    spy = StepPeaks()
+    strategy = UlyssesStrategy(sp_size=None, head_chunk_size=cfg.memory.head_chunk_size, sharding=cfg.cluster.sharding,
+                               on_nonfinite=None)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=cfg.memory.precision, max_steps=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[spy])
+    trainer.fit(module, data)
+    return {name: spy.mem.peaks[name] for name in LONGSTRAW_PHASES}
+
+
+def sharded_longstraw_peaks(rank: int, world: int, overrides: list[str]):
+    """A gloo rank: the config's LongStraw module parallelized as ``UlyssesStrategy.setup`` does (FSDP2 over the
+    ranks, the prefix-state methods, the mesh handed over, the optimizer and LR scheduler connected), then two
+    ``training_step`` calls by hand; the second's peaks per phase and its collectives by phase and kind."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+    from lightning_longctx.app import build_model, build_task
+    from lightning_longctx.parallel import build_dp_sp_mesh
+    from lightning_longctx.parallel.collective_guard import phase
+    from lightning_longctx.rehearse import compose
+    from lightning_longctx.training import UlyssesStrategy
+    from lightning_longctx.training.parallelize import parallelize, register_prefix_state_methods
+
+    cfg = compose(overrides)
+    torch.manual_seed(0)
+    module, data = build_task(cfg, build_model(cfg))
+    strategy = UlyssesStrategy(sharding=cfg.cluster.sharding, on_nonfinite=None)
+    module.trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, barebones=True)
+    mesh = build_dp_sp_mesh(world, "cpu")
+    roots = [child for child in module.children() if any(True for _ in child.parameters())]
+    parallelize(module, roots, sp_group=mesh.get_group("sp"), sp_size=world, sharding=cfg.cluster.sharding,
+                head_chunk_size=cfg.memory.head_chunk_size, device_type="cpu", precision=cfg.memory.precision)
+    register_prefix_state_methods(roots)
+    module._device_mesh = mesh
+    configured = module.configure_optimizers()
+    strategy.connect(module)
+    strategy.optimizers = [configured["optimizer"]]
+    strategy.lr_scheduler_configs = [LRSchedulerConfig(configured["lr_scheduler"])]
+    batch = next(iter(data))
+
+    def step():
+        with phase("training_step"):
+            module.training_step(batch, 0)
+
+    step()
+    kinds = PhaseCollectives()
+    with _phase_peak_tracker() as mem, kinds:
+        mem.track(*_held(module, strategy.optimizers[0]))
+        step()
+    dist.barrier()
+    return {name: mem.peaks[name] for name in LONGSTRAW_PHASES}, {n: dict(c) for n, c in kinds.counts.items()}

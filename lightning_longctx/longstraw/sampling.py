@@ -196,7 +196,7 @@ def sample(
     model, prompt_ids: torch.Tensor, num_responses: int, *, max_new_tokens: int, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int | None = 0, eos_token_id: StopIds = None, group=None,
     generator: torch.Generator | None = None, prompt_state: PromptState | None = None,
-    on_step: StepHook | None = None, prompt_cache: str | None = None,
+    on_step: StepHook | None = None, prompt_cache: str | None = None, decode_steps: int | None = None,
 ) -> list[torch.Tensor]:
     """Sample ``num_responses`` responses to ``prompt_ids``, decoded together over one prefill.
 
@@ -221,6 +221,10 @@ def sample(
         prompt_cache: ``"device"``: each layer's prompt K/V fetched once and kept for the rollout; ``"stream"``:
             fetched per decoded token, two layers on the device (only differs for an offloaded prompt state).
             None = the model's ``MemoryConfig.rollout_prompt_cache`` (the planner's choice; else ``"device"``).
+        decode_steps: draw only the first ``N`` tokens of each response, then repeat its last drawn token up
+            to ``max_new_tokens`` (for ``longctx-rehearse``, whose draws are placeholders: the caches keep their
+            full capacity, the responses their full length, and the skipped steps, each like the last one run,
+            are not dispatched). None = every step.
     Returns:
         G tensors ``[T_i]`` (``1 <= T_i <= max_new_tokens``), ``prompt_ids``' dtype and device.
     Raises:
@@ -237,6 +241,9 @@ def sample(
         prompt_cache = getattr(getattr(model, "memory", None), "rollout_prompt_cache", "device")
     if prompt_cache not in PROMPT_CACHE:
         raise ValueError(f"prompt_cache={prompt_cache!r}; choose one of {PROMPT_CACHE}")
+    if decode_steps is not None and (isinstance(decode_steps, bool) or not isinstance(decode_steps, int)
+                                     or decode_steps < 1):
+        raise ValueError(f"decode_steps={decode_steps!r} must be None or an int >= 1")
     if on_step is not None and not callable(on_step):
         raise TypeError(f"on_step must be callable (step, rows, probs) or None, got {type(on_step).__name__}")
     if prompt_ids.is_floating_point() or prompt_ids.is_complex():
@@ -273,6 +280,10 @@ def sample(
             if token not in stops:
                 live.append(i)
         if step == max_new_tokens - 1 or not live:
+            break
+        if decode_steps is not None and step + 1 >= decode_steps:  # the rest repeats the last drawn token
+            for i in live:  # the rows still decoding (their last token is no stop id)
+                tokens_out[rows[i]] += tokens_out[rows[i]][-1:] * (max_new_tokens - step - 1)
             break
         if len(live) < len(rows):  # drop finished rows (identically on every rank: the tokens agree)
             rows = [rows[i] for i in live]

@@ -16,12 +16,17 @@ from ..config_schema import OPEN_NODES, Config, _open
 class RehearsalConf:
     """``out``: write every figure as JSON to this file (null: print only). ``steps``: training steps rehearsed
     (the last is reported: the first allocates the optimizer states, so the second runs with them alive, as
-    every later step does). The roofline's figures (:mod:`.roofline`; null: the memory preset's GPU):
+    every later step does; LongStraw primes the optimizer states with a zero-gradient step instead, so ``steps=1``
+    suffices there). ``decode_steps``: LongStraw rollouts draw only this many tokens per response and repeat the
+    last to ``task.max_new_tokens`` (``sample(decode_steps=...)``: full-length responses and caches); the rollouts'
+    FLOPs, traffic, collectives and host syncs are scaled by ``max_new_tokens / decode_steps``, said in the
+    output (null: every step). The roofline's figures (:mod:`.roofline`; null: the memory preset's GPU):
     ``bf16_tflops`` (dense peak), ``hbm_gbps``, ``nvlink_gbps``, ``network_gbps`` (per GPU, between nodes),
     ``pcie_gbps`` (GB/s), ``efficiency`` (the fraction of each peak reached)."""
 
     out: str | None = None
     steps: int = 2
+    decode_steps: int | None = None
     bf16_tflops: float | None = None
     hbm_gbps: float | None = None
     nvlink_gbps: float | None = None

@@ -37,7 +37,7 @@ def phase_name() -> str:
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_MEASURING = (os.path.join(_PACKAGE, "rehearse") + os.sep, os.path.join(_PACKAGE, "ops", "memory.py"),
+_MEASURING = (os.path.join(_PACKAGE, "rehearse") + os.sep, os.path.join(_PACKAGE, "ops", "tracker.py"),
               os.path.join(_PACKAGE, "ops", "transfers.py"))
 TOP_TENSORS = 8  # the largest live tensors kept per phase peak
 _SNAPSHOT_GROWTH = 1.005

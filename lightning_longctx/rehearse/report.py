@@ -44,8 +44,12 @@ class PhaseRow:
         return (self.measured_bytes - self.planned_bytes) / self.planned_bytes
 
 
+PLANNER_NAMES = {"sampling": "rollouts"}  # the step's phase -> the planner's name for it
+
+
 def planned_phase(plan: Plan, name: str) -> int | None:
     """The planner's bytes for the measured phase ``name`` (see the module docstring)."""
+    name = PLANNER_NAMES.get(name, name)
     if name in plan.phases:
         return plan.phases[name]
     parts = [value for key, value in plan.phases.items() if key.startswith(name + " ")]

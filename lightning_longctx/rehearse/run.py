@@ -41,11 +41,16 @@ from omegaconf import DictConfig, OmegaConf
 from ..parallel.collective_guard import phase
 from . import config as _config  # noqa: F401  (registers rehearse_schema)
 from .fake_world import FakeWorld, materialize, world_device
+from .host_reads import PlaceholderReads
 from .measure import PhaseTracker, StepCounters
 from .report import Rehearsal, phase_rows
 from .roofline import hardware
 
 SFT_PHASES = ("forward", "backward", "optimizer step")
+# the phases LongStrawModule.training_step marks, in order (the planner's "rollouts" is the step's "sampling")
+ROLLOUTS = "sampling"  # LongStrawModule's phase of the batched rollouts
+LONGSTRAW_PHASES = ("prefill", ROLLOUTS, "reward", "replay", "grouped backward", "gradient reduction",
+                    "gradient clipping", "optimizer step")
 STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here): this package's CPU attention "
             "kernels run, so the plan compared is memory.attention_backend=eager's; offloaded tensors stay on the same "
             "CPU (docs/rehearsal.md)")
@@ -97,8 +102,31 @@ def _carrier_trainer(cfg: DictConfig, precision: str):
         banner.setLevel(level)
 
 
+def grouped_experts(model, precision: str) -> str | None:
+    """MoE experts rehearse the grouped path (two ``torch._grouped_mm``, the group ends read on the device):
+    what ``experts.backend="auto"`` takes on the GPU presets in bf16 (native on sm90 / sm100). The per-expert
+    loop reads each expert's token count on the host, a value a fake tensor does not have (a placeholder count
+    would drop every expert's activations), and torch's grouped GEMM has a fake kernel for bf16 only: other
+    precisions are refused. Returns the note for the output (None: no MoE layer)."""
+    from ..models.moe import Experts
+
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if not experts:
+        return None
+    if not precision.startswith("bf16"):
+        raise NotImplementedError(f"precision={precision!r} with MoE layers: longctx-rehearse runs the experts' "
+                                  "grouped GEMM, which has a fake kernel in bf16 only (the per-expert loop reads "
+                                  "each expert's token count on the host); rehearse a bf16 memory preset")
+    for module in experts:
+        module.backend = "grouped"
+    return (f"MoE: {len(experts)} expert layers run the grouped GEMM path (experts.backend='grouped', what 'auto' "
+            "takes in bf16 on sm90/sm100), not the per-expert loop")
+
+
 def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh):
     """Steps 3-4 of the module docstring: ``(module, data, optimizer, trainer)``."""
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
     from ..app import build_model, build_task
     from ..training.parallelize import (
         check_attention_heads,
@@ -117,16 +145,31 @@ def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh):
     sp = mesh["sp"].size()
     sp_group = mesh.get_group("sp") if sp > 1 else None
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
+    handles_sp = getattr(module, "handles_sequence_parallel", False)
+    # UlyssesStrategy._replicas_of_a_self_sharding_module: a module that handles SP itself keeps plain replicas
+    # (e.g. LongStrawModule under sharding="replicate", or on one rank) unless it is FSDP2-sharded over >1 ranks
+    sharded = getattr(module, "shards_with_fsdp", False) and cfg.cluster.sharding == "fsdp" and world.world_size > 1
+    replicas = handles_sp and not sharded
     with world.mode:
         # UlyssesStrategy._setup -> parallelize(): the same three steps, on the fake world's FSDP mesh
         check_attention_heads(module, sp, cfg.memory.head_chunk_size)
-        wire_sequence_parallel(module, sp_group, sp, cfg.memory.head_chunk_size)
-        shard_modules(module, roots, sharding=cfg.cluster.sharding, mesh=world.fsdp_mesh,
-                      mp_policy=mixed_precision_policy(precision))
-        if getattr(module, "handles_sequence_parallel", False):
-            register_prefix_state_methods(roots)
+        if not replicas:
+            wire_sequence_parallel(module, sp_group, sp, cfg.memory.head_chunk_size)
+            shard_modules(module, roots, sharding=cfg.cluster.sharding, mesh=world.fsdp_mesh,
+                          mp_policy=mixed_precision_policy(precision))
+            if handles_sp:
+                register_prefix_state_methods(roots)
         module = trainer.strategy.precision_plugin.convert_module(module)
-        optimizer = _first_optimizer(module.configure_optimizers())
+        configured = module.configure_optimizers()
+        optimizer = _first_optimizer(configured)
+    if handles_sp:  # UlyssesStrategy.setup_environment hands the mesh over; LongStrawModule reads its groups
+        module._device_mesh = mesh
+    # Lightning's connect + setup_optimizers: self.optimizers() / self.lr_schedulers() of a manual-optimisation
+    # module, and its optimizer.step() through the strategy's optimizer_step
+    trainer.strategy.connect(module)
+    trainer.strategy.optimizers = [optimizer]
+    scheduler = configured.get("lr_scheduler") if isinstance(configured, dict) else None
+    trainer.strategy.lr_scheduler_configs = [LRSchedulerConfig(scheduler)] if scheduler is not None else []
     return module, data, optimizer, trainer
 
 
@@ -141,6 +184,8 @@ def _device_batch(module, data, world: FakeWorld, mesh) -> dict:
     batch = module.on_before_batch_transfer(next(iter(loader)), 0)
     with world.mode, phase("batch to device"):
         batch = apply_to_collection(batch, torch.Tensor, lambda t: world.mode.from_tensor(t).to(world.device))
+        if getattr(module, "handles_sequence_parallel", False):  # e.g. LongStraw: it shards the prompt itself
+            return module.on_after_batch_transfer(batch, 0)
         # sp_group=None: the SP ranks' shape agreement check (one tiny all-gather and its host read) is not run,
         # its read has no value on fake tensors (SKIPPED_CHECK)
         batch = shard_sequence_batch(batch, sp_rank=mesh.get_local_rank("sp"), sp_size=mesh["sp"].size(),
@@ -160,6 +205,24 @@ def sft_step(module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
 
+def longstraw_training_step(module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """One ``training_step`` of a manual-optimisation module (``LongStrawModule``: per prompt group the prefill,
+    the rollouts, the reward, the replays and grouped backward, clipping, ``optimizer.step`` through the
+    strategy), under the phase ``UlyssesStrategy.training_step`` marks; the step marks its own phases."""
+    with phase("training_step"):
+        module.training_step(batch, 0)
+
+
+def prime_optimizer(module, optimizer: torch.optim.Optimizer) -> None:
+    """Allocate the optimizer's states as a first step does: one ``optimizer.step()`` on zero gradients (the
+    gradients are dropped after it, as the next step's ``zero_grad(set_to_none=True)`` drops them)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def rehearse(cfg: DictConfig) -> Rehearsal:
     """Rehearse ``cfg`` (see the module docstring); returns the measured and planned figures."""
     from ..app import check_config
@@ -171,8 +234,9 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     precision = trainer_precision(cfg.memory)
     check_config(cfg)
     shape = model_shape(cfg)
-    if cfg.task.mode != "sft":
-        raise NotImplementedError(f"task.mode={cfg.task.mode!r}: longctx-rehearse rehearses SFT tasks so far")
+    if cfg.task.mode not in STEPS:
+        raise NotImplementedError(f"task.mode={cfg.task.mode!r}: longctx-rehearse rehearses {sorted(STEPS)} tasks")
+    step_function, phases = STEPS[cfg.task.mode]
     cluster = cfg.cluster
     device = world_device(cluster.accelerator)
     notes = []
@@ -189,24 +253,65 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
                    fsdp_sharding=cluster.sharding) as world:
         mesh = world.dp_sp_mesh
         module, data, optimizer, _ = _setup(cfg, world, precision, mesh)
+        notes += [note] if (note := grouped_experts(module, precision)) else []
         batch = _device_batch(module, data, world, mesh)
-        with world.mode, warnings.catch_warnings():
+        decode_factor = _shorten_rollouts(cfg, module, notes)
+        with world.mode, PlaceholderReads() as reads, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*barebones=True.*")  # self.log: a no-op here
+            if step_function is longstraw_training_step:
+                prime_optimizer(module, optimizer)  # its steps are long: the states without a first step
             for _ in range(steps - 1):
-                sft_step(module, batch, optimizer)
+                step_function(module, batch, optimizer)
             tracker = PhaseTracker(host="cpu" if device.type != "cpu" else None)
             counters = StepCounters(device)
+            reads.reads.clear()
             with TransferCounter() as transfers, counters, tracker:
-                with phase(SFT_PHASES[0]):  # what the step starts with: the state of the steps before
+                with phase(phases[0]):  # what the step starts with: the state of the steps before
                     tracker.track(*_local_tensors(module, optimizer))
-                sft_step(module, batch, optimizer)
+                step_function(module, batch, optimizer)
+    if decode_factor != 1:
+        _scale_phase(ROLLOUTS, decode_factor, counters, transfers)
     hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
     folded = planned.host_bytes if device.type == "cpu" else 0  # offloaded = "host" = the same CPU here
-    rows = phase_rows(SFT_PHASES, tracker, counters, transfers, planned, hw, int(cluster.num_nodes), folded)
-    notes += [SKIPPED_CHECK] if world.sp_size > 1 else []
+    rows = phase_rows(phases, tracker, counters, transfers, planned, hw, int(cluster.num_nodes), folded)
+    notes += [SKIPPED_CHECK] if world.sp_size > 1 and step_function is sft_step else []
+    notes += [f"host reads answered with placeholders (rehearse/host_reads.py), {line}" for line in reads.summary()]
     return Rehearsal(rows=rows, plan=planned, seconds=time.perf_counter() - start, device=str(device),
                      world_size=world.world_size, notes=notes, hardware=asdict(hw) if hw is not None else None,
                      host_folded=folded)
+
+
+def _shorten_rollouts(cfg: DictConfig, module, notes: list[str]) -> float:
+    """``rehearsal.decode_steps`` (LongStraw): hand it to the module's sampler; returns the factor the rollouts'
+    counts are scaled by (1: every step runs)."""
+    steps = cfg.rehearsal.decode_steps
+    if steps is None:
+        return 1.0
+    if cfg.task.mode != "longstraw" or int(steps) < 1:
+        raise ValueError(f"rehearsal.decode_steps={steps!r}: an int >= 1, for LongStraw tasks (task.mode="
+                         f"{cfg.task.mode!r})")
+    full = int(module.sample_kwargs["max_new_tokens"])
+    steps = min(int(steps), full)
+    module.sample_kwargs["decode_steps"] = steps
+    notes.append(f"rollouts: {steps} of {full} decode steps run per response (rehearsal.decode_steps; the rest "
+                 f"repeat the last token: full-length responses and decode caches), the rollouts' FLOPs, traffic, "
+                 f"collectives and host syncs scaled by {full / steps:g}")
+    return full / steps
+
+
+def _scale_phase(name: str, factor: float, counters: StepCounters, transfers) -> None:
+    """Scale phase ``name``'s counts (FLOPs, traffic, collectives, host<->device bytes and syncs) by ``factor``."""
+    counters.flops[name] = int(counters.flops.get(name, 0) * factor)
+    counters.traffic[name] = int(counters.traffic.get(name, 0) * factor)
+    for entry in counters.collectives.get(name, {}).values():
+        entry["count"], entry["bytes"] = round(entry["count"] * factor), int(entry["bytes"] * factor)
+    moved = transfers.phases.get(name)
+    if moved is not None:
+        for key in ("h2d_bytes", "d2h_bytes", "h2d_copies", "d2h_copies", "syncs"):
+            setattr(moved, key, round(getattr(moved, key) * factor))
+
+
+STEPS = {"sft": (sft_step, SFT_PHASES), "longstraw": (longstraw_training_step, LONGSTRAW_PHASES)}
 
 
 def _local_tensors(module, optimizer) -> list[torch.Tensor]:
@@ -222,4 +327,5 @@ def _local_tensors(module, optimizer) -> list[torch.Tensor]:
     return tensors
 
 
-__all__ = ["SFT_PHASES", "compose", "rehearse", "sft_step"]
+__all__ = ["LONGSTRAW_PHASES", "ROLLOUTS", "SFT_PHASES", "STEPS", "compose", "longstraw_training_step",
+           "prime_optimizer", "rehearse", "sft_step"]

@@ -1,0 +1,85 @@
+"""``longctx-rehearse`` of a LongStraw task: ``LongStrawModule.training_step`` itself (prefill, batched rollouts,
+reward, G replays, grouped backward, clipping, the optimizer step) on fake tensors, its host reads answered with
+placeholders (lightning_longctx/rehearse/host_reads.py), against the real run of the same config.
+
+The rehearsed peak of every phase equals the real run's (real tensors, the project's tracker read after every
+op, peaks keyed by the same phase marks) within 2%: ``Trainer.fit`` in one process vs a fake world of 1, and
+rank 0 of two gloo ranks vs a fake world of 2, whose collectives (kind and count per phase) are the rehearsal's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_distributed
+from test_rehearse_workers import LONGSTRAW_PHASES, fitted_longstraw_peaks, sharded_longstraw_peaks
+
+# G=2 responses of 2 tokens over a 256-token needle prompt: every phase of the step, few ops (fake dispatch costs)
+TINY_GRPO = ["task=needle_grpo", "task.seq_len=256", "task.group_size=2", "task.max_new_tokens=2",
+             "task.num_prompts=4"]
+
+
+def rehearsed(overrides):
+    from lightning_longctx.rehearse import compose, rehearse
+
+    return rehearse(compose(overrides))
+
+
+def by_phase(result) -> dict[str, int]:
+    return {row.name: row.measured_bytes for row in result.rows}
+
+
+def assert_close(rehearsed_peaks, real_peaks):
+    for name in LONGSTRAW_PHASES:
+        assert rehearsed_peaks[name] == pytest.approx(real_peaks[name], rel=0.02), name
+
+
+def test_one_rank_longstraw_rehearsal_equals_the_fitted_run():
+    one = [*TINY_GRPO, "model=tiny", "cluster.devices=1"]
+    result = rehearsed(one)
+    assert_close(by_phase(result), run_distributed(fitted_longstraw_peaks, 1, one, timeout=400)[0])
+    # the planner's rollouts phase is the step's sampling; the reward's host reads are said in the output
+    sampling = next(row for row in result.rows if row.name == "sampling")
+    assert sampling.planned_bytes == result.plan.phases["rollouts"]
+    assert any(note.startswith("host reads answered with placeholders") and "reward:" in note for note in result.notes)
+
+
+@pytest.mark.parametrize("model", ["tiny"])
+def test_two_rank_longstraw_rehearsal_equals_rank_0_of_a_gloo_run(model):
+    two = [*TINY_GRPO, f"model={model}", "cluster.devices=2"]
+    real, real_collectives = run_distributed(sharded_longstraw_peaks, 2, two, timeout=400)[0]
+    result = rehearsed(two)
+    assert_close(by_phase(result), real)
+    rehearsed_collectives = {row.name: {k: c["count"] for k, c in row.collectives.items()} for row in result.rows
+                             if row.collectives}
+    assert rehearsed_collectives == real_collectives
+    assert real_collectives["sampling"]["broadcast_"] > 0 and real_collectives["replay"]["alltoall_base_"] > 0
+
+
+@pytest.mark.parametrize("kind", ["plain", "hybrid"])
+def test_shortened_rollouts_keep_full_length_responses_and_the_rollout_peak(kind):
+    """``sample(decode_steps=N)`` (``rehearsal.decode_steps``): the first N draws as a full rollout draws them, the
+    rest repeat the last, every response ``max_new_tokens`` long, and the live bytes' peak of the rollout (the
+    decode caches are allocated at full capacity) the full rollout's, within the later steps' slightly longer
+    attention scores over their own tokens."""
+    import torch
+
+    from lightning_longctx.longstraw.sampling import sample
+    from lightning_longctx.ops import track_memory
+    from sampling_workers import build_model, make_prompt
+
+    model, prompt = build_model(kind), make_prompt(12, seed=3)
+
+    def rollout(**kwargs):
+        with track_memory("cpu") as mem:
+            got = sample(model, prompt, 3, max_new_tokens=6, generator=torch.Generator().manual_seed(5), **kwargs)
+        return torch.stack(got), mem.peak_bytes
+
+    full, full_peak = rollout()
+    short, short_peak = rollout(decode_steps=2)
+    assert short.shape == full.shape == (3, 6)
+    assert torch.equal(short[:, :2], full[:, :2]) and torch.equal(short[:, 2:], short[:, 1:2].expand(3, 4))
+    # the later steps' attention scores over the own tokens are a few elements longer (176 bytes here)
+    assert short_peak == pytest.approx(full_peak, rel=0.01)
+    with pytest.raises(ValueError, match="decode_steps=0"):
+        sample(model, prompt, 3, max_new_tokens=6, decode_steps=0)
