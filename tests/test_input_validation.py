@@ -321,6 +321,51 @@ def test_longstraw_step_refuses(model, change, exc, fragments):
     refused(lambda: longstraw_step(**with_options(args)), exc, *fragments, model=model)
 
 
+def ranks_disagree_refusals(rank, world):
+    """``longstraw_step`` and ``sample`` with a group that differs on rank 1: (error kind, message, forwards run
+    before it) per call."""
+    import torch.distributed as dist
+
+    from lightning_longctx.longstraw import StepGroups
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(**TINY))
+    calls = []
+    for module in model.modules():
+        if module is not model:
+            module.register_forward_pre_hook(lambda *_: calls.append(1))
+    longer = RESPONSES[1] if rank == 0 else torch.cat([RESPONSES[1], RESPONSES[1][:1]])
+    attempts = {
+        "step": lambda: longstraw_step(model, PROMPT, [RESPONSES[0], longer], torch.tensor([1.0, -1.0]),
+                                       groups=StepGroups(sp_group=dist.group.WORLD)),
+        "sample": lambda: sample(model, PROMPT, 2, max_new_tokens=3 + rank, group=dist.group.WORLD),
+    }
+    out = {}
+    for name, attempt in attempts.items():
+        calls.clear()
+        try:
+            attempt()
+            out[name] = ("no error", "", len(calls))
+        except Exception as err:  # noqa: BLE001 - reported to the parent
+            out[name] = (type(err).__name__, str(err), len(calls))
+    return out
+
+
+def test_ranks_that_disagree_on_the_group_are_refused_naming_each_rank():
+    """One all-gather of the group's sizes before any work: a rank with another response (or another
+    ``max_new_tokens``) would otherwise hang or corrupt the all-to-alls."""
+    expected = {"step": ["disagree on the group", "rank 0: prompt=9 G=2 response tokens=8 longest=5",
+                         "rank 1: prompt=9 G=2 response tokens=9 longest=6"],
+                "sample": ["disagree on the sampling call", "rank 0: prompt=9 G=2 max_new_tokens=3",
+                           "rank 1: prompt=9 G=2 max_new_tokens=4"]}
+    for rank, results in enumerate(run_distributed(ranks_disagree_refusals, 2, timeout=120)):
+        for name, fragments in expected.items():
+            kind, message, forwards = results[name]
+            assert kind == "ValueError" and forwards == 0, (rank, name, kind, message, forwards)
+            for fragment in fragments:
+                assert fragment in message, (rank, name, message)
+
+
 SCORE = [
     ("temperature-0", dict(temperature=0), ValueError, ["temperature=0"]),
     ("responses-empty", dict(responses=[]), ValueError, ["responses is empty"]),

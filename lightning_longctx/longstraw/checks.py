@@ -81,18 +81,26 @@ def validate_group(
         response_weights([r.numel() for r in responses], loss.loss_type, loss.max_response_length)
 
 
-def check_group_agrees(prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], group) -> None:
-    """Every rank of ``group`` must pass the same prompt length and response lengths: one tiny all-gather per
-    step (a mismatch would otherwise hang or corrupt the all-to-alls)."""
+def check_ranks_agree(sizes: dict[str, int], group, device: torch.device, call: str) -> None:
+    """Every rank of the sequence-parallel ``group`` passes the same ``sizes`` (named ints: lengths, counts):
+    one tiny all-gather (a mismatch would otherwise hang or corrupt the all-to-alls). ``ValueError`` naming
+    each rank's sizes and ``call`` (what they disagree on)."""
     if group_size(group) == 1:
         return
-    lengths = [r.numel() for r in responses]
-    rows = gather_ints([prompt_ids.numel(), len(lengths), sum(lengths), max(lengths)], group, prompt_ids.device)
+    rows = gather_ints(list(sizes.values()), group, device)
     if len(set(rows)) != 1:
-        described = ", ".join(f"rank {r}: prompt={a} G={b} response tokens={c} longest={d}"
-                              for r, (a, b, c, d) in enumerate(rows))
-        raise ValueError(f"ranks of the sequence-parallel group disagree on the group ({described}); every rank "
-                         "must pass the same full prompt and responses")
+        described = ", ".join(f"rank {rank}: " + " ".join(f"{name}={value}" for name, value in zip(sizes, row))
+                              for rank, row in enumerate(rows))
+        raise ValueError(f"ranks of the sequence-parallel group disagree on {call} ({described}); every rank "
+                         "must pass the same full prompt and arguments")
 
 
-__all__ = ["check_group_agrees", "check_token_tensors", "validate_group"]
+def check_group_agrees(prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], group) -> None:
+    """Every rank of ``group`` passes the same prompt length and response lengths (:func:`check_ranks_agree`),
+    once per step."""
+    lengths = [r.numel() for r in responses]
+    check_ranks_agree({"prompt": prompt_ids.numel(), "G": len(lengths), "response tokens": sum(lengths),
+                       "longest": max(lengths)}, group, prompt_ids.device, "the group")
+
+
+__all__ = ["check_group_agrees", "check_ranks_agree", "check_token_tensors", "validate_group"]

@@ -135,9 +135,28 @@ def simulated_streams(streams: DeferredStreams | None = None) -> Iterator[Deferr
         _simulated.pop()
 
 
+def to_host(t: torch.Tensor, streams=None) -> torch.Tensor:
+    """A host copy of ``t``, in flight (pinned on CUDA).
+
+    ``streams`` (a :class:`HostStager`'s): the copy runs on its side stream, FIFO with the stager's other
+    copies; read it through :meth:`HostStager.fetch` or after :meth:`HostStager.synchronize`. None: on the
+    current (compute) stream, so only reads ordered on that stream may use it (the grouped backward's later
+    ``.to(device, non_blocking=True)`` of the layer checkpoints, linear states and kept attention outputs); a
+    CPU tensor is then itself."""
+    if streams is not None:
+        host = streams.host_empty(t)
+        streams.copy(host, t)
+        return host
+    if t.device.type == "cpu":
+        return t
+    return t.to("cpu", non_blocking=True).pin_memory()
+
+
 class HostStager:
     """Host copies of device tensors and device copies one step ahead, through ``streams`` (see the module
-    doc): :class:`CudaStreams` on a CUDA device; on the CPU :func:`simulated_streams`' or none (identity)."""
+    doc): :class:`CudaStreams` on a CUDA device; on the CPU :func:`simulated_streams`' or none (identity).
+    Every copy it makes runs on the side stream, so they are FIFO among themselves; :func:`to_host` without
+    streams is the compute-stream copy for what only the compute stream reads back."""
 
     def __init__(self, device: torch.device, streams=None) -> None:
         self.device = torch.device(device)
@@ -149,13 +168,9 @@ class HostStager:
         self._inflight: dict[object, tuple[list[torch.Tensor], object]] = {}
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``t`` (pinned on CUDA), in flight: read it through :meth:`fetch` or after
-        :meth:`synchronize`."""
-        if self.streams is None:
-            return t
-        host = self.streams.host_empty(t)
-        self.streams.copy(host, t)
-        return host
+        """A host copy of ``t`` on the side stream (:func:`to_host`; a CPU stager without streams: ``t``
+        itself), in flight: read it through :meth:`fetch` or after :meth:`synchronize`."""
+        return to_host(t, self.streams) if self.streams is not None else t
 
     def store(self, host: torch.Tensor, t: torch.Tensor) -> None:
         """Write device tensor ``t`` back into its host buffer ``host`` (in flight, as :meth:`to_host`)."""
@@ -191,4 +206,4 @@ class HostStager:
             self.streams.synchronize()
 
 
-__all__ = ["CudaStreams", "DeferredStreams", "HostStager", "simulated_streams"]
+__all__ = ["CudaStreams", "DeferredStreams", "HostStager", "simulated_streams", "to_host"]

@@ -36,9 +36,9 @@ from ..models.mla import MLAState
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
 from .latent import mla_layer_backward
 from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
-from .offload import HostStager
+from .offload import HostStager, to_host
 from .options import check_keep_attention_output
-from .state import PromptState, _to_host
+from .state import PromptState
 
 
 def prompt_weights(model):
@@ -86,7 +86,7 @@ def prefill(
         last = len(model.layers) - 1
         for index, layer in enumerate(model.layers):
             if keep_checkpoints:
-                state.checkpoints.append(_to_host(hidden) if offload_checkpoints else hidden)
+                state.checkpoints.append(to_host(hidden) if offload_checkpoints else hidden)
             kept = None
             if keep_checkpoints and keep_attention_output != "off" and index < last and _is_attention(layer):
                 kept = []
@@ -105,7 +105,7 @@ def prefill(
 
 def _keeper(kept: list, host: bool):
     """``keep(stage, out, lse)`` for :class:`PromptPass`: append the stage's pair to ``kept`` (host copies)."""
-    move = _to_host if host else (lambda t: t)
+    move = to_host if host else (lambda t: t)
     return lambda _stage, out, lse: kept.append((move(out), move(lse)))
 
 

@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from ..models.decode import new_decode_cache
 from ..ops.transfers import host_list
-from ..parallel import gather_ints, group_size, set_sequence_parallel_group
+from ..parallel import group_size, set_sequence_parallel_group
+from .checks import check_ranks_agree
 from .prefix import PromptState, check_prompt_state, prefill, prompt_weights
 
 StepHook = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -163,15 +164,6 @@ def _agree(tokens: torch.Tensor, group) -> torch.Tensor:
     return tokens
 
 
-def _check_group_agrees(prompt_ids, num_responses, max_new_tokens, group) -> None:
-    if group_size(group) == 1:
-        return
-    rows = gather_ints([prompt_ids.numel(), num_responses, max_new_tokens], group, prompt_ids.device)
-    if len(set(rows)) != 1:
-        described = ", ".join(f"rank {r}: prompt={a} G={b} max_new_tokens={c}" for r, (a, b, c) in enumerate(rows))
-        raise ValueError(f"ranks of the sequence-parallel group disagree on the sampling call ({described})")
-
-
 def _prompt_kv(model, state: PromptState, kept: list | None, index: int):
     """Layer ``index``'s prompt K/V on the device: kept for the rollout (``"device"``), else from the state."""
     if model.layers[index].layer_type == "linear_attention":
@@ -250,7 +242,8 @@ def sample(
         raise ValueError(f"prompt_ids must hold integer token ids, got {prompt_ids.dtype}")
     stops = frozenset(stop_token_ids(eos_token_id))
     set_sequence_parallel_group(model, group)
-    _check_group_agrees(prompt_ids, num_responses, max_new_tokens, group)
+    check_ranks_agree({"prompt": prompt_ids.numel(), "G": num_responses, "max_new_tokens": max_new_tokens}, group,
+                      prompt_ids.device, "the sampling call")
     state = prompt_state
     if state is None:
         state = prefill(model, prompt_ids, group, keep_checkpoints=False, cache_requires_grad=False)

@@ -14,7 +14,7 @@ from ..models.mla import MLAState
 from ..parallel import group_rank, group_size, shard_sequence
 from .grads import CacheGradSink, StagedGradSink, move_grad_into
 from .latent import latent_grad, latent_leaf
-from .offload import HostStager
+from .offload import HostStager, to_host
 
 _LEAF_STATES = (LinearState, MLAState)  # kept as leaves on the device (not a PrefixCache with a sink)
 
@@ -77,7 +77,7 @@ class PromptState:
             leaves.append(leaf)
         boundaries = cache.boundaries
         if boundaries is not None and offload:
-            boundaries = _to_host(boundaries)
+            boundaries = to_host(boundaries)
         self.caches.append(LinearState(*leaves, boundaries))
 
     def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
@@ -190,12 +190,6 @@ class PromptState:
         pos = torch.arange(self.cached_length, device=ids.device).view(1, -1)
         return shard_sequence(ids, rank, world), shard_sequence(pos, rank, world)
 
-
-
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu":
-        return x
-    return x.to("cpu", non_blocking=True).pin_memory()
 
 
 __all__ = ["PromptState"]
