@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_longctx.longstraw import LossOptions, StepGroups, StepMemory
 from lightning_longctx.models import MemoryConfig
 from lightning_longctx.models.moe import Experts, enable_expert_parallel, is_expert_parameter, tokens_replicated
 from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch
@@ -162,7 +163,8 @@ def _assert_ep_grads(model, want, world, label):
 
 
 def longstraw_checks(rank, world):
-    """``longstraw_step(prompt_grad="full")`` with expert parallelism == full autograd over cat(P, r_i)
+    """``longstraw_step(loss=LossOptions(prompt_grad="full"))`` with expert parallelism == full autograd over
+    cat(P, r_i)
     (float64, 1e-8): MLA + MoE (random and skewed routing), Qwen3.5-MoE, and (2 ranks) FSDP2 with the experts'
     2-D shards; the global grad norm == the one process' norm; greedy ``sample`` == greedy full forwards."""
     from lightning_longctx.longstraw import longstraw_step, sample
@@ -180,8 +182,8 @@ def longstraw_checks(rank, world):
         assert enable_expert_parallel(model, group) > 0
         prompt, responses, advantages = make_group(g, prompt_len=prompt_len, seed=case)
         want_loss, want = reference(reference_model, prompt, responses, advantages, loss_type="token_mean")
-        out = longstraw_step(model, prompt, responses, advantages, max_response_length=MAX_LEN, group=group,
-                             state_segment=64)
+        out = longstraw_step(model, prompt, responses, advantages, loss=LossOptions(max_response_length=MAX_LEN),
+                             memory=StepMemory(state_segment=64), groups=StepGroups(sp_group=group))
         assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (case, out.loss, want_loss)
         _assert_ep_grads(model, want, world, f"EP LongStraw case {case} rank {rank}")
         want_norm = torch.nn.utils.get_total_norm(list(want.values()))
@@ -217,7 +219,8 @@ def _longstraw_fsdp(rank, world):
     shard_modules(model, [model], sharding="fsdp", mesh=fsdp_mesh("fsdp", "cpu"),
                   mp_policy=mixed_precision_policy(None), expert_mesh=build_dp_sp_mesh(world))
     register_prefix_state_methods([model])
-    out = longstraw_step(model, prompt, responses, advantages, group=dist.group.WORLD, measure_memory=False)
+    out = longstraw_step(model, prompt, responses, advantages, memory=StepMemory(measure_memory=False),
+                         groups=StepGroups(sp_group=dist.group.WORLD))
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (out.loss, want_loss)
     _assert_ep_grads(model, want, world, f"EP LongStraw FSDP2 rank {rank}")
     want_norm = torch.nn.utils.get_total_norm(list(want.values()))
