@@ -6,7 +6,8 @@ then runs its shard over the WORLD group and sums its loss share and gradients o
 local, the latent and the index keys are all-gathered, each rank takes the global top-k of its own queries.
 Cases: GLM-5 (interleaved indexer RoPE, IndexShare ``full, shared, full``), DeepSeek-V3.2 (rotate-half, every
 layer full), and GLM with activation checkpointing and tiled MLPs (2 ranks: the recomputation gathers again and
-the shared layer reads its source's selection).
+the shared layer reads its source's selection); the prefix state (``[prefix; rest]`` with each rank holding its
+shards of both: the rest selects among all ranks' prefix and rest keys).
 """
 
 from __future__ import annotations
@@ -64,6 +65,63 @@ def _check(rank, world, group, config, memory):
     assert_grads_match(got, want, TOL, what)
 
 
+def run_whole(model, ids):
+    """Final hidden states ``[b, s, E]`` of ``ids`` through the layers in one piece (one process)."""
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    hidden, selections = model.embed(ids), {}
+    for layer in model.layers:
+        hidden = layer(hidden, pos, dsa_indices=selections)
+    return model.final_hidden(hidden)
+
+
+def run_split(model, ids, split, group, rank, world):
+    """The same as ``[prefix; rest]``: the prefix ``ids[:, :split]`` returns each layer's state, the rest runs
+    over it; this rank's shards of both parts' final hidden states, concatenated ``[b, (split + rest) / P, E]``
+    (both parts' lengths divisible by ``world``)."""
+    from lightning_longctx.parallel import shard_sequence
+
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    parts = ((ids[:, :split], pos[:, :split]), (ids[:, split:], pos[:, split:]))
+    (ids_p, pos_p), (ids_r, pos_r) = [(shard_sequence(i, rank, world).contiguous(),
+                                       shard_sequence(p, rank, world).contiguous()) for i, p in parts]
+    hidden, states, selections = model.embed(ids_p), [], {}
+    for layer in model.layers:
+        hidden, state = layer(hidden, pos_p, return_state=True, dsa_indices=selections)
+        states.append(state)
+    h_prefix, hidden, selections = model.final_hidden(hidden), model.embed(ids_r), {}
+    for layer, state in zip(model.layers, states):
+        hidden = layer(hidden, pos_r, prefix_state=state, dsa_indices=selections)
+    return torch.cat((h_prefix, model.final_hidden(hidden)), dim=1)
+
+
+def _check_prefix(rank, world, group):
+    import torch.distributed as dist
+
+    from lightning_longctx.parallel import shard_sequence
+
+    reference = dsa_model(dsa_config(**GLM))
+    ids, _ = random_batch(reference.config, seq=10 * world)
+    probe = torch.randn(*ids.shape, reference.config.hidden_size, generator=torch.Generator().manual_seed(3),
+                        dtype=torch.float64)
+    split = 4 * world
+    whole = run_whole(reference, ids)
+    (whole * probe).sum().backward()
+    want = grads(reference)
+    model = copy_model(reference)
+    set_sequence_parallel_group(model, group)
+    got = run_split(model, ids, split, group, rank, world)
+
+    def mine(t):
+        return torch.cat([shard_sequence(t[:, :split], rank, world), shard_sequence(t[:, split:], rank, world)], 1)
+
+    (got * mine(probe)).sum().backward()
+    assert_close_rel(got, mine(whole), TOL, f"world={world} DSA prefix state: hidden")
+    got_grads = grads(model)
+    for t in got_grads.values():
+        dist.all_reduce(t)
+    assert_grads_match(got_grads, want, TOL, f"world={world} DSA prefix state")
+
+
 def check_all(rank, world):
     import torch.distributed as dist
 
@@ -73,4 +131,5 @@ def check_all(rank, world):
         cases.append((dsa_config(**GLM), MemoryConfig(activation_checkpointing=True, mlp_chunk_size=3)))
     for config, memory in cases:
         _check(rank, world, group, config, memory)
+    _check_prefix(rank, world, group)
     return True

@@ -7,7 +7,8 @@ parameter's gradient (at ``rounding_tol``), GLM with IndexShare (``full, shared,
 weights attending densely do not (the sparsity matters), and ``save_pretrained`` goes back into transformers.
 The kernels against plain references (float64): the streaming top-k equals a dense top-k (ties: the lowest key)
 for any tile sizes, the sparse attention equals masked dense attention, forward and gradients. IndexShare under
-activation checkpointing changes no number. A per-shard top-k (each shard's queries choosing among its own keys,
+activation checkpointing changes no number; a prefix state ``[prefix; rest]`` continues the sequence exactly. A
+per-shard top-k (each shard's queries choosing among its own keys,
 the LongStraw paper's variant) gives other logits than transformers, so the global one is what is tested.
 Sharded (2 and 4 gloo ranks, float64, :mod:`dsa_workers`): loss and every gradient == one process at 1e-10.
 """
@@ -211,18 +212,39 @@ def test_a_per_shard_top_k_is_another_function(tmp_path, monkeypatch, shards):
         assert_close_rel(ours(ids).logits, want, TOL, "global top-k")
     global_select = DSAIndexer.select
 
-    def per_shard(self, hidden, q_resid, cos, sin, group):
+    def per_shard(self, hidden, q_resid, cos, sin, keys, group, prefix_keys=None):
         s_l = hidden.shape[1] // shards
         parts = []
         for p in range(shards):
             piece = slice(p * s_l, (p + 1) * s_l)
-            local = global_select(self, hidden[:, piece], q_resid[:, piece], cos[:, piece], sin[:, piece], None)
+            local = global_select(self, hidden[:, piece], q_resid[:, piece], cos[:, piece], sin[:, piece],
+                                  keys[:, piece], None)
             parts.append(torch.where(local >= 0, local + p * s_l, local))
         return torch.cat(parts, dim=1)
 
     monkeypatch.setattr(DSAIndexer, "select", per_shard)
     with torch.no_grad():
         assert rel_err(ours(ids).logits, want) > 100 * TOL, "a per-shard top-k gave transformers' logits"
+
+
+def test_prefix_state_continues_the_sequence_exactly():
+    """``[prefix; rest]``: the prefix's layers return their :class:`DSAState` (latent, index keys), the rest
+    selects among ``[prefix | rest]`` keys; hidden states and every gradient equal the whole sequence's
+    (float64; GLM with IndexShare: the shared layers read the full layers' selections over both)."""
+    from dsa_workers import run_split, run_whole
+
+    model = _float64_model("glm_moe_dsa")
+    ids = _ids()
+    probe = torch.randn(*ids.shape, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(3),
+                        dtype=torch.float64)
+    whole = run_whole(model, ids)
+    (whole * probe).sum().backward()
+    want = grads(model)
+    model.zero_grad()
+    got = run_split(model, ids, 17, None, 0, 1)
+    (got * probe).sum().backward()
+    assert_close_rel(got, whole, 1e-12, "hidden of [prefix; rest]")
+    assert_grads_match(grads(model), want, 1e-12, "prefix state vs whole")
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

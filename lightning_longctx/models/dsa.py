@@ -28,18 +28,23 @@ of ``kv_b_proj`` for head ``h``, the query ``[q_nope_h W_UK_h | rope(q_rot_h)]``
 output ``sum_j p_j c_kv_j`` maps through ``W_UV_h`` (:mod:`.mla_decode`'s algebra). Every head is local, so the
 parameter gradients are each rank's tokens' share and the usual SP sum gives the one-device gradient.
 
-Not yet (refused with a message): a prompt state (LongStraw replays, decoding) and a token-masked (prefix-frozen)
-LoRA adapter on ``kv_b_proj``.
+Prefix state (:class:`DSAState`, the building block of LongStraw over DSA): a layer's ``forward(...,
+return_state=True)`` returns this rank's latent and (full layers) index keys; a later call with ``prefix_state``
+selects among ``[prefix | its own tokens]`` (key indices count the prefix first) and attends over the same rows.
+Not yet (refused with a message): LongStraw's prompt-only ``prompt_state``, decoding, and a token-masked
+(prefix-frozen) LoRA adapter on ``kv_b_proj``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..ops.sparse_attention import sparse_latent_attention, streaming_topk
-from ..parallel import group_rank, group_size
+from ..parallel import group_rank
 from .lora import LoRALinear, masked_linear
 from .mla import MLAttention, gather_sequence, rope_interleaved
 from .rope import apply_rope
@@ -76,23 +81,36 @@ class DSAIndexer(nn.Module):
 
     @torch.no_grad()
     def select(self, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               group) -> torch.Tensor:
+               keys: torch.Tensor, group, prefix_keys: torch.Tensor | None = None) -> torch.Tensor:
         """The global top-k ``[b, s_l, k]`` (int32, ``-1`` padding) of this rank's queries over every rank's keys.
 
         ``hidden [b, s_l, E]``: the normed layer input; ``q_resid [b, s_l, q_lora]``: MLA's query low rank;
-        ``cos, sin [b, s_l, r]``: the tokens' RoPE tables; ``group``: the SP group (keys gathered over it)."""
+        ``cos, sin [b, s_l, r]``: the tokens' RoPE tables; ``keys [b, s_l, D_I]``: their :meth:`keys`;
+        ``group``: the SP group (keys gathered over it); ``prefix_keys [b, S'/P, D_I]``: this rank's shard of
+        the index keys of earlier tokens (a prompt), which come first: key indices ``[0, S')`` are the prompt's,
+        then this call's tokens'."""
         b, s_l, _ = hidden.shape
         q = self.wq_b(q_resid).view(b, s_l, self.n_heads, self.head_dim)
         q = self._rope(q, cos, sin).float()
-        keys = self.keys(hidden, cos, sin)
-        if group_size(group) > 1:
-            keys = gather_sequence(keys, group)  # [b, s, D_I]: every rank's keys in rank order (no graph)
+        keys = gather_sequence(keys, group)  # [b, s, D_I]: every rank's keys in rank order (no graph)
+        start = group_rank(group) * s_l
+        if prefix_keys is not None:
+            prefix_keys = gather_sequence(prefix_keys.float(), group)
+            keys, start = torch.cat((prefix_keys, keys), dim=1), start + prefix_keys.shape[1]
         w = self.weights_proj.weight
         weights = F.linear(hidden.to(w.dtype), w).float() * self.n_heads**-0.5
-        start = group_rank(group) * s_l
         query_index = torch.arange(start, start + s_l, device=hidden.device)
         return streaming_topk(q, weights, keys, query_index, self.topk, self.head_dim**-0.5,
                               query_block=self.query_block, key_block=self.key_block)
+
+
+class DSAState(NamedTuple):
+    """What later tokens need of a DSA layer: the MLA latent ``[b, s_l, R + r]`` of this rank's tokens and, on a
+    ``"full"`` layer, their index keys ``[b, s_l, D_I]`` float32 (no graph; None on a shared layer), both
+    sequence-sharded under SP."""
+
+    latent: torch.Tensor
+    index_keys: torch.Tensor | None
 
 
 def index_source(indexer_types: list[str], index: int) -> int:
@@ -131,20 +149,29 @@ class DSAttention(MLAttention):
         return w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, dsa_indices: dict | None = None,
-                lora_mask: torch.Tensor | None = None, prefix_state=None, return_state: bool = False):
+                lora_mask: torch.Tensor | None = None, prefix_state: DSAState | None = None,
+                return_state: bool = False):
         """``hidden [b, s_l, E]`` at global ``position_ids [b, s_l]`` -> ``[b, s_l, E]``.
 
         ``dsa_indices``: this forward's selections by layer index (a full layer stores its own there, a shared
         layer reads its source's; None on a full layer: not stored). ``lora_mask [b, s_l]``: as MLA's (not with
-        an adapter on ``kv_b_proj``). ``prefix_state`` / ``return_state`` are refused (not implemented)."""
-        if prefix_state is not None or return_state:
-            raise NotImplementedError("DSA layers have no prompt state yet (LongStraw replays, decoding): "
-                                      "run the model's full forward")
+        an adapter on ``kv_b_proj``). ``prefix_state``: the :class:`DSAState` of earlier tokens (this rank's
+        shard, e.g. a prompt): every token selects among them and, causally, the new ones (the selection's key
+        indices count the prefix first); the latent's gradient flows through autograd. ``return_state``: also
+        return this call's :class:`DSAState`."""
         cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
         latent = self.latent(hidden, position_ids, (cos, sin), lora_mask)  # [b, s_l, w]
         q_in = self.query_input(hidden, lora_mask)  # [b, s_l, q_lora]: the indexer's input too
+        has_prefix = prefix_state is not None and prefix_state.latent.shape[1] > 0
+        keys = None
         if self.indexer is not None:
-            indices = self.indexer.select(hidden, q_in, cos, sin, self.sp_group)
+            with torch.no_grad():
+                keys = self.indexer.keys(hidden, cos, sin)
+            prefix_keys = prefix_state.index_keys if has_prefix else None
+            if has_prefix and prefix_keys is None:
+                raise ValueError(f"DSA layer {self.layer_index} runs its own indexer: its prefix_state needs the "
+                                 "prompt's index_keys")
+            indices = self.indexer.select(hidden, q_in, cos, sin, keys, self.sp_group, prefix_keys)
             if dsa_indices is not None:
                 dsa_indices[self.layer_index] = indices
         elif dsa_indices is None or self.index_source not in dsa_indices:
@@ -159,13 +186,17 @@ class DSAttention(MLAttention):
         q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_kv[:, :self.nope])
         q_abs = torch.cat((q_lat, self._rope(q_rot, cos, sin).to(q_lat.dtype)), dim=-1)  # [b, s_l, H, w]
         full = gather_sequence(latent, self.sp_group)  # [b, s, w]: one all-gather per layer
+        if has_prefix:  # [prompt | these tokens], the order of the selection's key indices
+            full = torch.cat((gather_sequence(prefix_state.latent.to(full.dtype), self.sp_group), full), dim=1)
         o_lat = sparse_latent_attention(q_abs, full.to(q_abs.dtype), indices, self.scaling, self.kv_lora_rank,
                                         query_block=self.query_block)
         out = torch.einsum("bshr,hvr->bshv", o_lat, w_kv[:, self.nope:])  # [b, s_l, H, dv]
-        return masked_linear(self.o_proj, out.flatten(2), lora_mask)
+        out = masked_linear(self.o_proj, out.flatten(2), lora_mask)
+        return (out, DSAState(latent, keys)) if return_state else out
 
     def prompt_state(self, *args, **kwargs):
-        raise NotImplementedError("DSA layers have no prompt state yet (LongStraw over a DSA model)")
+        raise NotImplementedError("DSA layers have no prompt-only state yet (LongStraw over a DSA model): run "
+                                  "forward(..., return_state=True)")
 
 
-__all__ = ["DSAIndexer", "DSAttention", "FULL", "SHARED", "index_source"]
+__all__ = ["DSAIndexer", "DSAState", "DSAttention", "FULL", "SHARED", "index_source"]
