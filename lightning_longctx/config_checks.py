@@ -14,6 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from .config_schema import prompts_per_rank
+
 _HYDRA_KEYS = ("_target_", "_partial_", "_convert_", "_recursive_", "_args_")
 # Trainer arguments the CLI sets from other groups: key -> where to set it instead
 TRAINER_RESERVED = {
@@ -141,6 +143,12 @@ def check_task(cfg: DictConfig) -> None:
                 raise ConfigError(f"task.{key}={value!r}: a LongStraw task needs a positive int (the planner reads it)")
         if task.get("prompt_grad", "full") not in ("full", "none"):
             raise ConfigError(f"task.prompt_grad={task.prompt_grad!r} must be 'full' or 'none'")
+        cluster = cfg.get("cluster")
+        if "prompts_per_step" in task and isinstance(cluster, DictConfig):
+            try:
+                prompts_per_rank(task.prompts_per_step, cluster.devices, cluster.num_nodes, cluster.sp_size)
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
     for key in ("module", "data"):
         node = task.get(key)
         if not isinstance(node, DictConfig) or not node.get("_target_"):

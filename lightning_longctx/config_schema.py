@@ -194,6 +194,7 @@ class LongStrawTaskConf(TaskConf):
     group_size: int = 8
     max_new_tokens: int = 1024
     prompt_grad: str = "full"
+    prompts_per_step: int | None = None  # global; null = one per data-parallel rank (see prompts_per_rank)
     reward_timeout_s: float | None = None
     on_reward_error: str = "raise"
 
@@ -344,6 +345,33 @@ def task_schema(schema: type) -> DictConfig:
     return _open(OmegaConf.structured(schema), *OPEN_TASK_NODES)
 
 
+def prompts_per_rank(prompts_per_step: int | None, devices: int, num_nodes: int, sp_size: int | None) -> int:
+    """The prompt groups each data-parallel rank runs per optimizer step (its batch size): ``prompts_per_step``
+    (global) over the ``devices * num_nodes / sp_size`` dp ranks; None = 1 per dp rank. The YAML resolver
+    ``${longctx.prompts_per_rank:${task.prompts_per_step},${cluster.devices},${cluster.num_nodes},
+    ${cluster.sp_size}}`` (the tasks' ``data.batch_size``). Raises ValueError naming the numbers when the dp ranks
+    cannot share them evenly (every dp rank must run as many groups: each group's gradient is averaged over them
+    by a collective)."""
+    world = devices * num_nodes
+    dp = max(1, world // (sp_size or devices))
+    if prompts_per_step is None:
+        return 1
+    if isinstance(prompts_per_step, bool) or not isinstance(prompts_per_step, int) or prompts_per_step < 1:
+        raise ValueError(f"task.prompts_per_step={prompts_per_step!r} must be an int >= 1 (or null: one per "
+                         "data-parallel rank)")
+    if prompts_per_step % dp:
+        raise ValueError(f"task.prompts_per_step={prompts_per_step} cannot be split evenly over the {dp} data-parallel "
+                         f"ranks ({devices} devices x {num_nodes} nodes / sp_size {sp_size or devices}): use a "
+                         f"multiple of {dp}")
+    return prompts_per_step // dp
+
+
+def register_resolvers() -> None:
+    """``${longctx.prompts_per_rank:...}`` (:func:`prompts_per_rank`), idempotent."""
+    if not OmegaConf.has_resolver("longctx.prompts_per_rank"):
+        OmegaConf.register_new_resolver("longctx.prompts_per_rank", prompts_per_rank)
+
+
 def register_configs() -> None:
     """Store the schemas: ``base_config``, ``schema/task/<name>`` (and ``schema/task/base``: the planner keys
     required, everything else free, for tasks defined outside this package), ``schema/export`` (idempotent)."""
@@ -357,6 +385,7 @@ def register_configs() -> None:
 
 
 register_configs()
+register_resolvers()
 
 __all__ = [
     "CheckpointConf",
@@ -372,6 +401,8 @@ __all__ = [
     "PlanConf",
     "TASK_SCHEMAS",
     "TaskConf",
+    "prompts_per_rank",
     "register_configs",
+    "register_resolvers",
     "task_schema",
 ]

@@ -1,9 +1,12 @@
 """``LongStrawModule``: the LightningModule users subclass for GRPO on huge shared prompts.
 
 Subclass it, give it a model (``DecoderLM``) and override :meth:`LongStrawModule.reward`. Each
-``training_step`` takes a batch of prompt groups, samples (or takes) G responses per prompt from one
-prefill, scores them, and runs one exact :func:`~lightning_longctx.longstraw.longstraw_step` and one
-optimizer step per group (manual optimisation). Under ``strategy="ulysses"`` the prompt is sharded over the
+``training_step`` takes a batch of prompt groups (this rank's share of the step's prompts: ``longctx-train``'s
+``task.prompts_per_step`` over the data-parallel ranks), and for each group in turn samples (or takes) G
+responses from one prefill, scores them and runs one exact :func:`~lightning_longctx.longstraw.longstraw_step`,
+accumulating the gradients; then one optimizer step (manual optimisation) on their mean: the step's loss is the
+mean over its prompts of each group's loss, so ``P`` prompts per step equal full autograd over all their
+``cat(prompt, response)`` sequences with that loss. Under ``strategy="ulysses"`` the prompt is sharded over the
 strategy's SP group; gradients are averaged over its DP group.
 
 Logged ``train/peak_memory_gib``: the device's absolute peak over the group step (CUDA: the allocator's
@@ -25,7 +28,8 @@ rewards and advantages, also when the reward is not deterministic (sampling, a r
 takes part in that broadcast whatever happens: a reward that raises (or returns the wrong shape) on the first
 rank is reported to the others through the same broadcast, and every rank raises instead of hanging.
 
-Optimisation (manual, one ``optimizer.step()`` per group): after ``longstraw_step`` the gradients are final
+Optimisation (manual, one ``optimizer.step()`` per batch): after the batch's ``longstraw_step`` calls and the
+division by their number the gradients are final
 (summed over SP, averaged over DP: identical replicas, or FSDP2 shards under ``sharding="fsdp"``);
 ``max_grad_norm`` clips them by their global norm over all trainable parameters
 (``torch.nn.utils.clip_grad_norm_``, which takes FSDP2's DTensor shards too) and the pre-clip norm is logged
@@ -251,6 +255,7 @@ class LongStrawModule(pl.LightningModule):
         # mean reward of the last REWARD_HISTORY groups this rank trained on (bounded: a long run must not grow it)
         self.reward_history: deque[float] = deque(maxlen=REWARD_HISTORY)
         self.progress = None  # optional callable(str) for the long phases, e.g. lightning.progress.PhaseProgress
+        self.prompts_trained = 0  # prompts (groups) trained on, all DP ranks: train/prompts, checkpointed
 
     # ------------------------------------------------------------------------------------------ override
     def reward(self, prompt_ids: torch.Tensor, responses: list[torch.Tensor], **fields: Any) -> torch.Tensor:
@@ -412,6 +417,7 @@ class LongStrawModule(pl.LightningModule):
 
     # ------------------------------------------------------------------------------------------ checkpoints
     RNG_CHECKPOINT_KEY = "longstraw_sampling_rng"
+    PROMPTS_CHECKPOINT_KEY = "longstraw_prompts_trained"
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Save every DP rank's sampling-generator state (``{dp_rank: ByteTensor or None}``). Lightning calls
@@ -427,10 +433,12 @@ class LongStrawModule(pl.LightningModule):
         for dp_rank, rank_state in gathered:  # the SP ranks of a DP group hold the same generator
             states.setdefault(int(dp_rank), rank_state)
         checkpoint[self.RNG_CHECKPOINT_KEY] = states
+        checkpoint[self.PROMPTS_CHECKPOINT_KEY] = self.prompts_trained
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore this DP rank's sampling generator (a DP rank the checkpoint does not know starts from
-        ``seed``, as a fresh run would)."""
+        ``seed``, as a fresh run would) and the count of prompts trained on."""
+        self.prompts_trained = int(checkpoint.get(self.PROMPTS_CHECKPOINT_KEY, 0))
         states = checkpoint.get(self.RNG_CHECKPOINT_KEY)
         if not states:
             return
@@ -463,68 +471,104 @@ class LongStrawModule(pl.LightningModule):
         return StepGroups(sp_group=sp_group, dp_group=dp_group, defer_grad_sync=self.defer_grad_sync)
 
     def training_step(self, batch: dict, batch_idx: int):
+        """One optimizer step over the batch's prompt groups (this rank's share of ``prompts_per_step``): each
+        group runs its own prefill, rollouts, rewards and exact ``longstraw_step``, one after another, their
+        gradients accumulating in ``.grad``; then the sum is divided by the number of groups (the step's loss is
+        the mean over prompts of each group's loss; under DP each group's gradient is already averaged over the
+        DP ranks, which all run the same number of groups), clipped, and one ``optimizer.step()`` follows."""
         prompts = batch["prompt_ids"]
         prompts = [prompts] if torch.is_tensor(prompts) and prompts.dim() == 1 else list(prompts)
         extra = {k: v for k, v in batch.items() if k not in ("prompt_ids", "responses", "old_logprobs")}
         sp_group, dp_group = self._mesh_group("sp"), self._mesh_group("dp")
         optimizer = self.optimizers()
-        last = None
+        optimizer.zero_grad(set_to_none=True)
+        reset_device_peak(prompts[0].device)
+        start = time.perf_counter()
+        groups: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []  # (step output, rewards, responses)
         for index, prompt in enumerate(prompts):
-            start = time.perf_counter()
-            given = batch.get("responses")
-            optimizer.zero_grad(set_to_none=True)
-            reset_device_peak(prompt.device)
-            state = self.prefill(prompt, sp_group)  # one prefill: the rollouts, the KL reference (if it can), the step
-            if given is not None:
-                responses = [torch.as_tensor(r, device=prompt.device) for r in given[index]]
-            else:
-                with phase(f"sampling (group {index + 1}/{len(prompts)})"):
-                    responses = sample(self.model, prompt, self.group_size, group=sp_group, prompt_state=state,
-                                       generator=self._sampling_generator(), **self.sample_kwargs)
-            fields = {k: v[index] for k, v in extra.items()}
-            context = f"global step {self.global_step}, batch {batch_idx}, prompt {index + 1}/{len(prompts)}"
-            with phase("reward"):
-                rewards = self.group_rewards(prompt, responses, fields, sp_group, context)  # same on every SP rank
-            if self._skip_failed_group(rewards is None, dp_group, prompt.device):
-                del state
-                optimizer.zero_grad(set_to_none=True)
-                continue
-            advantages = group_advantages(rewards, scale_by_std=self.scale_rewards)
-            rewards = rewards.cpu()
-            old = None  # on-policy, unless an external engine's behaviour log-probs came with its responses
-            if given is not None and batch.get("old_logprobs") is not None:
-                old = [torch.as_tensor(lp, device=prompt.device) for lp in batch["old_logprobs"][index]]
-            ref = None
-            if self.loss_options.beta > 0:
-                ref = self.reference_logprobs(prompt, responses, sp_group, prompt_state=state)
-            # exact group gradient: summed over SP, averaged over DP replicas, in fp32
-            out = longstraw_step(self.model, prompt, responses, advantages, loss=self.loss_options,
-                                 memory=self.step_memory, groups=self.step_groups(sp_group, dp_group),
-                                 old_logprobs=old, ref_logprobs=ref, prompt_state=state, progress=self.progress)
-            del state
-            with phase("gradient clipping"):
-                grad_norm = self.clip_and_measure()  # the gradients are final: summed over SP, averaged over DP
-            lr = optimizer.param_groups[0]["lr"]  # the LR this step uses
-            # the closure hands the loss to the strategy's non-finite check (UlyssesStrategy(on_nonfinite=...)),
-            # which runs it before the update and may skip the update on every rank alike
-            optimizer.step(closure=_returns(torch.tensor(out.loss, dtype=torch.float64)))
-            scheduler = self._lr_scheduler()
-            if scheduler is not None:
-                scheduler.step()
-            peak = device_peak_bytes(prompt.device)
-            seconds = time.perf_counter() - start
-            lengths = torch.tensor([float(r.numel()) for r in responses])
-            last = {
-                "train/loss": out.loss, "train/reward_mean": rewards.mean().item(),
-                "train/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-                "train/kl": out.kl, "train/clip_fraction": out.clip_fraction, "train/entropy": out.entropy,
-                "train/response_length": lengths.mean().item(),
-                "train/tokens_per_s": (out.prompt_tokens + out.tokens) / seconds,
-                "train/peak_memory_gib": peak / 2**30,
-                "train/grad_norm": grad_norm, "train/lr": lr,
-            }
-            self.reward_history.append(last["train/reward_mean"])
-            self.log_dict(last, on_step=True, prog_bar=False, batch_size=1, rank_zero_only=True)
-        if last is not None:  # None: every group of the batch was skipped (on_reward_error=skip_group)
-            self.log("reward", last["train/reward_mean"], prog_bar=True, batch_size=1, rank_zero_only=True)
+            trained = self._group_step(batch, extra, index, prompt, len(prompts), batch_idx, sp_group, dp_group)
+            if trained is not None:
+                groups.append(trained)
+        if not groups:  # every group of the batch was skipped (on_reward_error=skip_group): no update
+            return None
+        self.average_accumulated_gradients(len(groups))
+        with phase("gradient clipping"):
+            grad_norm = self.clip_and_measure()  # the gradients are final: summed over SP, averaged over DP
+        lr = optimizer.param_groups[0]["lr"]  # the LR this step uses
+        loss = sum(out.loss for out, _, _ in groups) / len(groups)
+        # the closure hands the loss to the strategy's non-finite check (UlyssesStrategy(on_nonfinite=...)),
+        # which runs it before the update and may skip the update on every rank alike
+        optimizer.step(closure=_returns(torch.tensor(loss, dtype=torch.float64)))
+        scheduler = self._lr_scheduler()
+        if scheduler is not None:
+            scheduler.step()
+        self._log_step(groups, loss, grad_norm, lr, time.perf_counter() - start, prompts[0].device)
         return None
+
+    def _group_step(self, batch: dict, extra: dict, index: int, prompt: torch.Tensor, count: int, batch_idx: int,
+                    sp_group, dp_group):
+        """Prompt ``index`` of the batch: prefill, rollouts (or the given responses), rewards and the exact
+        ``longstraw_step`` accumulating its gradient. ``(step output, rewards [G], responses)``, or None when
+        its reward failed under ``on_reward_error="skip_group"`` (on every DP rank alike)."""
+        given = batch.get("responses")
+        state = self.prefill(prompt, sp_group)  # one prefill: the rollouts, the KL reference (if it can), the step
+        if given is not None:
+            responses = [torch.as_tensor(r, device=prompt.device) for r in given[index]]
+        else:
+            with phase(f"sampling (group {index + 1}/{count})"):
+                responses = sample(self.model, prompt, self.group_size, group=sp_group, prompt_state=state,
+                                   generator=self._sampling_generator(), **self.sample_kwargs)
+        fields = {k: v[index] for k, v in extra.items()}
+        context = f"global step {self.global_step}, batch {batch_idx}, prompt {index + 1}/{count}"
+        with phase("reward"):
+            rewards = self.group_rewards(prompt, responses, fields, sp_group, context)  # same on every SP rank
+        if self._skip_failed_group(rewards is None, dp_group, prompt.device):
+            return None
+        advantages = group_advantages(rewards, scale_by_std=self.scale_rewards)
+        old = None  # on-policy, unless an external engine's behaviour log-probs came with its responses
+        if given is not None and batch.get("old_logprobs") is not None:
+            old = [torch.as_tensor(lp, device=prompt.device) for lp in batch["old_logprobs"][index]]
+        ref = None
+        if self.loss_options.beta > 0:
+            ref = self.reference_logprobs(prompt, responses, sp_group, prompt_state=state)
+        # exact group gradient, added to .grad: summed over SP, averaged over DP replicas, in fp32
+        out = longstraw_step(self.model, prompt, responses, advantages, loss=self.loss_options,
+                             memory=self.step_memory, groups=self.step_groups(sp_group, dp_group),
+                             old_logprobs=old, ref_logprobs=ref, prompt_state=state, progress=self.progress)
+        return out, rewards.cpu(), responses
+
+    def average_accumulated_gradients(self, groups: int) -> None:
+        """Divide the gradients summed over the step's ``groups`` by their number (the mean over prompts)."""
+        if groups > 1:
+            with torch.no_grad():
+                for p in self._trainable_parameters():
+                    if p.grad is not None:
+                        p.grad.div_(groups)
+
+    def _log_step(self, groups: list, loss: float, grad_norm: float, lr: float, seconds: float,
+                  device: torch.device) -> None:
+        """The step's metrics: means over its groups (``train/loss`` the step's loss), throughput over the whole
+        step, ``train/prompts`` = prompts trained on so far (all DP ranks)."""
+        outs = [out for out, _, _ in groups]
+        rewards = [r for _, r, _ in groups]
+        lengths = torch.tensor([float(x.numel()) for _, _, responses in groups for x in responses])
+        dp_group = self._mesh_group("dp")
+        self.prompts_trained += len(groups) * (group_size(dp_group) if dp_group is not None else 1)
+
+        def mean(values) -> float:
+            values = list(values)
+            return sum(values) / len(values)
+
+        metrics = {
+            "train/loss": loss, "train/reward_mean": mean(r.mean().item() for r in rewards),
+            "train/reward_std": mean(r.std().item() if r.numel() > 1 else 0.0 for r in rewards),
+            "train/kl": mean(o.kl for o in outs), "train/clip_fraction": mean(o.clip_fraction for o in outs),
+            "train/entropy": mean(o.entropy for o in outs), "train/response_length": lengths.mean().item(),
+            "train/tokens_per_s": sum(o.prompt_tokens + o.tokens for o in outs) / seconds,
+            "train/peak_memory_gib": device_peak_bytes(device) / 2**30,
+            "train/grad_norm": grad_norm, "train/lr": lr, "train/prompts": float(self.prompts_trained),
+        }
+        self.reward_history.extend(r.mean().item() for r in rewards)
+        self.log_dict(metrics, on_step=True, prog_bar=False, batch_size=1, rank_zero_only=True)
+        self.log("reward", metrics["train/reward_mean"], prog_bar=True, batch_size=1, rank_zero_only=True)
+        self.log("prompts", metrics["train/prompts"], prog_bar=True, batch_size=1, rank_zero_only=True)
