@@ -33,16 +33,21 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from . import config_schema
+
+# Lightning and the training layer are imported inside the functions that build the Trainer's pieces: the
+# planning path (longctx-plan, longctx-rehearse's checks) imports this module without Lightning's import time.
 from .config_checks import (  # the checks before any work; re-exported for cli.py and the tests
     ConfigError,
-    _parameters,
     check_config,
     check_targets,
     check_task,
     check_trainer_keys,
     importable_cwd,
+    keyword_parameters,
     locate,
 )
+from .config_plan import longstraw_choices
+from .models import DecoderLM, MemoryConfig
 
 _HF_KEYS = ("_target_", "name", "hf_id", "pretrained", "lora")  # ModelConf keys that are not architecture fields
 
@@ -77,35 +82,22 @@ def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
     ``memory.offload_checkpoints=true`` alone is valid there, not an error.
 
     ``memory.keep_attention_output`` (LongStraw): ``auto`` becomes what the planner chooses for this config's
-    step (``device`` when it fits the budget, else ``off``: ``memory.longstraw.choose_keep_attention_output``,
-    the same choice ``longctx-plan`` plans with); SFT tasks never keep them (``off``). ``rollout_prompt_cache``
-    (LongStraw with ``memory.offload_prompt_cache``): the planner's choice,
-    ``memory.longstraw.choose_rollout_prompt_cache``.
+    step (``device`` when it fits the budget, else ``off``), and ``rollout_prompt_cache`` (LongStraw with
+    ``memory.offload_prompt_cache``) the planner's choice too: :func:`.config_plan.longstraw_choices`, the
+    choices ``longctx-plan`` prints. SFT tasks never keep them (``off``).
     """
     knobs = {k: cfg.memory[k] for k in ("head_chunk_size", "activation_checkpointing", "offload_checkpoints",
                                         "mlp_chunk_size", "logits_chunk_size")}
-    keep = str(cfg.memory.get("keep_attention_output") or "auto")
     if cfg.task.mode == "longstraw":
         knobs["offload_checkpoints"] = bool(knobs["offload_checkpoints"] and knobs["activation_checkpointing"])
-        knobs["keep_attention_output"] = _planned(cfg, "choose_keep_attention_output") if keep == "auto" else keep
-        if cfg.memory.get("offload_prompt_cache"):
-            knobs["rollout_prompt_cache"] = _planned(cfg, "choose_rollout_prompt_cache")
+        chosen = longstraw_choices(cfg)
+        knobs["keep_attention_output"] = chosen["keep_attention_output"]
+        if chosen["rollout_prompt_cache"] is not None:
+            knobs["rollout_prompt_cache"] = chosen["rollout_prompt_cache"]
     else:
+        keep = str(cfg.memory.get("keep_attention_output") or "auto")
         knobs["keep_attention_output"] = "off" if keep == "auto" else keep
     return knobs
-
-
-def _planned(cfg: DictConfig, choice: str) -> str:
-    """The planner's ``memory.longstraw.<choice>`` (``choose_keep_attention_output`` for
-    ``keep_attention_output=auto``, ``choose_rollout_prompt_cache``) at the task's prompt, G and response length."""
-    from .cli import model_shape, plan_request  # the planner's view of the config (cli imports this module)
-    from .planner import ClusterShape, MemoryKnobs
-    from .planner import longstraw as planned
-
-    request = plan_request(cfg, mode="longstraw")
-    return getattr(planned, choice)(
-        model_shape(cfg), ClusterShape.from_config(cfg.cluster), MemoryKnobs.from_config(cfg.memory),
-        request["seq_len"], request["group_size"], request["response_len"], request["prompt_grad"])
 
 
 def _attach_lora(model, lora) -> None:
@@ -129,8 +121,6 @@ def build_model(cfg: DictConfig):
     ``MemoryConfig``) when it names a ``memory`` parameter; ``model.lora`` is then attached here
     (``add_lora``) unless the builder names a ``lora`` parameter.
     """
-    from .models import DecoderLM, MemoryConfig
-
     memory = MemoryConfig(**model_memory_knobs(cfg))
     target = cfg.model.get("_target_")
     lora = cfg.model.get("lora")
@@ -138,7 +128,7 @@ def build_model(cfg: DictConfig):
         builder = locate(target, "model._target_")
         fields = OmegaConf.to_container(cfg.model, resolve=True)
         fields.pop("_target_")
-        params = _parameters(builder)
+        params = keyword_parameters(builder)
         names, var_kwargs = params if params is not None else (set(), True)
         kwargs = {k: v for k, v in fields.items() if k in names or (var_kwargs and k != "lora")}
         if "memory" in names:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from datetime import timedelta
 from typing import Any
 
 import hydra
@@ -39,22 +41,21 @@ from .app import (
     summary_callback,
     trainer_kwargs,
 )
+from .config_plan import check_plan, explicit_model_fields, longstraw_choices, model_shape, plan_request
+from .export import ExportError, export_checkpoint
 from .planner import (
     GIB,
     ClusterShape,
     MemoryKnobs,
     ModelShape,
-    Plan,
     PlanError,
-    check_budget,
     check_precision,
     kv_cache_bytes,
     max_context,
 )
 from .planner import plan as make_plan
-from .planner.longstraw import choose_keep_attention_output, choose_rollout_prompt_cache
-from .planner.pretrained import describe_model
-from .planner.shapes import PRESET
+from .planner.shapes import describe_model
+from .safe_load import UntrustedCheckpointError
 
 log = logging.getLogger("lightning_longctx.cli")
 
@@ -71,8 +72,6 @@ def trainer_precision(memory_cfg: DictConfig) -> str:
 
 def collective_timeout(cluster_cfg: DictConfig):
     """``cluster.collective_timeout_s`` as the process groups' ``timedelta``; ConfigError naming a bad value."""
-    from datetime import timedelta
-
     seconds = cluster_cfg.get("collective_timeout_s")
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
         raise ConfigError(f"cluster.collective_timeout_s={seconds!r} must be a positive number of seconds (e.g. 1800 "
@@ -85,60 +84,6 @@ def _is_rank_zero() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ planning
-def plan_request(cfg: DictConfig, *, mode: str | None = None, seq_len: int | None = None) -> dict[str, Any]:
-    """The planner's keyword arguments for ``cfg``: the task's mode and context unless overridden by
-    ``plan.*`` or the arguments; LongStraw takes the task's G and ``max_new_tokens`` as the response length."""
-    task = cfg.task
-    plan = cfg.get("plan") or {}  # longctx-export's config has no plan node
-    mode = mode or task.mode
-    request: dict[str, Any] = {"mode": mode, "seq_len": seq_len or plan.get("seq_len") or task.seq_len}
-    if mode == "longstraw":
-        request["group_size"] = plan.get("group_size") or task.get("group_size", 8)
-        request["response_len"] = plan.get("response_len") or task.get("max_new_tokens", 1024)
-        request["prompt_grad"] = task.get("prompt_grad", "full")
-    return request
-
-
-def explicit_model_fields(overrides: list[str] | None = None) -> tuple[str, ...]:
-    """The ``model`` fields the command line sets (``overrides``; None = this Hydra run's, none outside one):
-    ``model.<field>=...`` gives ``<field>``, ``model=<preset>`` gives :data:`~.memory.shapes.PRESET`."""
-    if overrides is None:
-        from hydra.core.hydra_config import HydraConfig
-
-        if not HydraConfig.initialized():
-            return ()
-        overrides = list(HydraConfig.get().overrides.task)
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    names = []
-    for override in OverridesParser.create().parse_overrides(overrides):
-        key = override.key_or_group
-        if override.is_delete() or override.package not in (None, "", "model"):
-            continue
-        if key == "model":
-            names.append(PRESET)
-        elif key.startswith("model."):
-            names.append(key.split(".")[1])
-    return tuple(names)
-
-
-def model_shape(cfg: DictConfig, overrides: list[str] | None = None) -> ModelShape:
-    """The shape the planner plans: the preset's fields, or with ``model.pretrained`` the checkpoint's
-    ``config.json`` (what ``build_model`` builds). A command-line architecture override (or ``model=<preset>``)
-    that contradicts the checkpoint, or a missing / unreadable config.json, raises :class:`ConfigError`
-    naming the values and the path, before any work."""
-    try:
-        return ModelShape.from_config(cfg.model, explicit=explicit_model_fields(overrides))
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-
-
-def check_plan(cfg: DictConfig, model: ModelShape | None = None) -> Plan:
-    """Run the planner for ``cfg`` (``model``: its :func:`model_shape`, computed when None) and raise
-    :class:`PlanError` (what to change) when it is over budget."""
-    return check_budget(model or model_shape(cfg), cfg.cluster, cfg.memory, **plan_request(cfg))
-
-
 def format_plan(cfg: DictConfig) -> str:
     """What ``longctx-plan`` prints: where the model's shape comes from (the preset, or ``model.pretrained``'s
     config.json), the layout, the plan at the task's context, and the longest contexts."""
@@ -164,7 +109,7 @@ def format_plan(cfg: DictConfig) -> str:
         make_plan(model, cfg.cluster, cfg.memory, **plan_request(cfg)).table(),
     ]
     if cfg.task.mode == "longstraw":
-        lines.append(longstraw_choices(cfg, model, knobs))
+        lines.append(longstraw_choices_line(cfg, model, knobs))
     lines += ["", "longest context that fits (per sequence, all ranks of an SP group together):"]
     sft = max_context(model, cfg.cluster, cfg.memory, mode="sft")
     lines.append(f"  SFT:       {sft:>14,} tokens")
@@ -183,24 +128,22 @@ def format_plan(cfg: DictConfig) -> str:
     return "\n".join(lines)
 
 
-def longstraw_choices(cfg: DictConfig, model: ModelShape, knobs: MemoryKnobs) -> str:
-    """The line saying what the planner chose for this LongStraw step (the choices ``longctx-train`` builds the
-    model with): where the rollouts read the prompt cache from, and whether the prompt's attention outputs are
-    kept for the grouped backward (``keep_attention_output=auto``)."""
-    request = plan_request(cfg, mode="longstraw")
-    args = (model, ClusterShape.from_config(cfg.cluster), knobs, request["seq_len"], request["group_size"],
-            request["response_len"], request["prompt_grad"])
-    if not knobs.offload_prompt_cache:
+def longstraw_choices_line(cfg: DictConfig, model: ModelShape, knobs: MemoryKnobs) -> str:
+    """The line saying what the planner chose for this LongStraw step (:func:`.config_plan.longstraw_choices`,
+    the choices ``longctx-train`` builds the model with): where the rollouts read the prompt cache from, and
+    whether the prompt's attention outputs are kept for the grouped backward (``keep_attention_output=auto``)."""
+    chosen = longstraw_choices(cfg, model, knobs)
+    if chosen["rollout_prompt_cache"] is None:
         rollouts = "rollouts: the prompt cache is on the device (not offloaded)"
-    elif choose_rollout_prompt_cache(*args) == "device":
+    elif chosen["rollout_prompt_cache"] == "device":
         rollouts = ("rollouts: the offloaded prompt cache comes to the device once per rollout and stays there "
                     "while decoding (it fits the budget)")
     else:
         rollouts = ("rollouts: the offloaded prompt cache does not fit on the device while decoding: streamed, two "
                     "layers on the device, re-fetched per decoded token (PCIe-bound)")
-    keep = str(cfg.memory.get("keep_attention_output") or "auto")
-    kept = choose_keep_attention_output(*args) if keep == "auto" else keep
-    return f"{rollouts}; keep_attention_output={kept}" + (" (auto: the planner's choice)" if keep == "auto" else "")
+    auto = str(cfg.memory.get("keep_attention_output") or "auto") == "auto"
+    return (f"{rollouts}; keep_attention_output={chosen['keep_attention_output']}"
+            + (" (auto: the planner's choice)" if auto else ""))
 
 
 def run_train(cfg: DictConfig) -> Any:
@@ -342,10 +285,8 @@ def check_launch(cfg: DictConfig) -> None:
         )
 
 
-def _fail_cleanly(err: Exception) -> None:
+def fail_cleanly(err: Exception) -> None:
     """A config error: the message alone (no traceback), exit status 1."""
-    import sys
-
     print(f"longctx: error: {err}", file=sys.stderr, flush=True)
     raise SystemExit(1) from err
 
@@ -356,7 +297,7 @@ def _train(cfg: DictConfig) -> None:
     try:
         run_train(cfg)
     except (ConfigError, PlanError) as err:
-        _fail_cleanly(err)
+        fail_cleanly(err)
 
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -394,20 +335,17 @@ def plan(cfg: DictConfig) -> None:
     try:
         text = format_plan(cfg)
     except ValueError as err:  # ConfigError, or a value the planner refuses (naming it): the message alone
-        _fail_cleanly(err)
+        fail_cleanly(err)
     print(text)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="export")
 def _export(cfg: DictConfig) -> None:
-    from .export import ExportError, export_checkpoint
-    from .safe_load import UntrustedCheckpointError
-
     try:
         out = export_checkpoint(cfg.ckpt, cfg.out, adapter_only=cfg.adapter_only, dtype=cfg.dtype, config=cfg.config,
                                 trust_checkpoint=cfg.trust_checkpoint)
     except (ExportError, ConfigError, FileNotFoundError, UntrustedCheckpointError) as err:
-        _fail_cleanly(err)
+        fail_cleanly(err)
     print(f"longctx-export: wrote {out}", flush=True)
 
 
@@ -423,7 +361,7 @@ if __name__ == "__main__":
 
 
 __all__ = ["PlanError", "SlurmLayoutCheck", "build_model", "build_task", "check_launch", "check_plan",
-           "check_slurm_layout", "decoder_config", "explicit_model_fields", "export", "format_plan",
+           "check_slurm_layout", "decoder_config", "explicit_model_fields", "export", "fail_cleanly", "format_plan",
            "model_memory_knobs", "model_shape",
            "parameters_digest", "plan", "plan_request", "route_lightning_deprecations", "run_train", "train",
            "trainer_precision", "use_expandable_segments"]

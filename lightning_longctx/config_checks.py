@@ -56,7 +56,7 @@ def locate(path: str, key: str) -> Any:
                           "importable from the current directory or PYTHONPATH)") from err
 
 
-def _parameters(target: Any) -> tuple[set[str], bool] | None:
+def keyword_parameters(target: Any) -> tuple[set[str], bool] | None:
     """The keyword names ``target`` takes and whether it takes ``**kwargs`` (None: no inspectable signature)."""
     try:
         signature = inspect.signature(target)
@@ -102,7 +102,7 @@ def check_targets(cfg: DictConfig, *, injected: dict[str, tuple[str, ...]] | Non
         target = locate(path, target_key)
         if key == "model":
             continue  # the builder takes the fields its signature names (build_model)
-        params = _parameters(target)
+        params = keyword_parameters(target)
         if params is None:
             continue
         names, var_kwargs = params
@@ -160,7 +160,7 @@ def check_trainer_keys(trainer_cfg: DictConfig) -> None:
     one the CLI sets from another group. Raises :class:`ConfigError` naming the key."""
     from lightning.pytorch.trainer.trainer import Trainer
 
-    names, _ = _parameters(Trainer.__init__)
+    names, _ = keyword_parameters(Trainer.__init__)
     names.discard("self")
     for key in trainer_cfg:
         key = str(key)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .app import build_model
 from .safe_load import is_sharded, load_sharded, load_torch_file, read_dcp_metadata
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -173,8 +174,6 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, adapte
                       trust_checkpoint: bool = False) -> Path:
     """Export ``ckpt`` to ``out`` (see the module docstring); returns ``out``. ``trust_checkpoint``: the file
     may unpickle any type (only for files one trusts: a pickle can run code)."""
-    from .app import build_model
-
     path = resolve_checkpoint(ckpt)
     checkpoint_keys(path, trust=trust_checkpoint)  # a refused file fails here, before the model is built
     config_path = Path(config) if config else find_run_config(path)

@@ -8,7 +8,7 @@ import torch
 
 from lightning_longctx.longstraw import StepGroups, StepMemory, longstraw_step
 from lightning_longctx.models import MemoryConfig
-from lightning_longctx.models.fused_attention import PrefixCache, PromptPass, _lora_stage_qkv, _stage_weights
+from lightning_longctx.models.fused_attention import PrefixCache, PromptPass, _lora_stage_qkv, stage_weights
 from lightning_longctx.models.lora import masked_linear
 from lightning_longctx.ops.attention import attention_with_lse
 from lightning_longctx.ops.merge import prefix_attention
@@ -27,7 +27,7 @@ def old_attention(attn, hidden, pos, prefix_kv=None, return_kv=False, lora_mask=
     group, d = attn.sp_group, attn.head_dim
     outs, keys, values = [], [], []
     for st in attn.stages(hidden.device):
-        q, k, v = _lora_stage_qkv(hidden, cos, sin, _stage_weights(weights, st, d), lora_scales, lora_mask,
+        q, k, v = _lora_stage_qkv(hidden, cos, sin, stage_weights(weights, st, d), lora_scales, lora_mask,
                                   q_norm, k_norm, st.kv_send, d, attn.norm_spec)
         q_st, k_st, v_st = SeqToHead.apply(q, group), SeqToHead.apply(k, group), SeqToHead.apply(v, group)
         if return_kv and st.cache_new:

@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from lightning_longctx.longstraw import LossOptions, StepGroups, StepMemory, longstraw_step, score
 from lightning_longctx.models import DecoderLM, MemoryConfig
-from lightning_longctx.models.lora import ON_PROMPT_KEY, adapters_from_position, lora_on_prompt
+from lightning_longctx.models.lora import lora_on_prompt
+from lightning_longctx.models.lora_attach import adapters_from_position
+from lightning_longctx.models.lora_io import ON_PROMPT_KEY
 from models_common import single_thread, tiny_config, tiny_model  # noqa: F401 - single_thread is an autouse fixture
 from test_longstraw import assert_grads_close, make_group
 

@@ -34,7 +34,7 @@ peft = pytest.importorskip("peft")
 from distributed import run_distributed  # noqa: E402
 from lightning_longctx.longstraw import StepGroups, StepMemory, longstraw_step, sample  # noqa: E402
 from lightning_longctx.models import DecoderLM, LoRALinear, MemoryConfig  # noqa: E402
-from lightning_longctx.models.lora import adapters_from_position  # noqa: E402
+from lightning_longctx.models.lora_attach import adapters_from_position  # noqa: E402
 from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch  # noqa: E402
 from mla_workers import mla_config, mla_model  # noqa: E402
 from models_common import assert_close_rel, assert_grads_match, single_thread  # noqa: E402, F401

@@ -21,7 +21,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from lightning_longctx import cli
+from lightning_longctx import cli, config_plan
 from lightning_longctx.planner import ModelShape, PlanError, plan
 from lightning_longctx.planner.shapes import PRESET
 
@@ -142,7 +142,7 @@ def test_longctx_train_plans_the_checkpoint(checkpoints, monkeypatch):
 def test_overrides_that_contradict_the_checkpoint_fail_naming_both(checkpoints):
     path, _ = checkpoints["llama"]
     cfg = compose_cfg(f"model.pretrained={path}", "model.num_hidden_layers=5", "model.hidden_size=48")
-    assert cli.explicit_model_fields([f"model.pretrained={path}", "model.num_hidden_layers=5",
+    assert config_plan.explicit_model_fields([f"model.pretrained={path}", "model.num_hidden_layers=5",
                                       "+model.hidden_size=48", "model=qwen3_8b", "cluster=cpu"]) == (
         "pretrained", "num_hidden_layers", "hidden_size", PRESET)
     with pytest.raises(cli.ConfigError, match=rf"model\.num_hidden_layers=5 on the command line, {path}/config\.json "

@@ -31,7 +31,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..models.fused_attention import PromptPass
 from ..models.gated_deltanet import LinearState
-from ..models.lora import adapters_disabled, adapters_from_position, lora_on_prompt
+from ..models.lora import adapters_disabled, lora_on_prompt
+from ..models.lora_attach import adapters_from_position
 from ..models.mla import MLAState
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
 from .latent import mla_layer_backward

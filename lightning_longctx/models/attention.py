@@ -33,14 +33,7 @@ from torch.nn import functional as F
 from ..parallel import group_rank, group_size
 from ..parallel.head_stages import Stage, build_stages, cache_heads, check_head_layout, stage_plan
 from .config import DecoderConfig
-from .fused_attention import (  # noqa: F401  (_stage_qkv, _stage_weights: decode.py's per-rank projection)
-    AttentionCall,
-    FusedAttention,
-    PrefixCache,
-    PromptPass,
-    _stage_qkv,
-    _stage_weights,
-)
+from .fused_attention import AttentionCall, FusedAttention, PrefixCache, PromptPass
 from .lora import attention_lora, gate_delta, masked_linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -143,7 +136,7 @@ class DecoderAttention(nn.Module):
             return_kv: also return this call's ``(k, v)`` in cache layout ``[b, s, n_r, d]`` (after k-norm
                 and RoPE), differentiable.
             lora_mask: ``[b, s_l]`` bool, the local tokens the LoRA adapters act on (prefix-frozen adapters,
-                see :func:`.lora.adapters_from_position`); None: all tokens (folded into the weight rows).
+                see :func:`.lora_attach.adapters_from_position`); None: all tokens (folded into the weight rows).
         Returns:
             ``[b, s_l, E]``, and with ``return_kv`` the tuple ``(out, (k, v))``.
         """

@@ -11,7 +11,7 @@ per row this step (1, or the prompt tail for the first step with ``B = 1``), ``S
 Sequence parallelism for decoding: the new tokens' hidden states ``[B, T, E]`` are replicated on every rank
 (a few rows). Each rank projects q/k/v only for its own heads (the weight rows its prefill stages used, so
 LoRA, qk-norm, partial RoPE and a gated ``q_proj`` go through the model's own ``_weights`` /
-``_stage_weights`` / ``_stage_qkv``), attends over its head shard of the prompt cache and over the rows' own
+``stage_weights`` / ``stage_qkv``), attends over its head shard of the prompt cache and over the rows' own
 caches of those heads, and one all-gather of the head outputs ``[B, T, Hl, d] -> [B, T, H, d]`` per layer
 brings every head to every rank before the output gate and ``o_proj``; MLP and head run replicated. Gated
 DeltaNet layers do the same with their value heads (conv step and delta-rule step per head, all-gather
@@ -34,10 +34,11 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from ..ops.attention import attention_forward
-from ..ops.gated_delta import _l2norm
+from ..ops.gated_delta import l2norm
 from ..ops.merge import merge_attention_outputs
 from ..parallel import group_rank, group_size
-from .attention import Stage, _stage_qkv, _stage_weights
+from ..parallel.head_stages import Stage
+from .fused_attention import stage_qkv, stage_weights
 from .lora import fold_stage_lora
 
 
@@ -122,7 +123,7 @@ def gather_heads(x: torch.Tensor, group) -> torch.Tensor:
 class AttentionPlan:
     """This rank's decode heads: ``stage`` selects the weight rows of its ``Hl`` query heads (global
     ``r*H/P + [0, Hl)``, in order) and of its ``n_r`` prompt-cache K/V heads (in cache layout order), so one
-    :func:`_stage_qkv` call gives ``q [B, T, Hl, d]`` and ``k, v [B, T, n_r, d]``; ``groups`` is ``gl``: local
+    :func:`stage_qkv` call gives ``q [B, T, Hl, d]`` and ``k, v [B, T, n_r, d]``; ``groups`` is ``gl``: local
     query head ``j`` reads cache head ``j // gl``."""
 
     stage: Stage
@@ -199,7 +200,7 @@ def attention_decode(attn, hidden, position_ids, prompt_kv, cache: AttentionDeco
     d = attn.head_dim
     cos, sin = attn.rotary(position_ids, hidden.dtype, group=attn.sp_group)
     weights, q_norm, k_norm, lora_scales = attn._weights()
-    q, k, v = _stage_qkv(hidden, cos, sin, *fold_stage_lora(_stage_weights(weights, plan.stage, d), lora_scales),
+    q, k, v = stage_qkv(hidden, cos, sin, *fold_stage_lora(stage_weights(weights, plan.stage, d), lora_scales),
                          q_norm, k_norm, None, d, attn.norm_spec)  # q [B, T, Hl, d], k, v [B, T, n_r, d]
     cache.append(k, v)
     out, lse = own_attention(q, *cache.filled(), plan.groups, attn.backend)
@@ -227,7 +228,7 @@ def delta_rule_steps(q, k, v, g, beta, state):
     if state is None:
         state = torch.zeros(b, c, dk, v.shape[3], dtype=acc, device=v.device)
     state = state.to(acc)
-    q, k = _l2norm(q.to(acc)) * dk ** -0.5, _l2norm(k.to(acc))
+    q, k = l2norm(q.to(acc)) * dk ** -0.5, l2norm(k.to(acc))
     q, k = q.repeat_interleave(c // nk, dim=2), k.repeat_interleave(c // nk, dim=2)  # [B, T, c, Dk]
     v, g, beta = v.to(acc), g.to(acc), beta.to(acc)
     outs = []

@@ -28,9 +28,12 @@ from torch.utils.checkpoint import checkpoint
 from ..ops.losses import IGNORE_INDEX, chunked_cross_entropy, chunked_token_logprobs
 from ..parallel import group_rank, group_size
 from ..parallel import shift_labels as shift_hf_labels
+from . import hf_io, lora, lora_attach, lora_io
 from .config import DecoderConfig, MemoryConfig
 from .gated_deltanet import GatedDeltaNet
-from .layer import DecoderLayer, DecoderMLP  # noqa: F401  (re-exported: the layer lives in layer.py)
+from .layer import DecoderLayer  # noqa: F401  (re-exported: the layer lives in layer.py)
+from .lora import lora_modules
+from .mlp import DecoderMLP  # noqa: F401  (re-exported)
 from .moe import Experts, SoftmaxRouter, TopKRouter
 from .norm import RMSNorm
 
@@ -261,20 +264,15 @@ class DecoderLM(nn.Module):
         """Load a local HF directory (llama, qwen2, qwen3, qwen3_5_text / qwen3_5_moe_text and a qwen3_5 / qwen3_5_moe
         checkpoint's text tower, deepseek_v3, glm4_moe_lite); see
         :func:`.hf_io.load_pretrained`."""
-        from .hf_io import load_pretrained
-
-        return load_pretrained(cls, path, memory=memory, dtype=dtype)
+        return hf_io.load_pretrained(cls, path, memory=memory, dtype=dtype)
 
     def save_pretrained(self, path, *, max_shard_size: int | None = None) -> None:
         """Write a directory transformers loads back; see :func:`.hf_io.save_pretrained`. Refused with unmerged
         LoRA adapters (transformers would drop them): ``merge_lora()`` first, or ``save_adapter``."""
-        from .hf_io import save_pretrained
-        from .lora import lora_modules
-
         if lora_modules(self):
             raise ValueError("the model has unmerged LoRA adapters, which a transformers checkpoint cannot hold: "
                              "call merge_lora() first (folds them into the base weights), or save_adapter(dir)")
-        save_pretrained(self, path, max_shard_size=max_shard_size)
+        hf_io.save_pretrained(self, path, max_shard_size=max_shard_size)
 
     # ------------------------------------------------------------------------------------------- LoRA
     def add_lora(self, r: int, alpha: float, target_modules, dropout: float = 0.0, on_prompt: bool = True) -> None:
@@ -283,43 +281,29 @@ class DecoderLM(nn.Module):
         ``q_proj`` or ``q_a_proj, q_b_proj``, ``kv_a_proj_with_mqa, kv_b_proj, o_proj``); see
         :mod:`.lora`. ``dropout > 0`` is refused. ``on_prompt=False``: prefix-frozen adapters, acting only from
         the position :meth:`adapters_from_position` sets (LongStraw: on the responses, not the prompt)."""
-        from .lora import add_lora
-
-        add_lora(self, r, alpha, target_modules, dropout, on_prompt)
+        lora_attach.add_lora(self, r, alpha, target_modules, dropout, on_prompt)
 
     def has_lora(self) -> bool:
         """Whether LoRA adapters are attached (and unmerged)."""
-        from .lora import lora_modules
-
         return bool(lora_modules(self))
 
     def merge_lora(self) -> None:
         """Fold the adapters into the base weights and remove them (then ``save_pretrained`` works)."""
-        from .lora import merge_lora
-
-        merge_lora(self)
+        lora_attach.merge_lora(self)
 
     def adapters_disabled(self):
         """Context manager: the base model without adapters (for graph-free passes, e.g. a KL reference)."""
-        from .lora import adapters_disabled
-
-        return adapters_disabled(self)
+        return lora.adapters_disabled(self)
 
     def adapters_from_position(self, start: int):
         """Context manager: ``on_prompt=False`` adapters act on global positions ``>= start`` only (a no-op
-        otherwise); see :func:`.lora.adapters_from_position`."""
-        from .lora import adapters_from_position
-
-        return adapters_from_position(self, start)
+        otherwise); see :func:`.lora_attach.adapters_from_position`."""
+        return lora_attach.adapters_from_position(self, start)
 
     def save_adapter(self, path) -> None:
         """Write the adapters in PEFT's format (``PeftModel.from_pretrained`` on the transformers model)."""
-        from .lora import save_adapter
-
-        save_adapter(self, path)
+        lora_io.save_adapter(self, path)
 
     def load_adapter(self, path, *, ignore_dropout: bool = False) -> None:
         """Attach the adapters of a PEFT LoRA directory (ours or PEFT's ``save_pretrained``); see :mod:`.lora`."""
-        from .lora import load_adapter
-
-        load_adapter(self, path, ignore_dropout=ignore_dropout)
+        lora_io.load_adapter(self, path, ignore_dropout=ignore_dropout)

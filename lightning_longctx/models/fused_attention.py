@@ -40,7 +40,7 @@ from .norm import rms_norm
 from .rope import apply_rope
 
 
-def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send, head_dim, norm_spec, delta=None):
+def stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send, head_dim, norm_spec, delta=None):
     """Local q ``[b, s_l, C*P, d]`` and k, v ``[b, s_l, P*m, d]`` of one stage from its weight slices;
     ``delta [b, s_l, rows]`` (optional) is added to the fused projection (masked LoRA, :func:`_lora_stage_qkv`)."""
     b, s_l, _ = x_BSE.shape
@@ -65,13 +65,13 @@ def _stage_qkv(x_BSE, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, kv_send,
 
 
 def _lora_stage_qkv(x_BSE, cos, sin, sliced, lora_scales, lora_mask, *rest):
-    """:func:`_stage_qkv` from the stage's 12 sliced inputs (:func:`_stage_weights`); ``rest``: ``q_norm, k_norm,
+    """:func:`stage_qkv` from the stage's 12 sliced inputs (:func:`stage_weights`); ``rest``: ``q_norm, k_norm,
     kv_send, head_dim, norm_spec``. Without ``lora_mask`` the adapters fold into the weight rows; with
     ``lora_mask [b, s_l]`` (bool) they act on those tokens only: the base rows plus :func:`.lora.stage_lora_delta`."""
     if lora_mask is None:
-        return _stage_qkv(x_BSE, cos, sin, *fold_stage_lora(sliced, lora_scales), *rest)
-    return _stage_qkv(x_BSE, cos, sin, *sliced[:6], *rest,
-                      delta=stage_lora_delta(x_BSE, sliced, lora_scales, lora_mask))
+        return stage_qkv(x_BSE, cos, sin, *fold_stage_lora(sliced, lora_scales), *rest)
+    return stage_qkv(x_BSE, cos, sin, *sliced[:6], *rest,
+                     delta=stage_lora_delta(x_BSE, sliced, lora_scales, lora_mask))
 
 
 # Which heads index each of the 12 weight inputs: 0 = the stage's query heads, 1 = its K/V heads, None = whole
@@ -79,7 +79,7 @@ def _lora_stage_qkv(x_BSE, cos, sin, sliced, lora_scales, lora_mask, *rest):
 _ROW_HEADS = (0, 0, 1, 1, 1, 1, None, 0, None, 1, None, 1)
 
 
-def _stage_weights(weights, stage: Stage, head_dim: int):
+def stage_weights(weights, stage: Stage, head_dim: int):
     """Copies of the stage's head rows of the 12 weight inputs, flattened to ``[rows, E]`` / ``[rows]``.
 
     The inputs are head-split (``[heads, d, E]`` weights, ``[heads, d]`` biases, ``[heads, d, r]`` LoRA B;
@@ -170,7 +170,7 @@ class FusedAttention(torch.autograd.Function):
     """``x [b, s_l, E]`` -> ``(out [b, s_l, H, d], k, v)`` (before o_proj), stage by stage; see the module doc.
 
     Inputs after ``x, cos, sin``: ``wq, bq, wk, bk, wv, bv`` head-split (``[heads, d, E]`` / ``[heads, d]``, see
-    :func:`_stage_weights`), the LoRA ``A_q, B_q, A_k, B_k, A_v, B_v`` (None without adapters), ``q_norm,
+    :func:`stage_weights`), the LoRA ``A_q, B_q, A_k, B_k, A_v, B_v`` (None without adapters), ``q_norm,
     k_norm`` (biases and norms may be None), ``k_prefix, v_prefix`` (a differentiable cache ``[b, S', n_r, d]``,
     or None), then an :class:`AttentionCall`. ``k, v``: the K/V in cache layout ``[b, s, n_r, d]`` with
     ``return_kv`` (else empty); ``out`` is empty with ``attend=False``.
@@ -187,7 +187,7 @@ class FusedAttention(torch.autograd.Function):
         d, heads = call.head_dim, wq.shape[0]
 
         def project(st):
-            return _lora_stage_qkv(x, cos, sin, _stage_weights(weights, st, d), call.lora_scales, call.lora_mask,
+            return _lora_stage_qkv(x, cos, sin, stage_weights(weights, st, d), call.lora_scales, call.lora_mask,
                                    q_norm, k_norm, st.kv_send, d, call.norm_spec)
 
         kv = []
@@ -239,7 +239,7 @@ class FusedAttention(torch.autograd.Function):
             amp = torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()
             with torch.enable_grad(), amp:
                 sliced[:] = [None if t is None else t.detach().requires_grad_(need[3 + i])
-                             for i, t in enumerate(_stage_weights(full[3:15], st, d))]
+                             for i, t in enumerate(stage_weights(full[3:15], st, d))]
                 return _lora_stage_qkv(x_leaf, cos, sin, sliced, call.lora_scales, call.lora_mask, *norms,
                                        st.kv_send, d, call.norm_spec)
 

@@ -1,5 +1,4 @@
-"""One decoder layer: the pre-norm block around a token mixer and an MLP (:class:`DecoderLayer`), and the SwiGLU
-MLP (:class:`DecoderMLP`).
+"""One decoder layer: the pre-norm block around a token mixer and an MLP (:class:`DecoderLayer`).
 
 The mixer is the layer type's: full attention (:mod:`.attention`), Gated DeltaNet (:mod:`.gated_deltanet`),
 multi-head latent attention (:mod:`.mla`) or MLA with DeepSeek sparse attention (:mod:`.dsa`); the MLP is dense
@@ -11,33 +10,18 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..ops.mlp import tiled_mlp
 from .attention import DecoderAttention
 from .config import DSA_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION, DecoderConfig, MemoryConfig
+from .decode import attention_decode, linear_decode
 from .dsa import DSAttention
 from .gated_deltanet import GatedDeltaNet
-from .lora import masked_linear
 from .mla import MLAttention
+from .mla_decode import mla_decode
+from .mlp import DecoderMLP
 from .moe import build_moe, tokens_replicated
 from .norm import RMSNorm
-
-
-class DecoderMLP(nn.Module):
-    """SwiGLU MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
-
-    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None) -> None:
-        super().__init__()
-        width = config.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
-        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [..., tokens, E]``; ``lora_mask [..., tokens]``: the tokens LoRA adapters act on (None: all)."""
-        act = F.silu(masked_linear(self.gate_proj, x, lora_mask)) * masked_linear(self.up_proj, x, lora_mask)
-        return masked_linear(self.down_proj, act, lora_mask)
 
 
 class DecoderLayer(nn.Module):
@@ -50,7 +34,7 @@ class DecoderLayer(nn.Module):
     which layer this is).
 
     ``adapter_start``: with prefix-frozen LoRA adapters, the first global position they act on (None: all;
-    set by :func:`.lora.adapters_from_position`); :meth:`adapter_mask` turns ``position_ids`` into the mask.
+    set by :func:`.lora_attach.adapters_from_position`); :meth:`adapter_mask` turns ``position_ids`` into the mask.
     """
 
     def __init__(self, config: DecoderConfig, memory: MemoryConfig, layer_type: str = FULL_ATTENTION,
@@ -150,9 +134,6 @@ class DecoderLayer(nn.Module):
         read, never written) or None; a
         Gated DeltaNet layer's prompt state is already the start of ``cache``. One method so FSDP2 can gather
         the layer's parameters around it (``register_fsdp_forward_method``)."""
-        from .decode import attention_decode, linear_decode
-        from .mla_decode import mla_decode
-
         if self.layer_type == DSA_ATTENTION:
             raise NotImplementedError("decoding a DSA layer (sparse attention over a prompt state) is not "
                                       "implemented yet")

@@ -35,7 +35,8 @@ runs the base rows and adds :func:`stage_lora_delta` (forward, the backward reco
 run with the adapters disabled and its branches from position ``len(prompt)``: the prompt state then depends on
 frozen weights only, and the step needs no grouped backward (see :mod:`lightning_longctx.longstraw.step`).
 
-Adapter files (:mod:`.lora_io`, re-exported here) are PEFT's (``adapter_config.json``,
+Attaching, merging and scoping adapters on a model: :mod:`.lora_attach` (``add_lora``, ``merge_lora``,
+``adapters_from_position``). Adapter files (:mod:`.lora_io`) are PEFT's (``adapter_config.json``,
 ``adapter_model.safetensors`` with keys ``base_model.model.<our name>.lora_A.weight``):
 ``peft.PeftModel.from_pretrained`` on the transformers model reads :func:`save_adapter`'s output, and
 :func:`load_adapter` reads PEFT's ``save_pretrained``. PEFT's format
@@ -47,26 +48,18 @@ adapters on every position), and which :func:`load_adapter` reads back (absent: 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-           "gate_proj", "up_proj", "down_proj")
-LINEAR_ATTN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-# MoE parts that are no nn.Linear (3-D expert weights, the router's parameter): no adapters, named in the error
-MOE_PARTS = {"experts": "the routed experts", "gate_up_proj": "the routed experts' 3-D weight",
-             "gate": "the MoE router"}
-
 
 class LoRALinear(nn.Linear):
-    """An ``nn.Linear`` with a LoRA adapter (made by :func:`add_lora`, which switches the module's class).
+    """An ``nn.Linear`` with a LoRA adapter (made by :func:`.lora_attach.add_lora`, which switches its class).
 
     Attributes: ``lora_A`` / ``lora_B`` (bias-free ``nn.Linear`` children), ``scaling`` (``alpha / r``),
-    ``lora_enabled`` (False inside :func:`adapters_disabled`), ``lora_on_prompt`` (see :func:`add_lora`)."""
+    ``lora_enabled`` (False inside :func:`adapters_disabled`), ``lora_on_prompt`` (see
+    :func:`.lora_attach.add_lora`)."""
 
     def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., tokens, in]`` -> ``[..., tokens, out]``; ``lora_mask [..., tokens]`` (bool): the adapter
@@ -99,90 +92,6 @@ def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def _targets(target_modules) -> list[str]:
-    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-    if not names:
-        raise ValueError(f"target_modules is empty; choose among {', '.join(TARGETS)}")
-    for name in names:
-        if name in MOE_PARTS:
-            raise ValueError(f"target module {name!r} is {MOE_PARTS[name]} (3-D expert weights / a router, no "
-                             "nn.Linear): LoRA on those is not supported; the dense MLPs and the shared experts "
-                             "take adapters through gate_proj / up_proj / down_proj; choose among "
-                             f"{', '.join(TARGETS)}")
-        if name in LINEAR_ATTN_PROJECTIONS:
-            raise ValueError(f"target module {name!r} is a Gated DeltaNet (linear-attention) projection of the "
-                             f"hybrid model: LoRA on those is not supported yet; choose among {', '.join(TARGETS)}")
-        if name not in TARGETS:
-            raise ValueError(f"target module {name!r} is not supported; choose among {', '.join(TARGETS)}")
-    return sorted(set(names), key=TARGETS.index)
-
-
-def add_lora(model: nn.Module, r: int, alpha: float, target_modules: Iterable[str], dropout: float = 0.0,
-             on_prompt: bool = True) -> None:
-    """Freeze every parameter of ``model`` and attach adapters to the ``target_modules`` projections.
-
-    ``on_prompt=False``: prefix-frozen adapters, acting only from the start position that
-    :func:`adapters_from_position` sets (LongStraw: the response tokens); without a start they act everywhere."""
-    from .attention import DecoderAttention
-    from .decoder import DecoderMLP
-    from .mla import MLAttention
-
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"LoRA rank r={r!r} must be a positive int")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"lora alpha={alpha!r} must be a positive number")
-    if not isinstance(on_prompt, bool):
-        raise ValueError(f"on_prompt={on_prompt!r} must be a bool")
-    if dropout != 0:
-        raise ValueError(f"LoRA dropout={dropout!r} is not supported: the fused attention and the tiled MLP "
-                         "recompute the adapters' inputs in backward, so a dropout mask cannot be replayed; "
-                         "use dropout=0.0")
-    names = _targets(target_modules)
-    if lora_modules(model):
-        raise ValueError("the model already has LoRA adapters: merge_lora() (or load into a fresh model) first")
-    parents = (DecoderAttention, DecoderMLP, MLAttention)
-    found = [(parent, name) for parent in model.modules() if isinstance(parent, parents)
-             for name in names if isinstance(getattr(parent, name, None), nn.Linear)]
-    missing = set(names) - {name for _, name in found}
-    if missing:
-        mla = any(isinstance(m, MLAttention) for m in model.modules())
-        hint = " (MLA attention: q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)" if mla else ""
-        raise ValueError(f"target_modules {sorted(missing)} match no projection of this model{hint}")
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for parent, name in found:
-        linear = getattr(parent, name)
-        kw = dict(bias=False, device=linear.weight.device, dtype=torch.promote_types(linear.weight.dtype,
-                                                                                    torch.float32))
-        lora_a, lora_b = nn.Linear(linear.in_features, r, **kw), nn.Linear(r, linear.out_features, **kw)
-        nn.init.kaiming_uniform_(lora_a.weight, a=math.sqrt(5))
-        nn.init.zeros_(lora_b.weight)
-        linear.__class__ = LoRALinear
-        linear.lora_A, linear.lora_B = lora_a, lora_b
-        linear.scaling, linear.lora_enabled, linear.lora_rank, linear.lora_alpha = alpha / r, True, r, alpha
-        linear.lora_on_prompt = on_prompt
-
-
-def _remove(model: nn.Module, merge: bool) -> None:
-    for _, m in lora_modules(model):
-        if merge:
-            with torch.no_grad():
-                a, b = m.lora_A.weight, m.lora_B.weight
-                acc = torch.promote_types(m.weight.dtype, a.dtype)
-                m.weight.copy_(m.weight.to(acc) + m.scaling * (b.to(acc) @ a.to(acc)))
-        del m.lora_A, m.lora_B
-        for attr in ("scaling", "lora_enabled", "lora_rank", "lora_alpha", "lora_on_prompt"):
-            delattr(m, attr)
-        m.__class__ = nn.Linear
-
-
-def merge_lora(model: nn.Module) -> None:
-    """Fold ``scaling * B @ A`` into each adapted base weight and remove the adapters (base stays frozen)."""
-    if not lora_modules(model):
-        raise ValueError("the model has no LoRA adapters to merge")
-    _remove(model, merge=True)
-
-
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """Run the base model (e.g. a KL reference) without the adapters, no copy. Use it for graph-free passes
@@ -212,26 +121,6 @@ def prompt_frozen(model: nn.Module) -> bool:
         return False
     adapters = {id(part.weight) for _, m in lora_modules(model) for part in (m.lora_A, m.lora_B)}
     return all(id(p) in adapters for p in model.parameters() if p.requires_grad)
-
-
-@contextlib.contextmanager
-def adapters_from_position(model: nn.Module, start: int):
-    """``on_prompt=False`` adapters act on the tokens at global positions ``>= start`` only (the base weights
-    before it). Sets ``adapter_start`` on every decoder layer, which masks its adapters from its
-    ``position_ids``; a no-op for ``on_prompt=True`` adapters or none. The mask is fixed when a layer runs (the
-    fused attention and the tiled MLP keep it for their backward recompute; ``DecoderLM``'s activation
-    checkpoints take it as an input), so a backward after the block is still exact."""
-    from .decoder import DecoderLayer
-
-    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)] if lora_on_prompt(model) is False else []
-    before = [layer.adapter_start for layer in layers]
-    for layer in layers:
-        layer.adapter_start = int(start)
-    try:
-        yield model
-    finally:
-        for layer, state in zip(layers, before):
-            layer.adapter_start = state
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -308,7 +197,3 @@ def gate_delta(attn, hidden: torch.Tensor, lora_mask: torch.Tensor | None = None
     h, d = attn.num_heads, attn.head_dim
     b = m.lora_B.weight.view(h, 2, d, -1)[:, 1].reshape(h * d, -1)
     return _low_rank(hidden, m.lora_A.weight, b, m.scaling, lora_mask).to(hidden.dtype)
-
-
-# the PEFT file part (imported last: it reads add_lora and lora_modules from here)
-from .lora_io import ON_PROMPT_KEY, load_adapter, read_adapter_config, save_adapter  # noqa: E402, F401

@@ -14,7 +14,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .lora import TARGETS, _remove, add_lora, lora_modules
+from .lora import lora_modules
+from .lora_attach import TARGETS, add_lora, remove_lora
+from .moe import MoE, QwenMoE
 
 CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "adapter_config.json", "adapter_model.safetensors", "base_model.model."
 ON_PROMPT_KEY = "lightning_longctx_on_prompt"  # ours, in adapter_config.json: PEFT ignores unknown keys
@@ -40,8 +42,6 @@ def save_adapter(model: nn.Module, path) -> None:
     ``gate_proj`` / ``up_proj`` / ``down_proj`` of an MoE architecture onto the routed experts' 3-D weights
     (``target_parameters``) and drops them from ``target_modules``, so it would not apply the dense-MLP and
     shared-expert adapters of the file (export merged weights for transformers instead)."""
-    from .moe import MoE, QwenMoE
-
     modules = lora_modules(model)
     if not modules:
         raise ValueError("the model has no LoRA adapters to save")
@@ -129,7 +129,7 @@ def load_adapter(model: nn.Module, path, *, ignore_dropout: bool = False) -> Non
                                      f"{tuple(p.shape)} in the model")
                 p.copy_(state[key])
     except Exception:
-        _remove(model, merge=False)
+        remove_lora(model, merge=False)
         raise
 
 

@@ -64,6 +64,7 @@ from torch.nn import functional as F
 
 from ..parallel.all_to_all import group_rank, group_size
 from ..parallel.expert_parallel import ExchangeRows, exchange_counts, mark_expert_shard
+from .mlp import DecoderMLP
 
 EXPERT_BACKENDS = ("auto", "grouped", "loop")
 GROUP_ALIGNMENT_BYTES = 16  # the grouped GEMM's TMA loads: every group's first element 16-byte aligned
@@ -417,8 +418,6 @@ class MoE(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        from .layer import DecoderMLP
-
         self.gate = TopKRouter(config)
         self.experts = Experts(config)
         self.shared_experts = DecoderMLP(config, config.moe_intermediate_size * config.n_shared_experts)
@@ -436,8 +435,6 @@ class QwenMoE(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        from .layer import DecoderMLP
-
         self.gate = SoftmaxRouter(config)
         self.experts = Experts(config)
         self.shared_expert = DecoderMLP(config, config.shared_expert_intermediate_size)

@@ -51,7 +51,9 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum x^2 + 1e-6)`` over the last dim (fla's l2norm): the scan's q/k normalisation, shared with
+    the one-token decoding step (:mod:`lightning_longctx.models.decode`)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2NORM_EPS)
 
 
@@ -68,7 +70,7 @@ def _scan_group(q, k, v, g, beta, state, *, scale, use_qk_l2norm, chunk_size, re
     hv, dv = v.shape[2], v.shape[3]
     q, k = q.to(acc), k.to(acc)
     if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     q = q * scale
     if hv != hk:
         q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)

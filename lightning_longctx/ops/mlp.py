@@ -138,7 +138,7 @@ def tiled_mlp(
             and to none for a function (a function closing over trainable tensors must list them: backward
             raises if it finds one that is missing).
         token_mask: an optional per-token tensor ``[..., tokens]`` (e.g. where prefix-frozen LoRA adapters act,
-            :func:`lightning_longctx.models.lora.adapters_from_position`), sliced with ``x``'s tiles and passed
+            :func:`lightning_longctx.models.lora_attach.adapters_from_position`), sliced with ``x``'s tiles and passed
             as ``fn(x_tile, mask_tile)``; None: ``fn(x_tile)``.
     Returns:
         ``[..., tokens, out]``, equal to ``fn(x)``, with gradients for ``x`` and ``params`` equal to the

@@ -8,7 +8,7 @@ the same layouts), no Lightning, no process group: it runs before any process st
 
 Every formula counts the tensors this package's code keeps alive (``models/``, ``ops/``, ``longstraw/``), as
 the live-tensor tracker (:func:`lightning_longctx.ops.track_memory`) sees them; the peak of a step is the
-persistent part plus the largest transient of its phases (see :func:`.phases.sft_phases` /
+persistent part plus the largest transient of its phases (see :func:`.sft.sft_phases` /
 :func:`.longstraw.longstraw_phases`). Validated against the tracker on CPU runs (the tiny preset; LongStraw also
 on FSDP2-sharded and LoRA runs of a Qwen3.5-shaped hybrid) and checked against published figures:
 ``docs/memory_planner.md``.
@@ -22,8 +22,9 @@ from typing import Any
 
 from .longstraw import longstraw_phases
 from .mla_moe import mla_layout
-from .phases import sft_phases, stage_layout
+from .phases import stage_layout
 from .reserve import RESERVE_TERMS, reserve_terms
+from .sft import sft_phases
 from .shapes import GIB, MODES, PLANNED_ATTENTION_BACKENDS, PRECISIONS, ClusterShape, MemoryKnobs, ModelShape
 
 

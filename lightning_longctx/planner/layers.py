@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from ..models.gated_deltanet import check_linear_layout
 from ..parallel.head_stages import head_schedule
 from .phases import (
     FLOAT32,
@@ -47,8 +48,6 @@ def stage_projection(model: ModelShape, sp: int, head_chunk_size: int | None) ->
 def linear_stage_layout(model: ModelShape, sp: int, head_chunk_size: int | None) -> tuple[int, int, int, int]:
     """``(c, n_k, ch, stages)`` of a Gated DeltaNet layer's stage plan on one rank (``head_chunk_size`` counts
     value heads; ``None`` = all ``H_v / P`` at once)."""
-    from ..models.gated_deltanet import check_linear_layout
-
     hv, hk = model.linear_num_value_heads, model.linear_num_key_heads
     c = check_linear_layout(hk, hv, sp, head_chunk_size)
     nk = max(1, c // (hv // hk))
@@ -64,18 +63,18 @@ def _frozen(model: ModelShape) -> bool:
     return model.lora_r is not None
 
 
-def _norm(model: ModelShape, b: int) -> int:
+def norm_bytes(model: ModelShape, b: int) -> int:
     """Per token, one of the model's RMSNorms (:func:`.phases.norm_saved`, zero-centred / frozen as the model)."""
     return norm_saved(model.hidden_size, b, model.zero_centered_norms, _frozen(model))
 
 
-def _kept_input(model: ModelShape, b: int) -> int:
+def kept_input(model: ModelShape, b: int) -> int:
     """Per token, an RMSNorm's input that the norm itself keeps: ``RMSNormFunction`` saves ``x`` (so the
     residual sum it normalises stays alive), half or float32."""
     return model.hidden_size * b
 
 
-def _norm_backward(e: int, b: int) -> int:
+def norm_backward(e: int, b: int) -> int:
     """Per token, an RMSNorm's backward working set: ``grad_x`` ``E b`` and, one slice of 1/8 of the tokens at a
     time (``models.norm.BACKWARD_SLICES``), float32 ``x_hat`` and ``g x_hat`` (and a float32 ``g`` for a half
     input): ``E (b + 2a/8)``, half ``E (b + 3a/8)`` (tracker, ``tests/test_norm.py``)."""
@@ -90,14 +89,14 @@ def _gated_norm_saved(v: int, b: int, frozen: bool = False, heads: int = 0) -> i
     return v * b * (1 if frozen else 2) + heads * A
 
 
-def _mlp_saved(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
+def mlp_saved(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
     """SwiGLU intermediates (gate, silu, up, product ``4 I b``) when the MLP runs untiled on ``tokens`` tokens:
     ``tiled_mlp`` calls the MLP directly when ``mlp_chunk_size`` is None or ``>= tokens``."""
     chunk = knobs.mlp_chunk_size
     return 4 * model.intermediate_size * knobs.dtype_bytes if chunk is None or chunk >= tokens else 0
 
 
-def _mlp_backward(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
+def mlp_backward(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
     """The SwiGLU backward's transient beyond its saved intermediates: untiled, the product's gradient and the
     two it splits into while gate, up and silu are still saved (``3 I b``, with the product released: ``+ 2 I b``
     per token); tiled, :func:`.phases.mlp_transients` (one tile's recompute and gradients, the input's gradient)."""
@@ -111,23 +110,23 @@ def residual_mlp(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
     """Per token, ``residual_mlp`` after the token mixer: the residual sum (kept by a float32 post-norm), the
     post-attention RMSNorm (its output is the MLP's saved input) and the untiled SwiGLU intermediates."""
     b = knobs.dtype_bytes
-    return _kept_input(model, b) + _norm(model, b) + _mlp_saved(model, knobs, tokens)
+    return kept_input(model, b) + norm_bytes(model, b) + mlp_saved(model, knobs, tokens)
 
 
-def _backward_top(model: ModelShape, knobs: MemoryKnobs, tokens: int, saved: int) -> int:
+def backward_top(model: ModelShape, knobs: MemoryKnobs, tokens: int, saved: int) -> int:
     """Peak of a layer's backward from its top, given the ``saved`` bytes of its forward: the larger of the MLP
-    backward with everything saved (:func:`_mlp_backward`) and the post-attention norm's backward,
-    which replaces that norm's output (released with the MLP's saved input) by :func:`_norm_backward`."""
+    backward with everything saved (:func:`mlp_backward`) and the post-attention norm's backward,
+    which replaces that norm's output (released with the MLP's saved input) by :func:`norm_backward`."""
     b, e = knobs.dtype_bytes, model.hidden_size
-    mlp = saved + _mlp_backward(model, knobs, tokens)
-    released = _norm(model, b)
-    norm = saved + tokens * (_norm_backward(e, b) - released)
+    mlp = saved + mlp_backward(model, knobs, tokens)
+    released = norm_bytes(model, b)
+    norm = saved + tokens * (norm_backward(e, b) - released)
     return max(mlp, norm)
 
 
 # ------------------------------------------------------------------------------ attention (FusedAttention)
 def _qk_norm_saved(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int) -> int:
-    """One stage's q/k RMSNorms (``_stage_qkv``) over its ``C P + m_d`` local heads, as recomputed with autograd
+    """One stage's q/k RMSNorms (``stage_qkv``) over its ``C P + m_d`` local heads, as recomputed with autograd
     in a backward: ``RMSNormFunction`` saves its input, a view of the fused projection (``(C P + 2 m_d) d b``,
     counted by the caller), and a float32 ``rstd`` per head and token (``(C P + m_d) a``); any dtype, LoRA too."""
     if not model.qk_norm:
@@ -137,7 +136,7 @@ def _qk_norm_saved(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int) 
 
 
 def attention_stage_rows(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
-    """One stage's concatenated q/k/v weight rows (``_stage_qkv``; with LoRA the folded rows, same size)
+    """One stage's concatenated q/k/v weight rows (``stage_qkv``; with LoRA the folded rows, same size)
     ``(C P + 2 m_d) d E b``, plus a gated ``q_proj``'s gate rows ``H d E b`` (``_output_gate`` reshapes a strided
     view; its ``F.linear`` keeps the copy until the layer's backward)."""
     c, _, _, md = stage_projection(model, sp, knobs.head_chunk_size)
@@ -150,7 +149,7 @@ def attention_stage_bytes_fused(model: ModelShape, knobs: MemoryKnobs, sp: int, 
     """One stage of :class:`~lightning_longctx.models.fused_attention.FusedAttention` (``head_stages``' stage loop:
     only this stage's full-sequence tensors exist), ``t = P tokens``, ``u = t d b``:
 
-    - the projection (``_stage_qkv``): the fused q/k/v output ``(C P + 2 m_d) d b`` per local token, the q/k
+    - the projection (``stage_qkv``): the fused q/k/v output ``(C P + 2 m_d) d b`` per local token, the q/k
       norms (:func:`_qk_norm_saved`, with autograd in a backward), the rotated q ``C u``, the K/V sent
       ``2m u`` (replicated rows or the rotated k and the cloned v);
     - exchanged: q, k, v ``(C + 2m) u`` (``attend=False``, the prompt's last layer: k, v ``2m u``);
@@ -187,7 +186,7 @@ def attention_saved_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens
     rotary = max(1, int(d * model.partial_rotary_factor))
     o_proj_input = 0 if _frozen(model) and "o_proj" not in model.lora_targets else 1
     gated = 1 + o_proj_input if model.attn_output_gate else 0
-    return tokens * (_norm(model, b) + 2 * rotary * b + h * d * b * (1 + gated)) + (h // sp) * sp * tokens * A
+    return tokens * (norm_bytes(model, b) + 2 * rotary * b + h * d * b * (1 + gated)) + (h // sp) * sp * tokens * A
 
 
 def attention_prefill_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int, top: bool = False) -> int:
@@ -213,7 +212,7 @@ def attention_state_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens
     backward (:func:`attention_stage_bytes_fused`, ``attend=False``)."""
     b, d = knobs.dtype_bytes, model.head_dim
     kv = 2 * max(1, model.num_key_value_heads // sp) * sp * tokens * d * b
-    return (tokens * _norm(model, b) + kv * (2 if _half(b) else 1)
+    return (tokens * norm_bytes(model, b) + kv * (2 if _half(b) else 1)
             + attention_stage_bytes_fused(model, knobs, sp, tokens, attend=False))
 
 
@@ -230,7 +229,7 @@ def attention_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, to
     the prompt with autograd, the summed K/V gradients added to each stage's in FusedAttention's backward)
     beyond its input and the seed gradient, the larger of:
 
-    - the top of its backward (:func:`_backward_top`) with everything saved: :func:`attention_saved_bytes`, the
+    - the top of its backward (:func:`backward_top`) with everything saved: :func:`attention_saved_bytes`, the
       residual / MLP part, the gate rows (not the layer's output: the backward starts from its gradient edge,
       the output itself is freed first);
     - a stage's backward: the input norm, FusedAttention's output and LSE, the gradient of the attention output
@@ -246,8 +245,8 @@ def attention_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, to
     lse = 0 if kept else (h // sp) * sp * tokens * A
     saved = (attention_saved_bytes(model, knobs, sp, tokens) - (h // sp) * sp * tokens * A + lse
              + tokens * residual_mlp(model, knobs, tokens))
-    top = _backward_top(model, knobs, tokens, saved) + gate_rows
-    stage = (tokens * (_norm(model, b) + 2 * h * d * b + e * b * (2 if model.attn_output_gate else 1)) + lse
+    top = backward_top(model, knobs, tokens, saved) + gate_rows
+    stage = (tokens * (norm_bytes(model, b) + 2 * h * d * b + e * b * (2 if model.attn_output_gate else 1)) + lse
              + attention_stage_bytes_fused(model, knobs, sp, tokens, kept=kept))
     return max(top, stage)
 
@@ -282,7 +281,7 @@ def linear_replay_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: 
     convs = 2 if _frozen(model) else 3  # a frozen conv weight: conv1d keeps no input
     per_stage = t * (convs * ch * b + c * b + 2 * c * A) + states
     out = tokens * (v * b + _gated_norm_saved(v, b, _frozen(model), model.linear_num_value_heads))
-    return tokens * _norm(model, b) + stages * per_stage + out
+    return tokens * norm_bytes(model, b) + stages * per_stage + out
 
 
 def linear_prefill_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int, top: bool = False) -> int:
@@ -306,7 +305,7 @@ def linear_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, token
 
     - Output side: the scan output ``o`` (a leaf, no graph) and, with autograd, the gated norm
       (:func:`_gated_norm_saved`), ``out_proj``, the residual and the MLP (:func:`residual_mlp`), the layer's
-      output ``E b``; peak in the MLP's or the post-attention norm's backward (:func:`_backward_top`).
+      output ``E b``; peak in the MLP's or the post-attention norm's backward (:func:`backward_top`).
     - Per head stage: ``grad_o V b``, the gradients of the normed input and of the input ``2 E b`` over the
       local tokens, and over the whole prompt for one stage's heads: the all-to-all buffer, the padded conv
       input, conv and silu outputs, the zero-initialised gradients of q, k, v, g, beta, the conv tail's
@@ -317,17 +316,17 @@ def linear_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, token
     c, _, ch, _ = linear_stage_layout(model, sp, knobs.head_chunk_size)
     b, e, v, dv = knobs.dtype_bytes, model.hidden_size, model.linear_v_dim, model.linear_value_head_dim
     s = sp * tokens
-    norm_in = tokens * _norm(model, b)
+    norm_in = tokens * norm_bytes(model, b)
     gated = _gated_norm_saved(v, b, _frozen(model), model.linear_num_value_heads)
     saved = norm_in + tokens * (v * b + gated + residual_mlp(model, knobs, tokens) + e * b)
-    output_side = _backward_top(model, knobs, tokens, saved)
+    output_side = backward_top(model, knobs, tokens, saved)
     convs = 8 if _frozen(model) else 9  # a frozen conv weight: conv1d keeps no input
     stage = (norm_in + tokens * (v * b + 2 * e * b) + s * ((convs * ch + c * dv + 5 * c) * b + 4 * c * A)
              + linear_weight_rows(model, knobs, sp))
     return max(output_side, stage)
 
 
-def _replay_cache(model: ModelShape, knobs: MemoryKnobs, sp: int, cached: int) -> int:
+def replay_cache(model: ModelShape, knobs: MemoryKnobs, sp: int, cached: int) -> int:
     """A branch backward's transient at one attention stage's prompt cache: the cache's share of the stage's
     gradient ``dK, dV [S', m, d]`` (``shared_kv_backward``: at the cache's own size, no GQA expansion), added in
     place into the float32 sums (or copied to the host ones) by the cache's gradient sink."""
@@ -337,7 +336,7 @@ def _replay_cache(model: ModelShape, knobs: MemoryKnobs, sp: int, cached: int) -
     return 2 * m * cached * model.head_dim * knobs.dtype_bytes
 
 
-def _branch_logits(model: ModelShape, knobs: MemoryKnobs, tokens: int, autocast_cast: bool) -> dict[str, int]:
+def branch_logits(model: ModelShape, knobs: MemoryKnobs, tokens: int, autocast_cast: bool) -> dict[str, int]:
     """``token_logprobs`` (always ``chunked_token_logprobs``, one chunk when ``logits_chunk_size`` is None or
     larger than the branch): saves the LSE, int64 targets and mask ``a + 9`` per token; per chunk of
     ``c = min(chunk, tokens)`` the logits and their float32 copy ``c V (b + 2a)`` each way, plus in backward the

@@ -12,24 +12,24 @@ from dataclasses import replace
 
 from .layers import (
     A,
-    _branch_logits,
-    _kept_input,
-    _mlp_backward,
-    _mlp_saved,
-    _norm,
-    _norm_backward,
-    _replay_cache,
     attention_output_bytes,
     attention_prefill_bytes,
     attention_recompute_bytes,
     attention_replay_bytes,
     attention_stage_bytes_fused,
     attention_state_bytes,
+    branch_logits,
+    kept_input,
     linear_prefill_bytes,
     linear_recompute_bytes,
     linear_replay_bytes,
     linear_stage_layout,
     linear_weight_rows,
+    mlp_backward,
+    mlp_saved,
+    norm_backward,
+    norm_bytes,
+    replay_cache,
     residual_mlp,
 )
 from .mla_moe import (
@@ -106,8 +106,8 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
       :func:`linear_prefill_bytes`, or the MLP's);
     - replay of one branch of ``T = response_len`` tokens (plus the < P-token prompt tail): its whole graph,
       every layer (:func:`attention_replay_bytes`, :func:`linear_replay_bytes`, the residual / MLP part, the
-      weight rows) and the logits (:func:`_branch_logits`), then the larger of the logits' backward and a
-      layer's (an attention stage with the cache's share of its gradient, :func:`_replay_cache`); with
+      weight rows) and the logits (:func:`branch_logits`), then the larger of the logits' backward and a
+      layer's (an attention stage with the cache's share of its gradient, :func:`replay_cache`); with
       activation checkpointing (the step's ``replay_checkpointing`` follows the model's) each layer's input
       and, in the backward, one layer's graph at a time;
     - grouped backward: the largest layer's recompute (:func:`attention_recompute_bytes`,
@@ -199,9 +199,9 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     lora_mlp = 2 if model.lora_r and {"gate_proj", "up_proj"} & set(model.lora_targets) else 0
     mlp_nograd = ((3 + lora_mlp) * s_l if chunk is None or chunk >= s_l else (4 + lora_mlp) * chunk) \
         * model.intermediate_size * b
-    prefill_mlp = s_l * (2 * e * b + _norm(model, b)) + mlp_nograd
+    prefill_mlp = s_l * (2 * e * b + norm_bytes(model, b)) + mlp_nograd
     moe_tokens = s_l if chunk is None or chunk >= s_l else chunk
-    prefill_moe = s_l * (2 * e * b + _norm(model, b)) + moe_nograd_bytes(model, knobs, moe_tokens)
+    prefill_moe = s_l * (2 * e * b + norm_bytes(model, b)) + moe_nograd_bytes(model, knobs, moe_tokens)
 
     def prefill_layer(i: int) -> int:
         mlp = prefill_moe if model.is_sparse(i) else prefill_mlp
@@ -235,26 +235,26 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
         stages = linear_stage_layout(model, sp, knobs.head_chunk_size)[3]
         layer_graph[LINEAR_ATTENTION] = (linear_replay_bytes(model, knobs, sp, t_l)
                                          + linear_weight_rows(model, knobs, sp) * stages)
-    resid = t_l * (residual_mlp(model, knobs, t_l) + _kept_input(model, b))  # + the layer output (next input)
+    resid = t_l * (residual_mlp(model, knobs, t_l) + kept_input(model, b))  # + the layer output (next input)
     # a MoE layer's MLP keeps its experts' tensors instead of the SwiGLU's
-    resid_of = [resid + t_l * (mlp_token_saved(model, knobs, i, t_l) - _mlp_saved(model, knobs, t_l)
+    resid_of = [resid + t_l * (mlp_token_saved(model, knobs, i, t_l) - mlp_saved(model, knobs, t_l)
                                if model.is_sparse(i) else 0) for i in range(last + 1)] if model.mlp_layer_types \
         else [resid] * (last + 1)
-    logits = _branch_logits(model, knobs, t_l, autocast_cast=knobs.mixed and not states_sharded(cluster))
-    top_saved = t_l * _norm(model, b) + logits["saved"]  # the final norm, the log-probs' LSE and targets
+    logits = branch_logits(model, knobs, t_l, autocast_cast=knobs.mixed and not states_sharded(cluster))
+    top_saved = t_l * norm_bytes(model, b) + logits["saved"]  # the final norm, the log-probs' LSE and targets
     # a layer's backward, one transient at a time: its MLP, its post-attention norm, an attention stage with
     # the cache's share of its gradient
-    cache_stage = (_replay_cache(model, knobs, sp, cached) + attention_stage_bytes_fused(model, knobs, sp, t_l)
+    cache_stage = (replay_cache(model, knobs, sp, cached) + attention_stage_bytes_fused(model, knobs, sp, t_l)
                    if model.full_layers else 0)
     if model.mla_layers:
         cache_stage = mla_replay_backward(model, knobs, sp, t_l, cached)
     moe_backward = moe_backward_bytes(model, knobs, t_l) if model.sparse_layers else 0
-    layer_backward = max(_mlp_backward(model, knobs, t_l), t_l * _norm_backward(e, b), cache_stage, moe_backward)
+    layer_backward = max(mlp_backward(model, knobs, t_l), t_l * norm_backward(e, b), cache_stage, moe_backward)
     if knobs.activation_checkpointing:
         branch = model.num_hidden_layers * t_l * (e * b + INT64) + top_saved  # each layer's input and positions
         replay_backward = max(logits["backward"], max(layer_graph.values()) + max(resid_of) + layer_backward)
     else:
-        branch = (t_l * _kept_input(model, b) + sum(layer_graph[k] for k in model.layer_types)
+        branch = (t_l * kept_input(model, b) + sum(layer_graph[k] for k in model.layer_types)
                   + sum(resid_of) + top_saved)
         replay_backward = max(logits["backward"], layer_backward)
     comp.update(replay_branch=branch, replay_backward=replay_backward, logits_chunk=logits["backward"])

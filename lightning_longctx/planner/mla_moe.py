@@ -23,6 +23,7 @@ backward sums each tile's parameter gradients in float32: for a MoE layer that i
 from __future__ import annotations
 
 from ..parallel.head_stages import check_head_layout
+from .layers import backward_top, mlp_saved, norm_bytes, residual_mlp
 from .phases import norm_saved
 from .shapes import FLOAT32, INT64, MemoryKnobs, ModelShape
 
@@ -138,18 +139,16 @@ def mla_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: 
     top of its backward (the MLP's or the post-attention norm's, everything saved: the input norm,
     :func:`mla_token_saved`, the residual and the MLP, unstaged the stage's weight rows) and a stage's backward
     (:func:`mla_stage_bytes`, with the attention output's and the input's gradients)."""
-    from .layers import _backward_top, _mlp_saved, _norm, residual_mlp
-
     b, e, lat = knobs.dtype_bytes, model.hidden_size, model.latent_width
     if top:
-        return tokens * (_norm(model, b) + 4 * lat * b + norm_saved(model.kv_lora_rank, b) + e * b)
+        return tokens * (norm_bytes(model, b) + 4 * lat * b + norm_saved(model.kv_lora_rank, b) + e * b)
     staged = mla_layout(model, sp, knobs.head_chunk_size)[1] > 1
     rows = 0 if staged else mla_weight_rows(model, knobs, sp)
-    pre = tokens * (_norm(model, b) + mla_token_saved(model, knobs, sp, staged)) + rows
-    mlp = residual_mlp(model, knobs, tokens) - _mlp_saved(model, knobs, tokens) + mlp_token_saved(
+    pre = tokens * (norm_bytes(model, b) + mla_token_saved(model, knobs, sp, staged)) + rows
+    mlp = residual_mlp(model, knobs, tokens) - mlp_saved(model, knobs, tokens) + mlp_token_saved(
         model, knobs, index, tokens)
     saved = pre + tokens * mlp
-    top_bwd = _backward_top(model, knobs, tokens, saved)
+    top_bwd = backward_top(model, knobs, tokens, saved)
     if model.is_sparse(index):
         top_bwd = max(top_bwd, saved + moe_backward_bytes(model, knobs, tokens))
     return max(top_bwd, pre + mla_stage_bytes(model, knobs, sp, tokens))

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-MLA_ATTENTION = "mla_attention"
-MLP_DENSE, MLP_SPARSE = "dense", "sparse"  # mlp_layer_types: a SwiGLU MLP or the mixture of experts
+from .fields import FULL_ATTENTION, MLA_ATTENTION, MLP_DENSE, MLP_SPARSE, config_value
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the LoRA targets DecoderAttention has
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # dense MLPs and shared experts (every layer has one)
@@ -23,37 +22,31 @@ def mla_targets(q_lora_rank: int | None) -> tuple[str, ...]:
 def lora_projections(types: tuple[str, ...], q_lora_rank: int | None) -> set[str]:
     """Every LoRA target some layer of these ``layer_types`` has."""
     names = set(MLP_TARGETS)
-    if "full_attention" in types:
+    if FULL_ATTENTION in types:
         names |= set(ATTENTION_TARGETS)
     if MLA_ATTENTION in types:
         names |= set(mla_targets(q_lora_rank))
     return names
 
 
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
-    from .shapes import _get as get
-
-    return get(cfg, name, default)
-
-
 def moe_fields(cfg: Any, layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of ``cfg`` (empty without ``n_routed_experts``): ``mlp_layer_types`` as
     given (GLM) or from ``first_k_dense_replace`` (DeepSeek; Qwen3.5-MoE: every layer sparse), as
     ``DecoderConfig`` derives them."""
-    experts = _get(cfg, "n_routed_experts")
+    experts = config_value(cfg, "n_routed_experts")
     if experts is None:
         return {}
-    kinds = _get(cfg, "mlp_layer_types", None)
+    kinds = config_value(cfg, "mlp_layer_types", None)
     if kinds is None:
-        dense = min(int(_get(cfg, "first_k_dense_replace", 0)), layers)
+        dense = min(int(config_value(cfg, "first_k_dense_replace", 0)), layers)
         kinds = [MLP_DENSE] * dense + [MLP_SPARSE] * (layers - dense)
     kinds = tuple(kinds)
     if len(kinds) != layers or set(kinds) - {MLP_DENSE, MLP_SPARSE}:
         raise ValueError(f"mlp_layer_types={list(kinds)} must hold {layers} entries among {[MLP_DENSE, MLP_SPARSE]}")
-    shared = _get(cfg, "shared_expert_intermediate_size")
-    return dict(n_routed_experts=int(experts), num_experts_per_tok=int(_get(cfg, "num_experts_per_tok")),
-                n_shared_experts=int(_get(cfg, "n_shared_experts", 1)),
-                moe_intermediate_size=int(_get(cfg, "moe_intermediate_size")),
+    shared = config_value(cfg, "shared_expert_intermediate_size")
+    return dict(n_routed_experts=int(experts), num_experts_per_tok=int(config_value(cfg, "num_experts_per_tok")),
+                n_shared_experts=int(config_value(cfg, "n_shared_experts", 1)),
+                moe_intermediate_size=int(config_value(cfg, "moe_intermediate_size")),
                 shared_expert_intermediate_size=None if shared is None else int(shared), mlp_layer_types=kinds)
 
 
@@ -111,8 +104,6 @@ class MLAMoEShape:
         return self.moe_parameters() if self.is_sparse(index) else 3 * self.hidden_size * self.intermediate_size
 
     def mixer_parameters(self, index: int) -> int:
-        from .shapes import FULL_ATTENTION
-
         kind = self.layer_types[index]
         if kind == MLA_ATTENTION:
             return self.mla_layer_parameters()

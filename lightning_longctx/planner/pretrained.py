@@ -1,7 +1,7 @@
 """The planner's model shape from a Hugging Face checkpoint directory (``model.pretrained``): its
 ``config.json`` read through the package's own HF mapping (:func:`lightning_longctx.models.hf_io.config_from_hf`,
-what ``DecoderLM.from_pretrained`` builds from), so the plan and the built model cannot disagree; the checks that
-the command line does not contradict it; and the one-line description ``longctx-plan`` prints.
+what ``DecoderLM.from_pretrained`` builds from), so the plan and the built model cannot disagree; and the checks that
+the command line does not contradict it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from .shapes import PRESET, ModelShape, _get
+from ..models.hf_io import config_from_hf
+from .fields import PRESET, config_value
 
 _NOT_ARCHITECTURE = ("_target_", "name", "hf_id", "pretrained", "lora")  # model-node keys that are not fields
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -34,8 +35,6 @@ def pretrained_decoder_config(pretrained: Any):
     :func:`lightning_longctx.models.hf_io.config_from_hf`, the mapping ``DecoderLM.from_pretrained`` builds
     with. Raises ValueError naming the file when it is missing, unreadable, not JSON, lacks a field or holds
     an architecture DecoderLM does not implement."""
-    from ..models.hf_io import config_from_hf
-
     path = config_json(pretrained)
     try:
         hf = json.loads(path.read_text())
@@ -65,21 +64,22 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def check_explicit(cfg: Any, arch: Any, shape: ModelShape, explicit: tuple[str, ...], path: Path) -> None:
+def check_explicit(cfg: Any, arch: Any, shape: Any, preset: Any, explicit: tuple[str, ...], path: Path) -> None:
     """ValueError naming each explicitly set field of ``cfg`` that contradicts the checkpoint's ``arch``
-    (``DecoderConfig``; ``shape`` its :class:`ModelShape`): the values the model is built with."""
+    (``DecoderConfig``; ``shape`` its :class:`~.shapes.ModelShape`): the values the model is built with.
+    ``preset``: the ``ModelShape`` of ``cfg``'s own fields, compared field by field when :data:`PRESET` is in
+    ``explicit`` (``model=<preset>`` on the command line)."""
     conflicts = []
     if PRESET in explicit:  # model=<preset>: every architecture field it holds (normalised: derived kv heads...)
-        preset = ModelShape._from_fields(cfg, None)  # noqa: SLF001 - the preset's own fields
         differ = [f for f in _SHAPE_FIELDS if not _same(getattr(preset, f), getattr(shape, f))]
         if "num_hidden_layers" in differ:  # then the layer list differs too: the count says it
             differ.remove("layer_types")
         if differ:
-            conflicts.append(f"model={_get(cfg, 'name', '?')} on the command line has " + ", ".join(
+            conflicts.append(f"model={config_value(cfg, 'name', '?')} on the command line has " + ", ".join(
                 f"{f}={getattr(preset, f)!r} ({path} has {getattr(shape, f)!r})" for f in differ))
     known = {f.name for f in fields(arch)}
     for name in sorted(set(explicit) - {PRESET} - set(_NOT_ARCHITECTURE)):
-        mine = _get(cfg, name, None)
+        mine = config_value(cfg, name, None)
         if mine is None or name not in known:  # null = derive it (from the checkpoint); unknown: not ours
             continue
         if hasattr(mine, "__iter__") and not isinstance(mine, str):
@@ -89,21 +89,9 @@ def check_explicit(cfg: Any, arch: Any, shape: ModelShape, explicit: tuple[str, 
             conflicts.append(f"model.{name}={mine!r} on the command line, {path} has {name}={theirs!r}")
     if conflicts:
         raise ValueError(
-            f"model.pretrained={_get(cfg, 'pretrained')}: the checkpoint's config.json fixes the architecture (it is "
-            "what is planned and built), and the command line contradicts it: " + "; ".join(conflicts)
+            f"model.pretrained={config_value(cfg, 'pretrained')}: the checkpoint's config.json fixes the architecture "
+            "(it is what is planned and built), and the command line contradicts it: " + "; ".join(conflicts)
             + ". Drop those overrides (or model=<preset>), or point model.pretrained at the checkpoint you meant.")
 
 
-def describe_model(cfg: Any, shape: ModelShape | None = None) -> str:
-    """Where the planned shape comes from: ``<pretrained>/config.json (llama, 2 layers ...)`` or ``preset tiny
-    (2 layers ...)``; what ``longctx-plan`` prints first."""
-    pretrained = _get(cfg, "pretrained", None)
-    if pretrained:
-        arch = pretrained_decoder_config(pretrained)
-        shape = shape or ModelShape._from_fields(arch, _get(cfg, "lora", None))
-        return f"{config_json(pretrained)} ({arch.shape_model_type()}, {shape.describe()})"
-    shape = shape or ModelShape.from_config(cfg)
-    return f"preset {_get(cfg, 'name', '?')} ({shape.describe()})"
-
-
-__all__ = ["check_explicit", "config_json", "describe_model", "pretrained_decoder_config"]
+__all__ = ["check_explicit", "config_json", "pretrained_decoder_config"]

@@ -7,12 +7,14 @@ states are held in, and the bytes of the compute dtype (see :mod:`.phases`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..models.lora import TARGETS as LORA_TARGETS  # the projections DecoderLM.add_lora adapts
-from .mla_shapes import MLA_ATTENTION, MLP_DENSE, MLP_SPARSE, MLAMoEShape, lora_projections, mla_targets, moe_fields
+from ..models.lora_attach import TARGETS as LORA_TARGETS  # the projections DecoderLM.add_lora adapts
+from .fields import FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION, MLP_DENSE, MLP_SPARSE, PRESET, config_value
+from .mla_shapes import MLAMoEShape, lora_projections, mla_targets, moe_fields
+from .pretrained import check_explicit, config_json, pretrained_decoder_config
 
 GIB = 2**30
 FLOAT32 = 4
@@ -25,10 +27,8 @@ LEGACY_DTYPES = {"float32": "32-true", "bfloat16": "bf16-true", "float64": "64-t
 PLANNED_ATTENTION_BACKENDS = ("eager", "flash")
 MODES = ("sft", "longstraw")
 SHARDINGS = ("fsdp", "replicate")
-FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 LAYER_KINDS = (FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION)
 KEEP_ATTENTION_OUTPUT = ("auto", "off", "device", "host")  # MemoryKnobs.keep_attention_output
-PRESET = "*"  # in ModelShape.from_config's ``explicit``: the model preset itself was chosen (model=<name>)
 
 
 def check_precision(precision: Any, legacy_dtype: Any = None) -> str:
@@ -50,13 +50,6 @@ def check_precision(precision: Any, legacy_dtype: Any = None) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"memory.precision={precision!r} is not supported; use one of {list(PRECISIONS)}")
     return str(precision)
-
-
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    value = cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
-    return default if value is None else value
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -120,23 +113,25 @@ class ModelShape(MLAMoEShape):
         and :data:`PRESET` for ``model=<preset>``). With a checkpoint, any of them that contradicts its
         ``config.json`` raises ValueError naming both values (the preset: every architecture field).
         """
-        pretrained = _get(cfg, "pretrained", None)
+        pretrained = config_value(cfg, "pretrained", None)
         if not pretrained:
-            return cls._from_fields(cfg, _get(cfg, "lora", None))
-        from .pretrained import check_explicit, config_json, pretrained_decoder_config  # (imports this module)
-
+            return cls.from_fields(cfg, config_value(cfg, "lora", None))
         arch = pretrained_decoder_config(pretrained)
-        shape = cls._from_fields(arch, _get(cfg, "lora", None))
-        check_explicit(cfg, arch, shape, tuple(explicit), config_json(pretrained))
+        shape = cls.from_fields(arch, config_value(cfg, "lora", None))
+        explicit = tuple(explicit)
+        preset = cls.from_fields(cfg, None) if PRESET in explicit else None  # the preset's own fields
+        check_explicit(cfg, arch, shape, preset, explicit, config_json(pretrained))
         return shape
 
     @classmethod
-    def _from_fields(cls, cfg: Any, lora: Any) -> ModelShape:
-        heads = int(_get(cfg, "num_attention_heads"))
-        hidden = int(_get(cfg, "hidden_size"))
-        layers = int(_get(cfg, "num_hidden_layers"))
-        mla = _get(cfg, "kv_lora_rank") is not None
-        types = tuple(_get(cfg, "layer_types", None) or [MLA_ATTENTION if mla else FULL_ATTENTION] * layers)
+    def from_fields(cls, cfg: Any, lora: Any) -> ModelShape:
+        """The shape of the architecture fields of ``cfg`` (a preset / ``DecoderConfig`` / dict; no checkpoint is
+        read) with the LoRA node ``lora`` (None: no adapters)."""
+        heads = int(config_value(cfg, "num_attention_heads"))
+        hidden = int(config_value(cfg, "hidden_size"))
+        layers = int(config_value(cfg, "num_hidden_layers"))
+        mla = config_value(cfg, "kv_lora_rank") is not None
+        types = tuple(config_value(cfg, "layer_types", None) or [MLA_ATTENTION if mla else FULL_ATTENTION] * layers)
         if len(types) != layers:
             raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers={layers}")
         unknown = sorted(set(types) - set(LAYER_KINDS))
@@ -144,15 +139,16 @@ class ModelShape(MLAMoEShape):
             raise ValueError(f"unknown layer_types {unknown}; use one of {list(LAYER_KINDS)}")
         if (MLA_ATTENTION in types) != mla or (mla and set(types) != {MLA_ATTENTION}):
             raise ValueError(f"layer_types {sorted(set(types))}: an MLA model (kv_lora_rank="
-                             f"{_get(cfg, 'kv_lora_rank')}) has only {MLA_ATTENTION!r} layers, and only it has them")
+                             f"{config_value(cfg, 'kv_lora_rank')}) has only {MLA_ATTENTION!r} layers, and only it "
+                             "has them")
         moe = moe_fields(cfg, layers)
         defaults = {f: cls.__dataclass_fields__[f].default for f in cls.__dataclass_fields__}
-        out_bias = _get(cfg, "attention_out_bias", None)
-        lora_r = _get(lora, "r", None) if lora is not None else None
+        out_bias = config_value(cfg, "attention_out_bias", None)
+        lora_r = config_value(lora, "r", None) if lora is not None else None
         # no target_modules: every projection the model has (DecoderAttention's four + the MLP's three, or MLA's)
-        present = lora_projections(types, _get(cfg, "q_lora_rank"))
+        present = lora_projections(types, config_value(cfg, "q_lora_rank"))
         default = tuple(t for t in LORA_TARGETS if t in present)
-        targets = tuple(_get(lora, "target_modules", None) or default) if lora_r else default
+        targets = tuple(config_value(lora, "target_modules", None) or default) if lora_r else default
         unknown_targets = sorted(set(targets) - set(LORA_TARGETS))
         if unknown_targets:
             raise ValueError(f"model.lora.target_modules {unknown_targets} are not LoRA targets here; use a subset "
@@ -163,26 +159,28 @@ class ModelShape(MLAMoEShape):
                              "model's attention has q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj, "
                              "o_proj); set model.lora.target_modules to the ones it has")
         return cls(
-            vocab_size=int(_get(cfg, "vocab_size")), hidden_size=hidden,
-            intermediate_size=int(_get(cfg, "intermediate_size")), num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=int(_get(cfg, "num_key_value_heads", heads)),
-            head_dim=int(_get(cfg, "head_dim", _get(cfg, "qk_rope_head_dim", 64) if mla else hidden // heads)),
-            tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
-            attention_bias=bool(_get(cfg, "attention_bias", False)), qk_norm=bool(_get(cfg, "qk_norm", False)),
-            layer_types=types, attn_output_gate=bool(_get(cfg, "attn_output_gate", False)),
-            zero_centered_norms=bool(_get(cfg, "zero_centered_norms", False)),
-            partial_rotary_factor=float(_get(cfg, "partial_rotary_factor", 1.0)),
-            **{f: int(_get(cfg, f, defaults[f])) for f in (
+            vocab_size=int(config_value(cfg, "vocab_size")), hidden_size=hidden,
+            intermediate_size=int(config_value(cfg, "intermediate_size")), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=int(config_value(cfg, "num_key_value_heads", heads)),
+            head_dim=int(config_value(cfg, "head_dim",
+                                      config_value(cfg, "qk_rope_head_dim", 64) if mla else hidden // heads)),
+            tie_word_embeddings=bool(config_value(cfg, "tie_word_embeddings", False)),
+            attention_bias=bool(config_value(cfg, "attention_bias", False)),
+            qk_norm=bool(config_value(cfg, "qk_norm", False)),
+            layer_types=types, attn_output_gate=bool(config_value(cfg, "attn_output_gate", False)),
+            zero_centered_norms=bool(config_value(cfg, "zero_centered_norms", False)),
+            partial_rotary_factor=float(config_value(cfg, "partial_rotary_factor", 1.0)),
+            **{f: int(config_value(cfg, f, defaults[f])) for f in (
                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                 "linear_conv_kernel_dim")},
             lora_r=None if not lora_r else int(lora_r), lora_targets=targets,
             attention_out_bias=None if out_bias is None else bool(out_bias),
-            q_lora_rank=None if _get(cfg, "q_lora_rank") is None else int(_get(cfg, "q_lora_rank")),
-            kv_lora_rank=int(_get(cfg, "kv_lora_rank")) if mla else None,
+            q_lora_rank=None if config_value(cfg, "q_lora_rank") is None else int(config_value(cfg, "q_lora_rank")),
+            kv_lora_rank=int(config_value(cfg, "kv_lora_rank")) if mla else None,
             # transformers' deepseek_v3 defaults (64, 128, 128), as DecoderConfig fills them in
-            qk_rope_head_dim=int(_get(cfg, "qk_rope_head_dim", 64)) if mla else 0,
-            qk_nope_head_dim=int(_get(cfg, "qk_nope_head_dim", 128)) if mla else 0,
-            v_head_dim=int(_get(cfg, "v_head_dim", 128)) if mla else 0,
+            qk_rope_head_dim=int(config_value(cfg, "qk_rope_head_dim", 64)) if mla else 0,
+            qk_nope_head_dim=int(config_value(cfg, "qk_nope_head_dim", 128)) if mla else 0,
+            v_head_dim=int(config_value(cfg, "v_head_dim", 128)) if mla else 0,
             **moe,
         )
 
@@ -291,10 +289,10 @@ class ClusterShape:
 
     @classmethod
     def from_config(cls, cfg: Any) -> ClusterShape:
-        sp = _get(cfg, "sp_size", None)
-        return cls(devices=int(_get(cfg, "devices", 1)), num_nodes=int(_get(cfg, "num_nodes", 1)),
-                   sp_size=None if sp is None else int(sp), sharding=str(_get(cfg, "sharding", "fsdp")),
-                   accelerator=str(_get(cfg, "accelerator", "gpu")))
+        sp = config_value(cfg, "sp_size", None)
+        return cls(devices=int(config_value(cfg, "devices", 1)), num_nodes=int(config_value(cfg, "num_nodes", 1)),
+                   sp_size=None if sp is None else int(sp), sharding=str(config_value(cfg, "sharding", "fsdp")),
+                   accelerator=str(config_value(cfg, "accelerator", "gpu")))
 
     @property
     def world(self) -> int:
@@ -354,22 +352,23 @@ class MemoryKnobs:
     @classmethod
     def from_config(cls, cfg: Any) -> MemoryKnobs:
         def opt_int(name):
-            value = _get(cfg, name, None)
+            value = config_value(cfg, name, None)
             return None if value is None else int(value)
 
-        precision = check_precision(_get(cfg, "precision", "bf16-mixed"), _get(cfg, "dtype", None))
+        precision = check_precision(config_value(cfg, "precision", "bf16-mixed"), config_value(cfg, "dtype", None))
         return cls(
-            budget_gib=float(_get(cfg, "budget_gib", 80.0)), precision=precision,
+            budget_gib=float(config_value(cfg, "budget_gib", 80.0)), precision=precision,
             head_chunk_size=opt_int("head_chunk_size"),
-            activation_checkpointing=bool(_get(cfg, "activation_checkpointing", False)),
-            offload_checkpoints=bool(_get(cfg, "offload_checkpoints", False)),
-            offload_prompt_cache=bool(_get(cfg, "offload_prompt_cache", False)),
+            activation_checkpointing=bool(config_value(cfg, "activation_checkpointing", False)),
+            offload_checkpoints=bool(config_value(cfg, "offload_checkpoints", False)),
+            offload_prompt_cache=bool(config_value(cfg, "offload_prompt_cache", False)),
             mlp_chunk_size=opt_int("mlp_chunk_size"), logits_chunk_size=opt_int("logits_chunk_size"),
-            attention_backend=str(_get(cfg, "attention_backend", "flash")),
-            reserve_gib=float(_get(cfg, "reserve_gib", 0.0)), optimizer_states=int(_get(cfg, "optimizer_states", 2)),
-            keep_attention_output=str(_get(cfg, "keep_attention_output", "off")),
-            expandable_segments=None if _get(cfg, "expandable_segments") is None
-            else bool(_get(cfg, "expandable_segments")),
+            attention_backend=str(config_value(cfg, "attention_backend", "flash")),
+            reserve_gib=float(config_value(cfg, "reserve_gib", 0.0)),
+            optimizer_states=int(config_value(cfg, "optimizer_states", 2)),
+            keep_attention_output=str(config_value(cfg, "keep_attention_output", "off")),
+            expandable_segments=None if config_value(cfg, "expandable_segments") is None
+            else bool(config_value(cfg, "expandable_segments")),
         )
 
     def __post_init__(self) -> None:
@@ -401,6 +400,18 @@ class MemoryKnobs:
         return {2: "bfloat16", 4: "float32", 8: "float64"}[self.dtype_bytes]
 
 
+def describe_model(cfg: Any, shape: ModelShape | None = None) -> str:
+    """Where the planned shape comes from: ``<pretrained>/config.json (llama, 2 layers ...)`` or ``preset tiny
+    (2 layers ...)``; what ``longctx-plan`` prints first."""
+    pretrained = config_value(cfg, "pretrained", None)
+    if pretrained:
+        arch = pretrained_decoder_config(pretrained)
+        shape = shape or ModelShape.from_fields(arch, config_value(cfg, "lora", None))
+        return f"{config_json(pretrained)} ({arch.shape_model_type()}, {shape.describe()})"
+    shape = shape or ModelShape.from_config(cfg)
+    return f"preset {config_value(cfg, 'name', '?')} ({shape.describe()})"
+
+
 __all__ = [
     "PLANNED_ATTENTION_BACKENDS",
     "GIB",
@@ -417,4 +428,5 @@ __all__ = [
     "ModelShape",
     "PRESET",
     "check_precision",
+    "describe_model",
 ]

@@ -12,14 +12,14 @@ from . import config as _config  # noqa: F401  (registers rehearse_schema before
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="rehearse")
 def _rehearse(cfg: DictConfig) -> None:
-    from ..cli import _fail_cleanly
+    from ..cli import fail_cleanly
     from ..planner import PlanError
     from .run import rehearse
 
     try:
         result = rehearse(cfg)
     except (ValueError, PlanError, NotImplementedError) as err:  # ConfigError is a ValueError: the message alone
-        _fail_cleanly(err)
+        fail_cleanly(err)
     print(result.table(), flush=True)
     if cfg.rehearsal.out:
         result.write(cfg.rehearsal.out)

@@ -1,0 +1,98 @@
+"""The planner's view of a composed config: the model shape it plans, its request (mode, context, group), the
+budget check, and the LongStraw choices the built model takes from it; one place for ``longctx-train``
+(:mod:`.app` builds the model with :func:`longstraw_choices`), ``longctx-plan`` (:mod:`.cli` prints them) and
+``longctx-rehearse``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from .config_checks import ConfigError
+from .planner import ClusterShape, MemoryKnobs, ModelShape, Plan, check_budget
+from .planner.longstraw import choose_keep_attention_output, choose_rollout_prompt_cache
+from .planner.shapes import PRESET
+
+
+# ------------------------------------------------------------------------------------------------ planning
+def plan_request(cfg: DictConfig, *, mode: str | None = None, seq_len: int | None = None) -> dict[str, Any]:
+    """The planner's keyword arguments for ``cfg``: the task's mode and context unless overridden by
+    ``plan.*`` or the arguments; LongStraw takes the task's G and ``max_new_tokens`` as the response length."""
+    task = cfg.task
+    plan = cfg.get("plan") or {}  # longctx-export's config has no plan node
+    mode = mode or task.mode
+    request: dict[str, Any] = {"mode": mode, "seq_len": seq_len or plan.get("seq_len") or task.seq_len}
+    if mode == "longstraw":
+        request["group_size"] = plan.get("group_size") or task.get("group_size", 8)
+        request["response_len"] = plan.get("response_len") or task.get("max_new_tokens", 1024)
+        request["prompt_grad"] = task.get("prompt_grad", "full")
+    return request
+
+
+def explicit_model_fields(overrides: list[str] | None = None) -> tuple[str, ...]:
+    """The ``model`` fields the command line sets (``overrides``; None = this Hydra run's, none outside one):
+    ``model.<field>=...`` gives ``<field>``, ``model=<preset>`` gives :data:`~.memory.shapes.PRESET`."""
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return ()
+        overrides = list(HydraConfig.get().overrides.task)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    names = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.key_or_group
+        if override.is_delete() or override.package not in (None, "", "model"):
+            continue
+        if key == "model":
+            names.append(PRESET)
+        elif key.startswith("model."):
+            names.append(key.split(".")[1])
+    return tuple(names)
+
+
+def model_shape(cfg: DictConfig, overrides: list[str] | None = None) -> ModelShape:
+    """The shape the planner plans: the preset's fields, or with ``model.pretrained`` the checkpoint's
+    ``config.json`` (what ``build_model`` builds). A command-line architecture override (or ``model=<preset>``)
+    that contradicts the checkpoint, or a missing / unreadable config.json, raises :class:`ConfigError`
+    naming the values and the path, before any work."""
+    try:
+        return ModelShape.from_config(cfg.model, explicit=explicit_model_fields(overrides))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def check_plan(cfg: DictConfig, model: ModelShape | None = None) -> Plan:
+    """Run the planner for ``cfg`` (``model``: its :func:`model_shape`, computed when None) and raise
+    :class:`PlanError` (what to change) when it is over budget."""
+    return check_budget(model or model_shape(cfg), cfg.cluster, cfg.memory, **plan_request(cfg))
+
+
+def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
+                       knobs: MemoryKnobs | None = None) -> dict[str, str | None]:
+    """What a LongStraw step of ``cfg`` runs with, as the planner chooses it at the task's prompt, G and response
+    length (``model``, ``knobs``: :func:`model_shape` and ``cfg.memory``'s, computed when None):
+
+    - ``keep_attention_output``: ``memory.keep_attention_output``, or with ``auto`` (the default)
+      :func:`~.planner.longstraw.choose_keep_attention_output` (``device`` when it fits the budget, else ``off``);
+    - ``rollout_prompt_cache``: with ``memory.offload_prompt_cache``,
+      :func:`~.planner.longstraw.choose_rollout_prompt_cache` (``device``: the cache comes to the device once per
+      rollout; ``stream``: it is streamed per decoded token); None when the cache is not offloaded.
+
+    The planner runs only for what it chooses."""
+    keep = str(cfg.memory.get("keep_attention_output") or "auto")
+    offloaded = bool(cfg.memory.get("offload_prompt_cache"))
+    if keep != "auto" and not offloaded:
+        return {"keep_attention_output": keep, "rollout_prompt_cache": None}
+    request = plan_request(cfg, mode="longstraw")
+    args = (model or model_shape(cfg), ClusterShape.from_config(cfg.cluster),
+            knobs or MemoryKnobs.from_config(cfg.memory), request["seq_len"], request["group_size"],
+            request["response_len"], request["prompt_grad"])
+    return {"keep_attention_output": choose_keep_attention_output(*args) if keep == "auto" else keep,
+            "rollout_prompt_cache": choose_rollout_prompt_cache(*args) if offloaded else None}
+
+
+__all__ = ["check_plan", "explicit_model_fields", "longstraw_choices", "model_shape", "plan_request"]
