@@ -35,8 +35,8 @@ from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step,
 from lightning_longctx.longstraw.offload import simulated_streams  # noqa: E402
 from lightning_longctx.longstraw.step import prefill_for_step  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # noqa: E402
+from lightning_longctx.ops.step_phase import phase  # noqa: E402
 from lightning_longctx.ops.transfers import TransferCounter  # noqa: E402
-from lightning_longctx.parallel.collective_guard import phase  # noqa: E402
 
 # (hidden, layers, heads, kv heads, head_dim, vocab, prompt, G, response tokens, new tokens)
 SIZES = {True: (64, 2, 4, 2, 16, 97, 96, 3, 8, 6), False: (1024, 4, 16, 4, 64, 4096, 16384, 4, 256, 32)}

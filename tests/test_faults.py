@@ -317,7 +317,8 @@ def _subgroup_timeout(rank: int, world: int) -> str:
 
     import torch.distributed as dist
 
-    from lightning_longctx.parallel.collective_guard import CollectiveError, collective_guard, phase
+    from lightning_longctx.ops.step_phase import phase
+    from lightning_longctx.parallel.collective_guard import CollectiveError, collective_guard
     from lightning_longctx.parallel.mesh import build_dp_sp_mesh
 
     mesh = build_dp_sp_mesh(2, "cpu", timeout=timedelta(seconds=3))  # 2 x 2: both dims are new subgroups
@@ -366,13 +367,8 @@ def test_the_mesh_subgroups_take_the_timeout_and_the_error_names_the_phase():
 
 
 def test_collective_errors_name_the_timeout_and_the_innermost_phase_other_errors_pass():
-    from lightning_longctx.parallel.collective_guard import (
-        CollectiveError,
-        collective_guard,
-        current_phase,
-        mark,
-        phase,
-    )
+    from lightning_longctx.ops.step_phase import current_phase, mark, phase
+    from lightning_longctx.parallel.collective_guard import CollectiveError, collective_guard
 
     timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
                            "10000ms for recv operation to complete")

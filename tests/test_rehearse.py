@@ -106,7 +106,7 @@ def test_the_roofline_terms_by_hand():
 def test_the_cpu_flash_attention_flops_are_counted_causal_halved():
     import torch
 
-    from lightning_longctx.parallel.collective_guard import phase
+    from lightning_longctx.ops.step_phase import phase
     from lightning_longctx.rehearse.measure import StepCounters
 
     q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))

@@ -21,8 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step, sample
 from lightning_longctx.longstraw.offload import simulated_streams
 from lightning_longctx.longstraw.step import prefill_for_step
+from lightning_longctx.ops.step_phase import phase
 from lightning_longctx.ops.transfers import TransferCounter
-from lightning_longctx.parallel.collective_guard import phase
 from lightning_longctx.planner import plan
 from lightning_longctx.planner.shapes import GIB
 from models_common import single_thread  # noqa: F401 - autouse fixture

@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 
 from ..models.lora import prompt_frozen
+from ..ops.step_phase import mark, phase, progress_marker
 from ..ops.tracker import track_memory
 from ..parallel import group_size, set_sequence_parallel_group
-from ..parallel.collective_guard import mark, phase, progress_marker
 from .checks import check_group_agrees, validate_group
 from .grad_sync import fsdp_sharded, reshard, set_grad_sync, set_layer_grad_sync, small_trainable_state
 from .grads import GroupGradients, accumulation_dtype

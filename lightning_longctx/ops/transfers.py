@@ -1,7 +1,7 @@
 """Host<->device bytes and host syncs, counted per step phase.
 
 :class:`TransferCounter` (a context manager) counts, for each phase the step marks
-(:func:`lightning_longctx.parallel.collective_guard.phase`: ``"replay"``, ``"grouped backward"``, ``"rollouts"``...):
+(:func:`.step_phase.phase`: ``"replay"``, ``"grouped backward"``, ``"rollouts"``...):
 
 - every copy between the host and a device that torch dispatches (``aten._to_copy`` / ``aten.copy_`` whose
   source and destination devices differ), its bytes by direction; works on a GPU and under
@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .step_phase import current_phase
+
 _aten = torch.ops.aten
 _COPIES = (_aten._to_copy.default, _aten.copy_.default)
 _active: list[TransferCounter] = []
@@ -39,8 +41,6 @@ class PhaseTransfers:
 
 
 def _phase_name() -> str:
-    from ..parallel.collective_guard import current_phase
-
     return current_phase().split(" (")[0]
 
 

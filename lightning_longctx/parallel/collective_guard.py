@@ -1,34 +1,33 @@
-"""Which phase of a step this rank is in, and collective failures re-raised naming it and the timeout.
+"""Collective failures re-raised naming the step phase this rank was in (:mod:`lightning_longctx.ops.step_phase`)
+and the timeout.
 
 A rank whose peer died or hangs fails inside some collective after the process group's timeout (gloo: "Timed
 out waiting 120000ms for recv operation"; a killed peer: "Connection closed by peer"), with a message that
-says nothing about where the run was. The training code marks its phases (:func:`phase`: ``"prefill"``,
-``"replay branch 3/8"``, ``"grouped backward"``, ``"optimizer step"``, ``"checkpoint save"``; the step's
-``progress`` messages refine them, :func:`progress_marker`) and :func:`collective_guard` turns such an error
-into a :class:`CollectiveError`::
+says nothing about where the run was. The training code marks its phases (:func:`~.ops.step_phase.phase`:
+``"prefill"``, ``"replay branch 3/8"``, ``"grouped backward"``, ``"optimizer step"``, ``"checkpoint save"``; the
+step's ``progress`` messages refine them, :func:`~.ops.step_phase.progress_marker`) and :func:`collective_guard`
+turns such an error into a :class:`CollectiveError`::
 
     collective timed out after 120 s during grouped backward (grouped backward layer 5/8 done) on rank 1
 
 The phase recorded is the innermost one active when the error was raised (kept while the ``with`` blocks
-unwind). One training thread per process: the state is module-global.
+unwind).
 
 NCCL: with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` on (the default) NCCL's watchdog tears the process down itself
 after the timeout, before Python sees an error; its log line names the collective (``WorkNCCL(OpType=...)``)
 and the timeout, and the rank's last phase is in this rank's log (the strategy logs it, see
-:func:`last_phase`).
+:func:`~.ops.step_phase.last_phase`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
-_stack: list[str] = []
-_detail: list[str | None] = []
-_failed_at: list[str] = []  # the innermost phase an exception left, until a guard reads it
+from ..ops.step_phase import OUTSIDE, current_phase, forget_failure, last_phase, phase
 
 # what gloo / NCCL / the TCP store say when a collective timed out, or when a peer is gone
 _TIMEOUT = re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE)
@@ -40,54 +39,6 @@ _PEER_GONE = re.compile(r"connection (closed|reset)|broken pipe|peer|socket|comm
 class CollectiveError(RuntimeError):
     """A collective failed (timed out, or a peer rank is gone); the message names the timeout, the phase and
     the rank. The backend's own error is its ``__cause__``."""
-
-
-def current_phase() -> str:
-    """``"<phase>"`` or ``"<phase> (<detail>)"`` (:func:`mark`); ``"outside any marked phase"``."""
-    if not _stack:
-        return "outside any marked phase"
-    detail = _detail[-1]
-    return f"{_stack[-1]} ({detail})" if detail else _stack[-1]
-
-
-def last_phase() -> str:
-    """The phase of the last failure seen (or the current one)."""
-    return _failed_at[0] if _failed_at else current_phase()
-
-
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Mark ``name`` as this rank's phase inside the block (nested phases: the innermost wins)."""
-    _failed_at.clear()  # a failure recorded earlier was handled (else we would not be starting a phase)
-    _stack.append(name)
-    _detail.append(None)
-    try:
-        yield
-    except BaseException:
-        if not _failed_at:
-            _failed_at.append(current_phase())
-        raise
-    finally:
-        _stack.pop()
-        _detail.pop()
-
-
-def mark(detail: str) -> None:
-    """Refine the current phase (``"replay branch 3/8"``: the phase reads ``"replay (replay branch 3/8)"``)."""
-    if _detail:
-        _detail[-1] = detail
-
-
-def progress_marker(progress: Callable[[str], None] | None) -> Callable[[str], None]:
-    """A ``progress(message)`` callable that also marks the phase (``"grouped backward layer 5/8 done"``: the
-    step's messages come after each unit) before passing the message on."""
-
-    def marked(message: str) -> None:
-        mark(f"{message} done")
-        if progress is not None:
-            progress(message)
-
-    return marked
 
 
 def _rank() -> str:
@@ -124,12 +75,11 @@ def collective_guard(timeout_s: float | None, name: str | None = None) -> Iterat
         error = describe(exc, timeout_s)
         if error is None:
             raise
-        _failed_at.clear()
+        forget_failure()
         raise error from exc
     finally:
-        if not _stack:
-            _failed_at.clear()
+        if current_phase() == OUTSIDE:
+            forget_failure()
 
 
-__all__ = ["CollectiveError", "collective_guard", "current_phase", "describe", "last_phase", "mark", "phase",
-           "progress_marker"]
+__all__ = ["CollectiveError", "collective_guard", "describe"]

@@ -1,6 +1,6 @@
 """What a rehearsal measures per phase of the step: live bytes (device and host), FLOPs, collectives.
 
-The phase is the one the step code marks (:func:`lightning_longctx.parallel.collective_guard.phase`: ``"prefill"``,
+The phase is the one the step code marks (:func:`lightning_longctx.ops.step_phase.phase`: ``"prefill"``,
 ``"replay"``, ``"grouped backward"``...; the rehearsal marks SFT's ``"forward"``, ``"backward"``,
 ``"optimizer step"``), without its detail (``"replay (replay branch 3/8 done)"`` counts as ``"replay"``).
 
@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from ..ops.step_phase import current_phase
 from ..ops.tracker import MemoryTracker, _storage
-from ..parallel.collective_guard import current_phase
 
 
 def phase_name() -> str:

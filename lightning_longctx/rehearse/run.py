@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..parallel.collective_guard import phase
+from ..ops.step_phase import phase
 from . import config as _config  # noqa: F401  (registers rehearse_schema)
 from .fake_world import FakeWorld, materialize, world_device
 from .host_reads import PlaceholderReads

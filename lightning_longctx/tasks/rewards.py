@@ -18,8 +18,9 @@ script's ``sys.path`` does not hold it), so ``longctx-train task.reward_funcs=[r
 from the folder holding ``rewards.py`` works.
 
 Misbehaving functions (:meth:`RewardFunctions.call_one`): with ``timeout_s`` each call runs in a worker thread
-and is abandoned after that many seconds (:func:`call_with_timeout`; a Python thread cannot be killed: a hung
-call runs on in the background, as a daemon thread that does not keep the process alive); an exception, a
+and is abandoned after that many seconds (:func:`~lightning_longctx.training.reward_call.call_with_timeout`; a
+Python thread cannot be killed: a hung call runs on in the background, as a daemon thread that does not keep the
+process alive); an exception, a
 timeout, a NaN or infinite reward, the wrong count or a non-number raises :class:`RewardFunctionError` naming
 the function and the call's context (the step, the prompt).
 """
@@ -31,55 +32,14 @@ import logging
 import math
 import os
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..training.reward_call import RewardFunctionError, RewardTimeoutError, call_with_timeout, check_timeout
+
 log = logging.getLogger(__name__)
-
-
-class RewardFunctionError(ValueError):
-    """A reward function that does not import, is not callable, raises, hangs, or returns the wrong thing."""
-
-
-class RewardTimeoutError(RewardFunctionError):
-    """A reward call that did not return within its timeout (abandoned: it may still be running)."""
-
-
-def call_with_timeout(func: Callable, kwargs: dict[str, Any], timeout_s: float | None, name: str) -> Any:
-    """``func(**kwargs)``; with ``timeout_s``, in a daemon worker thread that is abandoned (left running: a
-    thread cannot be killed) when it has not returned after ``timeout_s`` seconds: then
-    :class:`RewardTimeoutError` naming ``name``. The call's own exception is re-raised as is."""
-    if timeout_s is None:
-        return func(**kwargs)
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            result["value"] = func(**kwargs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            result["error"] = exc
-
-    worker = threading.Thread(target=run, name=f"reward {name}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise RewardTimeoutError(f"{name} did not return within {timeout_s:g} s (task.reward_timeout_s); the call "
-                                 "was abandoned (its thread cannot be killed and may still be running)")
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
-def check_timeout(timeout_s: float | None) -> float | None:
-    """``task.reward_timeout_s``: None or a positive number of seconds."""
-    if timeout_s is None:
-        return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise RewardFunctionError(f"task.reward_timeout_s={timeout_s!r} must be a positive number of seconds or null")
-    return float(timeout_s)
 
 
 def _search_paths() -> list[str]:

@@ -26,7 +26,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch import nn
 from torch.optim import Optimizer
 
-from ..parallel.collective_guard import phase
+from ..ops.step_phase import phase
 from ..safe_load import load_resume_checkpoint
 from .batch import ShardingLoader
 from .common import UlyssesMixin

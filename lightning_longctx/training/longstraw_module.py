@@ -74,11 +74,11 @@ from ..longstraw.checks import check_group_agrees
 from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
 from ..longstraw.sampling import StopIds, check_sampling_options, stop_token_ids
 from ..models.lora import prompt_frozen
+from ..ops.step_phase import phase
 from ..ops.tracker import device_peak_bytes, reset_device_peak
 from ..parallel import group_size
-from ..parallel.collective_guard import phase
 from ..parallel.expert_parallel import clip_grads_by_mesh_, global_grad_norm
-from ..tasks.rewards import RewardFunctionError, call_with_timeout, check_timeout
+from .reward_call import RewardFunctionError, call_with_timeout, check_timeout
 from .schedule import check_lr_schedule, lr_factor
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class LongStrawModule(pl.LightningModule):
         max_steps: the cosine's length in optimizer steps; None = the Trainer's ``max_steps``.
         seed: sampling seed, identical on all ranks of an SP group.
         reward_timeout_s: each :meth:`reward` call's limit in seconds (run in a worker thread, abandoned after
-            it: :func:`~lightning_longctx.tasks.rewards.call_with_timeout`); None = no limit.
+            it: :func:`~.reward_call.call_with_timeout`); None = no limit.
         on_reward_error: a :meth:`reward` that raises, times out or returns the wrong shape: ``"raise"`` (stop,
             naming the step and the prompt) or ``"skip_group"`` (the group gets no update, on every rank alike:
             under DP the step is skipped on every DP rank; counted in ``train/reward_skipped_groups``).
@@ -344,7 +344,7 @@ class LongStrawModule(pl.LightningModule):
     def _call_reward(self, prompt: torch.Tensor, responses: list[torch.Tensor], fields: dict,
                      context: str) -> torch.Tensor:
         """:meth:`reward` with ``reward_timeout_s``, checked: ``[G]`` float32 on the CPU; a failure is a
-        :class:`~lightning_longctx.tasks.rewards.RewardFunctionError` naming the method and ``context``."""
+        :class:`~.reward_call.RewardFunctionError` naming the method and ``context``."""
         self.reward_context = context
         name = f"{type(self).__name__}.reward"
         try:

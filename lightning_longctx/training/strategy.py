@@ -50,7 +50,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..parallel.collective_guard import phase
+from ..ops.step_phase import phase
 from ..safe_load import load_resume_checkpoint
 from .common import UlyssesMixin
 from .nonfinite import NonfiniteGuard
