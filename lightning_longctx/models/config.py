@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .config_moe import MLP_LAYER_TYPES, MLAMoEFields, _positive
+from .config_moe import MLP_LAYER_TYPES, MLAMoEFields, check_positive
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -131,10 +131,10 @@ class DecoderConfig(MLAMoEFields):
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        _positive("num_key_value_heads", self.num_key_value_heads)
+        check_positive("num_key_value_heads", self.num_key_value_heads)
         self._check_mla()
         self._check_dsa()
         if self.num_attention_heads % self.num_key_value_heads:
@@ -149,7 +149,7 @@ class DecoderConfig(MLAMoEFields):
                     f"{self.num_attention_heads}; set head_dim explicitly"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        _positive("head_dim", self.head_dim)
+        check_positive("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         for name in ("rope_theta", "rms_norm_eps", "initializer_range", "partial_rotary_factor"):
@@ -220,7 +220,7 @@ class DecoderConfig(MLAMoEFields):
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, default)
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
                              f"linear_num_key_heads={self.linear_num_key_heads}")
@@ -330,7 +330,7 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         for name in ("head_chunk_size", "mlp_chunk_size", "logits_chunk_size"):
-            _positive(name, getattr(self, name), allow_none=True)
+            check_positive(name, getattr(self, name), allow_none=True)
         if self.keep_attention_output not in ("off", "device", "host"):
             raise ValueError(f"keep_attention_output={self.keep_attention_output!r} must be 'off', 'device' or 'host'")
         if self.rollout_prompt_cache not in ("device", "stream"):

@@ -8,7 +8,8 @@ INDEXER_TYPES = ("full", "shared")  # DSA's IndexShare: a layer runs its own ind
 _DSA_FIELDS = ("index_n_heads", "index_head_dim", "indexer_types")
 
 
-def _positive(name: str, value, *, allow_none: bool = False) -> None:
+def check_positive(name: str, value, *, allow_none: bool = False) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int >= 1 (or None, with ``allow_none``): a config size."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -52,8 +53,8 @@ class MLAMoEFields:
             if getattr(self, name) is None:
                 setattr(self, name, default)
         for name in ("kv_lora_rank", *dims):
-            _positive(name, getattr(self, name))
-        _positive("q_lora_rank", self.q_lora_rank, allow_none=True)
+            check_positive(name, getattr(self, name))
+        check_positive("q_lora_rank", self.q_lora_rank, allow_none=True)
         if self.head_dim is None:
             self.head_dim = self.qk_rope_head_dim  # as transformers: RoPE rotates the rope part of each head
         if self.head_dim != self.qk_rope_head_dim:
@@ -101,7 +102,7 @@ class MLAMoEFields:
         self.index_n_heads = 32 if self.index_n_heads is None else self.index_n_heads  # transformers' GLM-5 values
         self.index_head_dim = 128 if self.index_head_dim is None else self.index_head_dim
         for name in ("index_topk", "index_n_heads", "index_head_dim"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ValueError(f"index_head_dim={self.index_head_dim} must hold the qk_rope_head_dim="
                              f"{self.qk_rope_head_dim} dims the indexer rotates")
@@ -121,7 +122,7 @@ class MLAMoEFields:
             return
         for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
                      "n_group", "topk_group"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         experts, groups = self.n_routed_experts, self.n_group
         per_group = experts // groups
         if experts % groups or (groups > 1 and per_group < 2):
@@ -133,7 +134,7 @@ class MLAMoEFields:
         if not self.routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor={self.routed_scaling_factor} must be positive")
         if self.moe_style == "qwen":
-            _positive("shared_expert_intermediate_size", self.shared_expert_intermediate_size)
+            check_positive("shared_expert_intermediate_size", self.shared_expert_intermediate_size)
             grouped = (self.n_group, self.topk_group, self.routed_scaling_factor, self.norm_topk_prob)
             if grouped != (1, 1, 1.0, True):
                 raise ValueError(f"Qwen3.5-MoE's softmax router (shared_expert_intermediate_size set) has no expert "

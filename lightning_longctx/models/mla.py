@@ -140,7 +140,8 @@ class MLAStage:
     kv_heads: torch.Tensor
 
 
-_PLANS: dict[tuple, tuple[tuple[MLAStage, ...], torch.Tensor | None]] = {}
+# the built plans by layout and device (their index tensors live on that device; a rehearsal drops the fake ones)
+MLA_STAGE_PLANS: dict[tuple, tuple[tuple[MLAStage, ...], torch.Tensor | None]] = {}
 
 
 def mla_stage_plan(heads: int, world: int, rank: int, chunk: int | None, device):
@@ -149,7 +150,7 @@ def mla_stage_plan(heads: int, world: int, rank: int, chunk: int | None, device)
     (the latent is one shared K/V head)."""
     c = check_head_layout(heads, 1, world, chunk)
     key = (heads, world, rank, c, str(device))
-    if key not in _PLANS:
+    if key not in MLA_STAGE_PLANS:
         local = heads // world
         as_index = lambda ints: torch.tensor(ints, dtype=torch.long, device=device)  # noqa: E731
         stages, order = [], []
@@ -162,8 +163,8 @@ def mla_stage_plan(heads: int, world: int, rank: int, chunk: int | None, device)
             inverse = torch.empty(heads, dtype=torch.long)
             inverse[torch.tensor(order)] = torch.arange(heads)
             inverse = inverse.to(device)
-        _PLANS[key] = (tuple(stages), inverse)
-    return _PLANS[key]
+        MLA_STAGE_PLANS[key] = (tuple(stages), inverse)
+    return MLA_STAGE_PLANS[key]
 
 
 class MLAttention(nn.Module):

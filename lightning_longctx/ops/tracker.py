@@ -37,7 +37,7 @@ _FRESH_ALIAS_OPS = (torch.ops.aten.lift_fresh.default,)
 _CUDA_MIN_BLOCK = 512  # the caching allocator rounds every block up to a multiple of this
 
 
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+def tensor_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The untyped storage of a plain strided tensor with real data, else None."""
     if t.layout != torch.strided or t.device.type == "meta":
         return None
@@ -90,7 +90,7 @@ class MemoryTracker(TorchDispatchMode):
             This tracker, so ``MemoryTracker().track(*params)`` can be entered directly.
         """
         for t in tensors:
-            st = _storage(t)
+            st = tensor_storage(t)
             if st is not None and id(st) not in self._live:
                 self._add(st)
         self._peak = max(self._peak, self._current)
@@ -120,7 +120,7 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         input_ids = None  # storages of the inputs, computed only when an unknown output storage appears
         for t in tree_leaves(out):
-            st = _storage(t) if isinstance(t, torch.Tensor) else None
+            st = tensor_storage(t) if isinstance(t, torch.Tensor) else None
             if st is None:
                 continue
             if id(st) in self._live:
@@ -131,7 +131,7 @@ class MemoryTracker(TorchDispatchMode):
                     input_ids = {
                         id(s)
                         for a in tree_leaves((args, kwargs))
-                        if isinstance(a, torch.Tensor) and (s := _storage(a)) is not None
+                        if isinstance(a, torch.Tensor) and (s := tensor_storage(a)) is not None
                     }
                 if id(st) in input_ids:
                     continue  # a view or in-place result of a tensor this tracker does not count
@@ -229,7 +229,7 @@ class CudaMemoryTracker:
             This tracker.
         """
         for t in tensors:
-            st = _storage(t)
+            st = tensor_storage(t)
             if st is not None and t.device == self.device:
                 self._tracked[st.data_ptr()] = math.ceil(st.nbytes() / _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
         return self

@@ -196,15 +196,16 @@ def build_stages(heads: int, kv_heads: int, world: int, rank: int, chunk: int, d
     return stages
 
 
-_PLANS: dict[tuple, tuple[Stage, ...]] = {}
+# the built plans by layout and device (their index tensors live on that device; a rehearsal drops the fake ones)
+STAGE_PLANS: dict[tuple, tuple[Stage, ...]] = {}
 
 
 def stage_plan(heads: int, kv_heads: int, world: int, rank: int, chunk: int, device) -> tuple[Stage, ...]:
     """:func:`build_stages`, built once per layout and device (index tensors included)."""
     key = (heads, kv_heads, world, rank, chunk, str(device))
-    if key not in _PLANS:
-        _PLANS[key] = tuple(build_stages(heads, kv_heads, world, rank, chunk, device))
-    return _PLANS[key]
+    if key not in STAGE_PLANS:
+        STAGE_PLANS[key] = tuple(build_stages(heads, kv_heads, world, rank, chunk, device))
+    return STAGE_PLANS[key]
 
 
 def cache_heads(stages: Sequence[Stage]) -> int:

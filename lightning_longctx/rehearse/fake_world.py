@@ -39,7 +39,7 @@ def _tensor_caches() -> list[dict]:
     from ..models import mla
     from ..parallel import head_stages
 
-    return [head_stages._PLANS, mla._PLANS]
+    return [head_stages.STAGE_PLANS, mla.MLA_STAGE_PLANS]
 
 
 class FakeWorld:

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..ops.step_phase import current_phase
-from ..ops.tracker import MemoryTracker, _storage
+from ..ops.tracker import MemoryTracker, tensor_storage
 
 
 def phase_name() -> str:
@@ -81,7 +81,7 @@ class PhaseTracker(MemoryTracker):
         """Record where ``tensors``' newly counted storages come from (``site``; None: the allocating line) and
         which live on the host, then each phase's peaks."""
         for t in tensors:
-            if not isinstance(t, torch.Tensor) or (st := _storage(t)) is None:
+            if not isinstance(t, torch.Tensor) or (st := tensor_storage(t)) is None:
                 continue
             key = id(st)
             if key not in self._live or key in self._site:
