@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
 
 from ..parallel import build_dp_sp_mesh, check_sp_size
 from ..parallel.collective_guard import collective_guard
 from .batch import shard_sequence_batch
+from .nonfinite import NonfiniteGuard
 from .parallelize import SHARDING_MODES, broadcast_replicas, parallelize
 
 
@@ -55,21 +57,40 @@ class UlyssesMixin:
 
     _namespace_hint = ""  # set by the subclasses: which Lightning namespace they belong to
 
-    def _guard(self, name: str):
-        """Collective failures in the block re-raised naming the timeout, ``name`` (or a finer phase), the rank."""
-        timeout = getattr(self, "_timeout", None)
-        return collective_guard(timeout.total_seconds() if timeout is not None else None, name)
-
-    def _init_ulysses(self, sp_size: int | None, head_chunk_size: int | None, sharding: str) -> None:
+    def __init__(
+        self,
+        sp_size: int | None = None,
+        head_chunk_size: int | None = None,
+        sharding: str = "fsdp",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        on_nonfinite: str | None = "raise",
+        expert_parallel: bool = False,
+    ) -> None:
+        """The arguments of both strategies (documented on :class:`~.strategy.UlyssesStrategy`); Lightning's
+        ``ModelParallelStrategy`` gets the ones it owns, plus :meth:`_lightning_arguments`."""
+        self.nonfinite = NonfiniteGuard(on_nonfinite) if on_nonfinite is not None else None
+        self.expert_parallel = expert_parallel
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout, **self._lightning_arguments())
         _check_args(sp_size, head_chunk_size, sharding)
-        check_strategy_args(getattr(self, "_process_group_backend", None),
-                            getattr(self, "_save_distributed_checkpoint", True), getattr(self, "_timeout", None))
+        check_strategy_args(process_group_backend, save_distributed_checkpoint, timeout)
         self._requested_sp_size = sp_size
         self.head_chunk_size = head_chunk_size
         self.sharding = sharding
         self._sp_group: dist.ProcessGroup | None = None
         self._sp_rank = 0
         self._layout: tuple[int, int] | None = None
+
+    def _lightning_arguments(self) -> dict[str, Any]:
+        """Further arguments of the Lightning base class (Fabric's needs ``parallelize_fn``)."""
+        return {}
+
+    def _guard(self, name: str):
+        """Collective failures in the block re-raised naming the timeout, ``name`` (or a finer phase), the rank."""
+        timeout = getattr(self, "_timeout", None)
+        return collective_guard(timeout.total_seconds() if timeout is not None else None, name)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(sp_size={self._requested_sp_size}, head_chunk_size={self.head_chunk_size}, "

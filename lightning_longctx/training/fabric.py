@@ -17,10 +17,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch import nn
@@ -30,7 +28,6 @@ from ..ops.step_phase import phase
 from ..safe_load import load_resume_checkpoint
 from .batch import ShardingLoader
 from .common import UlyssesMixin
-from .nonfinite import NonfiniteGuard
 
 
 class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
@@ -43,28 +40,11 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
 
     _namespace_hint = "[a lightning.fabric strategy: use lightning.fabric.Fabric, not lightning_fabric.Fabric]"
 
-    def __init__(
-        self,
-        sp_size: int | None = None,
-        head_chunk_size: int | None = None,
-        sharding: str = "fsdp",
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        on_nonfinite: str | None = "raise",
-        expert_parallel: bool = False,
-    ) -> None:
-        self.nonfinite = NonfiniteGuard(on_nonfinite) if on_nonfinite is not None else None
-        self.expert_parallel = expert_parallel
-        self._guarded_module: nn.Module | None = None
-        self._optimizer_steps = 0  # optimizer.step() calls so far, skipped ones included (the error names it)
-        super().__init__(
-            parallelize_fn=self._parallelize_root,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        self._init_ulysses(sp_size, head_chunk_size, sharding)
+    _guarded_module: nn.Module | None = None  # the module setup_module returned (its gradients are checked)
+    _optimizer_steps = 0  # optimizer.step() calls so far, skipped ones included (the error names it)
+
+    def _lightning_arguments(self) -> dict[str, Any]:
+        return {"parallelize_fn": self._parallelize_root}
 
     def load_checkpoint(self, path, state=None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:

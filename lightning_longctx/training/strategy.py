@@ -41,10 +41,8 @@ strategies): ``import lightning_longctx`` must come before ``Trainer(strategy="u
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
@@ -53,7 +51,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from ..ops.step_phase import phase
 from ..safe_load import load_resume_checkpoint
 from .common import UlyssesMixin
-from .nonfinite import NonfiniteGuard
 from .parallelize import broadcast_replicas, check_attention_heads, register_prefix_state_methods
 
 if TYPE_CHECKING:
@@ -86,27 +83,7 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
 
     strategy_name = "ulysses"
     _namespace_hint = "[a lightning.pytorch strategy: use lightning.pytorch.Trainer, not pytorch_lightning.Trainer]"
-
-    def __init__(
-        self,
-        sp_size: int | None = None,
-        head_chunk_size: int | None = None,
-        sharding: str = "fsdp",
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        on_nonfinite: str | None = "raise",
-        expert_parallel: bool = False,
-    ) -> None:
-        self.nonfinite = NonfiniteGuard(on_nonfinite) if on_nonfinite is not None else None
-        self.expert_parallel = expert_parallel
-        super().__init__(
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        self._init_ulysses(sp_size, head_chunk_size, sharding)
-        self.last_step_skipped = False  # whether the last optimizer_step was skipped (non-finite, "skip")
+    last_step_skipped = False  # whether the last optimizer_step was skipped (non-finite, "skip")
 
     # ------------------------------------------------------------------------------------------------ faults
     def setup_environment(self) -> None:
