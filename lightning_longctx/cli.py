@@ -159,6 +159,7 @@ def run_train(cfg: DictConfig) -> Any:
     if plan_obj is not None and _is_rank_zero():
         log.info("memory plan: %.3f GiB/rank peak (%s) <= budget %.1f GiB", plan_obj.total_bytes / GIB,
                  plan_obj.peak_phase, plan_obj.budget_bytes / GIB)
+    # Lightning and the training layer only from here on: longctx-plan and longctx-export never import them
     import lightning.pytorch as pl
 
     import lightning_longctx  # noqa: F401  (registers strategy="ulysses")

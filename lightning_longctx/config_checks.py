@@ -227,6 +227,7 @@ def check_run_settings(cfg: DictConfig) -> None:
     """``cluster.accelerator`` / ``cluster.process_group_backend``, the ``logger`` entries,
     ``checkpoint.every_n_steps``: values that would otherwise fail only once the Trainer (or the process group)
     is being built."""
+    # Lightning (and the training layer, which imports it) only when a run is checked: not for longctx-plan
     from lightning.pytorch.accelerators import AcceleratorRegistry
 
     from .training.common import check_strategy_args

@@ -45,7 +45,7 @@ class ExportError(ValueError):
 def resolve_checkpoint(ckpt: str | os.PathLike) -> Path:
     """A checkpoint file or sharded directory; ``last.ckpt`` (a link) and a run or checkpoints directory (its
     ``last.ckpt``) resolve to what they point at."""
-    from .training.checkpoint import resolve_ckpt_path
+    from .training.checkpoint import resolve_ckpt_path  # the training layer imports Lightning: only when needed
 
     path = Path(ckpt)
     if not path.exists():

@@ -116,7 +116,7 @@ def wire_sequence_parallel(module: nn.Module, group: dist.ProcessGroup | None, s
     if sp_size > 1:
         hf_models = pretrained_models(module)
         if hf_models:
-            from ..integrations.hf import install_ulysses, uninstall_ulysses
+            from ..integrations.hf import install_ulysses, uninstall_ulysses  # transformers: an optional extra
 
             for model in hf_models:
                 uninstall_ulysses(model)  # no-op unless a previous run installed it

@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 
 from .._registration import STRATEGY_NAME, register_in, register_lazily
+from .fabric import UlyssesFabricStrategy
+from .strategy import UlyssesStrategy
 
 __all__ = ["STRATEGY_NAME", "register_strategies"]
 
@@ -22,9 +24,6 @@ def register_strategies() -> None:
     """Register (or re-register) ``"ulysses"`` in the Trainer and Fabric strategy registries."""
     import lightning.fabric.strategies  # noqa: F401
     import lightning.pytorch.strategies  # noqa: F401
-
-    from .fabric import UlyssesFabricStrategy
-    from .strategy import UlyssesStrategy
 
     register_in("lightning.pytorch.strategies", UlyssesStrategy)
     register_in("lightning.fabric.strategies", UlyssesFabricStrategy)
