@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops.gated_delta import gated_delta_rule
 from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size
+from ..parallel.head_stages import rank_heads
 from .config import DecoderConfig
 from .norm import GatedRMSNorm
 
@@ -121,18 +122,10 @@ def check_linear_layout(key_heads: int, value_heads: int, world: int, chunk: int
 
 @functools.cache
 def linear_schedule(key_heads: int, value_heads: int, world: int, chunk: int | None):
-    """Per stage and destination rank: ``(value heads, key heads)`` as tuples of ints (validated, cached)."""
-    c = check_linear_layout(key_heads, value_heads, world, chunk)
-    r, local = value_heads // key_heads, value_heads // world
-    stages = []
-    for start in range(0, local, c):
-        per_rank = []
-        for p in range(world):
-            heads = tuple(p * local + start + j for j in range(c))
-            keys = tuple(sorted({h // r for h in heads}))
-            per_rank.append((heads, keys))
-        stages.append(tuple(per_rank))
-    return tuple(stages)
+    """Per stage and destination rank: ``(value heads, key heads)`` as tuples of ints (validated, cached): the
+    attention's schedule (:func:`~lightning_longctx.parallel.head_stages.rank_heads`), value heads in the role of
+    query heads."""
+    return rank_heads(value_heads, key_heads, world, check_linear_layout(key_heads, value_heads, world, chunk))
 
 
 def _build_stages(key_heads, value_heads, dk, dv, world, rank, chunk, device) -> list[LinearStage]:

@@ -80,15 +80,26 @@ def head_schedule(heads: int, kv_heads: int, world: int, chunk: int | None) -> t
         ValueError: the layout checks of :func:`check_head_layout`, naming the numbers.
     """
     chunk = check_head_layout(heads, kv_heads, world, chunk)
-    groups = heads // kv_heads
-    local = heads // world
+    return tuple((tuple(h for q, _ in per_rank for h in q), tuple(h for _, kv in per_rank for h in kv))
+                 for per_rank in rank_heads(heads, kv_heads, world, chunk))
+
+
+RankHeads = tuple[tuple[int, ...], tuple[int, ...]]  # one destination rank's (query heads, K/V heads)
+
+
+def rank_heads(heads: int, kv_heads: int, world: int, chunk: int) -> tuple[tuple[RankHeads, ...], ...]:
+    """The one head schedule (UPipe's: every rank keeps its own heads), of attention and of Gated DeltaNet alike:
+    per stage and destination rank ``r``, ``(its query heads, the K/V heads they read)``: the ``chunk`` heads
+    ``r*H/P + t*chunk + [0, chunk)`` and the ``max(1, chunk / g)`` K/V heads from ``(r*H/P + t*chunk) // g``
+    (``g = heads / kv_heads``; Gated DeltaNet: value heads and their key heads). The layout must be valid for
+    it (:func:`check_head_layout`, ``models.gated_deltanet.check_linear_layout``: ``chunk`` divides ``H / P``,
+    and ``chunk`` and ``g`` divide one another) and ``chunk`` an int."""
+    groups, local = heads // kv_heads, heads // world
     per_rank_kv = max(1, chunk // groups)
-    stages = []
-    for start in range(0, local, chunk):
-        q_heads = tuple(r * local + start + c for r in range(world) for c in range(chunk))
-        kv = tuple((r * local + start) // groups + j for r in range(world) for j in range(per_rank_kv))
-        stages.append((q_heads, kv))
-    return tuple(stages)
+    return tuple(
+        tuple((tuple(r * local + start + c for c in range(chunk)),
+               tuple((r * local + start) // groups + j for j in range(per_rank_kv))) for r in range(world))
+        for start in range(0, local, chunk))
 
 
 def _span(heads: Sequence[int]) -> tuple[int, int] | None:
