@@ -308,7 +308,9 @@ def summary_callback(cfg: DictConfig):
                 log_metrics(trainer.loggers, {f"hp/final_{metric.split('/')[-1]}": last}, step=trainer.global_step)
                 lines.append(f"{metric}: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
             lines += [f"{name}: {float(trainer.callback_metrics[name]):.4g}"
-                      for name in ("train/tokens_per_s", "train/peak_memory_gib") if name in trainer.callback_metrics]
+                      for name in ("train/tokens_per_s", "train/peak_memory_gib", "val/reward_mean", "val/pass_rate",
+                                   "val/greedy/reward_mean", "val/greedy/pass_rate")
+                      if name in trainer.callback_metrics]
             lines.append(f"parameters sha256: {self.digest} ({trainer.world_size} rank(s))")
             for kind, directory in log_dirs(trainer.loggers):
                 lines.append(f"{kind} logdir: {directory}")
@@ -319,8 +321,31 @@ def summary_callback(cfg: DictConfig):
     return RunSummary()
 
 
+def build_evaluation(cfg: DictConfig):
+    """The held-out evaluation (:class:`~.training.evaluation.RolloutEvaluation`) when ``task.eval_every_n_steps``
+    is set: ``task.eval_data`` instantiated like ``task.data``, ``task.eval_samples`` sampled and
+    (``task.eval_greedy``) one greedy response per prompt, ``task.eval_pass_threshold``; None when it is not."""
+    task = cfg.task
+    every = task.get("eval_every_n_steps")
+    if not every:
+        return None
+    node = task.get("eval_data")
+    if not isinstance(node, DictConfig) or not node.get("_target_"):
+        raise ConfigError(f"task.eval_every_n_steps={every} needs task.eval_data: a _target_ node like task.data "
+                          "(task=text_grpo: task.eval_data.path=heldout.jsonl)")
+    from .training.evaluation import RolloutEvaluation
+
+    try:
+        return RolloutEvaluation(_instantiate(node), every_n_steps=every, samples=task.get("eval_samples", 4),
+                                 greedy=task.get("eval_greedy", True),
+                                 pass_threshold=task.get("eval_pass_threshold", 1.0), seed=cfg.seed)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
 def build_callbacks(cfg: DictConfig, user: list[Any], trainer_args: dict[str, Any], summary) -> list[Any]:
-    """The user's ``trainer.callbacks`` plus the CLI's: the run summary, the step progress bar (unless the user
+    """The user's ``trainer.callbacks`` plus the CLI's: the held-out evaluation (:func:`build_evaluation`), the
+    run summary, the step progress bar (unless the user
     brought a progress bar, or ``trainer.enable_progress_bar=false``) and the atomic checkpoints (unless the user
     brought a ``ModelCheckpoint``, or ``trainer.enable_checkpointing=false``)."""
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
@@ -328,7 +353,8 @@ def build_callbacks(cfg: DictConfig, user: list[Any], trainer_args: dict[str, An
     from .training.checkpoint import AtomicCheckpoint
     from .training.progress import StepProgressBar
 
-    callbacks = [*user, summary]
+    evaluation = build_evaluation(cfg)
+    callbacks = [*user, *([evaluation] if evaluation is not None else []), summary]  # val/ before the summary
     if trainer_args.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in user):
         callbacks.append(StepProgressBar())
     if trainer_args.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in user):
@@ -338,7 +364,7 @@ def build_callbacks(cfg: DictConfig, user: list[Any], trainer_args: dict[str, An
     return callbacks
 
 
-__all__ = ["ConfigError", "build_callbacks", "build_loggers", "build_model", "build_task", "check_config",
+__all__ = ["ConfigError", "build_callbacks", "build_evaluation", "build_loggers", "build_model", "build_task", "check_config",
            "check_targets", "check_task", "check_trainer_keys", "checkpoint_dir", "decoder_config", "importable_cwd",
            "locate", "model_memory_knobs", "parameters_digest", "route_lightning_deprecations", "run_dir",
            "summary_callback", "trainer_kwargs"]

@@ -87,6 +87,7 @@ class TextGRPOModule(LongStrawModule):
         # the dry call's empty completion ends with the first stop id (the tokenizer's EOS when it has one)
         self.eos_token_id = self.stop_token_ids[0] if self.stop_token_ids else None
         self.last_reward_metrics: dict[str, float] = {}
+        self.last_reward_per_function = torch.empty(0)  # [F, G] of the last reward() call
         self._rewards_checked = not check_rewards
 
     # ------------------------------------------------------------------------------------------ rewards
@@ -118,11 +119,20 @@ class TextGRPOModule(LongStrawModule):
             prompt = self.tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=True)
         ids = [r.tolist() for r in responses]
         total, per = self.score_completions(prompt, ids, fields)
+        self.last_reward_per_function = per
+        if self.evaluating:  # rollout_rewards: the evaluation logs its own val/ metrics
+            return total
         self.last_reward_metrics = self.rewards.metrics(per)
         if self._trainer is not None:
             self.log_dict(self.last_reward_metrics, on_step=True, batch_size=1, rank_zero_only=True)
             self._record_completions(prompt, ids, total, per)
         return total
+
+    def reward_names(self) -> list[str]:
+        return list(self.rewards.names)
+
+    def reward_breakdown(self) -> dict[str, torch.Tensor]:
+        return {name: self.last_reward_per_function[i] for i, name in enumerate(self.rewards.names)}
 
     def _record_completions(self, prompt: Any, ids: list[list[int]], total: torch.Tensor,
                             per: torch.Tensor) -> None:

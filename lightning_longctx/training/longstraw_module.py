@@ -256,6 +256,7 @@ class LongStrawModule(pl.LightningModule):
         self.reward_history: deque[float] = deque(maxlen=REWARD_HISTORY)
         self.progress = None  # optional callable(str) for the long phases, e.g. lightning.progress.PhaseProgress
         self.prompts_trained = 0  # prompts (groups) trained on, all DP ranks: train/prompts, checkpointed
+        self.evaluating = False  # True while rollout_rewards runs (an evaluation: reward() logs no train/ metrics)
 
     # ------------------------------------------------------------------------------------------ override
     def reward(self, prompt_ids: torch.Tensor, responses: list[torch.Tensor], **fields: Any) -> torch.Tensor:
@@ -414,6 +415,35 @@ class LongStrawModule(pl.LightningModule):
     def _dp_rank(self) -> int:
         group = self._mesh_group("dp")
         return dist.get_rank(group) if group is not None else 0
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def reward_names(self) -> list[str]:
+        """The names of the reward's parts that :meth:`reward_breakdown` reports (none here; the text task's
+        reward functions)."""
+        return []
+
+    def reward_breakdown(self) -> dict[str, torch.Tensor]:
+        """Per part of the last :meth:`reward` call on this rank, its ``[G]`` values (NaN: not applicable)."""
+        return {}
+
+    @torch.no_grad()
+    def rollout_rewards(self, prompt: torch.Tensor, fields: dict, count: int, *, greedy: bool,
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict | None]:
+        """Evaluation rollouts on one held-out prompt, without gradients: ``count`` responses (``greedy``:
+        temperature 0, else this module's sampling settings, drawn from ``generator``), scored by
+        :meth:`reward` (on the SP group's first rank, broadcast). ``(total rewards [count], per part [count])``
+        on the SP group's first rank, ``(total rewards, None)`` on the others. No train/ metric is logged and
+        the training sampler's generator is not drawn from."""
+        sp_group = self._mesh_group("sp")
+        options = dict(self.sample_kwargs, temperature=0.0) if greedy else self.sample_kwargs
+        self.evaluating = True
+        try:
+            responses = sample(self.model, prompt, count, group=sp_group, generator=generator, **options)
+            rewards = self.group_rewards(prompt, responses, fields, sp_group, context="evaluation")
+            first = sp_group is None or dist.get_rank(sp_group) == 0
+            return rewards.cpu(), (self.reward_breakdown() if first else None)
+        finally:
+            self.evaluating = False
 
     # ------------------------------------------------------------------------------------------ checkpoints
     RNG_CHECKPOINT_KEY = "longstraw_sampling_rng"
