@@ -364,7 +364,8 @@ def build_callbacks(cfg: DictConfig, user: list[Any], trainer_args: dict[str, An
     return callbacks
 
 
-__all__ = ["ConfigError", "build_callbacks", "build_evaluation", "build_loggers", "build_model", "build_task", "check_config",
+__all__ = ["ConfigError", "build_callbacks", "build_evaluation", "build_loggers", "build_model", "build_task",
+           "check_config",
            "check_targets", "check_task", "check_trainer_keys", "checkpoint_dir", "decoder_config", "importable_cwd",
            "locate", "model_memory_knobs", "parameters_digest", "route_lightning_deprecations", "run_dir",
            "summary_callback", "trainer_kwargs"]
