@@ -27,6 +27,14 @@ parameter bytes + the step's peak, and the planner's prediction of it); ``--no-s
 (largest G) over the same prompt state (:func:`gpu_offload.traffic`; on the CPU the copies go through the
 deferring stand-in of the CUDA streams, which counts them).
 
+``--segments``: also the time of the exact step with every layer's prompt input kept (``prompt_checkpoint_every=1``)
+vs segment checkpoints of ``k = round(sqrt(L))`` layers (``--segment-k`` to choose), same prompt and G (the largest),
+best of ``--step-repeats``, and a no-grad prompt forward timed alone (the prefill without checkpoints): the
+segments' extra time should be about that forward times the share of layers they re-run, ``(L - ceil(L/k)) / L``.
+
+    python bench/longstraw.py --no-step --segments --layers 9 --groups 4 --step-repeats 3 \
+        --json bench/results/longstraw_segments.json
+
 ``--prefill-lengths L1 L2 ...``: also time the no-grad prefill per layer type at those prompt lengths, each
 layer run as ``prefill`` runs it (``layer(h, pos, return_state=True, state_every=state_segment)``) and its
 token mixer alone, and print seconds per 1K (1024) tokens per layer: attention grows with the prompt length
@@ -44,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -218,6 +227,49 @@ def print_prefill(result, lengths):
 
 
 @torch.no_grad()
+def segment_bench(model, prompt, responses, advantages, args) -> dict:
+    """The exact step at ``prompt_checkpoint_every`` 1 and k (the same prompt, G, model), best of
+    ``step_repeats``, and one no-grad prompt forward (a prefill keeping nothing for a backward)."""
+    layers = len(model.layers)
+    k = args.segment_k or max(2, round(math.sqrt(layers)))
+    device = prompt.device
+
+    def step(every):
+        memory = StepMemory(logits_chunk_size=args.logits_chunk, state_segment=args.state_segment,
+                            prompt_checkpoint_every=every, measure_memory=False)
+        model.zero_grad(set_to_none=True)
+        return _timed(lambda: longstraw_step(model, prompt, responses, advantages, memory=memory), device)[0]
+
+    def forward():
+        with torch.no_grad():
+            return _timed(lambda: prefill(model, prompt, None, keep_checkpoints=False, cache_requires_grad=False),
+                          device)[0]
+
+    step(k), forward()  # warm-up
+    times = {every: [] for every in (1, k)}
+    prompt_forward = []
+    for _ in range(args.step_repeats):  # interleaved, so a load change on a shared machine hits both alike
+        for every in (1, k):
+            times[every].append(step(every))
+        prompt_forward.append(forward())
+    t1, tk, fwd = min(times[1]), min(times[k]), min(prompt_forward)
+    rerun = layers - math.ceil(layers / k)
+    expected = fwd * rerun / layers
+    return dict(layers=layers, k=k, rerun_layers=rerun, step_k1_s=t1, step_k_s=tk, prompt_forward_s=fwd,
+                extra_s=tk - t1, expected_extra_s=expected, time_ratio=tk / t1,
+                extra_over_expected=(tk - t1) / expected if expected else float("nan"),
+                live_inputs_k1=layers, live_inputs_k=math.ceil(layers / k) + k - 1)
+
+
+def print_segments(r: dict) -> None:
+    print(f"\nsegment checkpoints, L={r['layers']} layers: k=1 (all {r['live_inputs_k1']} inputs kept) vs k={r['k']} "
+          f"(at most {r['live_inputs_k']} alive, {r['rerun_layers']} layers re-run)")
+    print(f"  exact step k=1 {r['step_k1_s']:.3f} s, k={r['k']} {r['step_k_s']:.3f} s: ratio {r['time_ratio']:.3f}")
+    print(f"  extra {r['extra_s']:.3f} s vs one no-grad prompt forward {r['prompt_forward_s']:.3f} s x "
+          f"{r['rerun_layers']}/{r['layers']} = {r['expected_extra_s']:.3f} s expected: "
+          f"{r['extra_over_expected']:.2f}x")
+
+
 def prompt_cache_bytes_per_token(model, prompt) -> int:
     """Bytes of the prefill's per-layer state (K/V, recurrent state, latent) per cached prompt token."""
     state = prefill(model, prompt, None, keep_checkpoints=False, cache_requires_grad=False)
@@ -263,6 +315,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2, help="prefill timing: best of this many")
     parser.add_argument("--step-repeats", type=int, default=1, help="step: best time of this many (peak: the max)")
     parser.add_argument("--no-step", action="store_true", help="skip the exact / detached / naive comparison")
+    parser.add_argument("--segments", action="store_true", help="time the exact step, k=1 vs k=sqrt(L) segments")
+    parser.add_argument("--segment-k", type=int, default=None, help="--segments: k (default round(sqrt(L)))")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads; on a shared CPU use 1 (several OpenMP threads competing with "
                              "other processes for the cores make the many small ops of the scan erratically slow)")
@@ -350,6 +404,10 @@ def main(argv=None):
         gpu_offload.print_traffic(report["transfers"])
     if args.sharded:
         report["sharded"] = sharded_rows(args)
+    if args.segments:
+        g = max(args.groups)
+        report["segments"] = segment_bench(model, prompt, all_responses[:g], all_advantages[:g], args)
+        print_segments(report["segments"])
     if args.prefill_lengths:
         report["prefill"] = prefill_bench(model, args, gen)
         print_prefill(report["prefill"], args.prefill_lengths)

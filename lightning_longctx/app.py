@@ -84,7 +84,8 @@ def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
     ``memory.keep_attention_output`` (LongStraw): ``auto`` becomes what the planner chooses for this config's
     step (``device`` when it fits the budget, else ``off``), and ``rollout_prompt_cache`` (LongStraw with
     ``memory.offload_prompt_cache``) the planner's choice too: :func:`.config_plan.longstraw_choices`, the
-    choices ``longctx-plan`` prints. SFT tasks never keep them (``off``).
+    choices ``longctx-plan`` prints, as is ``memory.prompt_checkpoint_every=auto`` (the segment length). SFT
+    tasks never keep them (``off``).
     """
     knobs = {k: cfg.memory[k] for k in ("head_chunk_size", "activation_checkpointing", "offload_checkpoints",
                                         "mlp_chunk_size", "logits_chunk_size")}
@@ -94,6 +95,7 @@ def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
         knobs["keep_attention_output"] = chosen["keep_attention_output"]
         if chosen["rollout_prompt_cache"] is not None:
             knobs["rollout_prompt_cache"] = chosen["rollout_prompt_cache"]
+        knobs["prompt_checkpoint_every"] = chosen["prompt_checkpoint_every"]
     else:
         keep = str(cfg.memory.get("keep_attention_output") or "auto")
         knobs["keep_attention_output"] = "off" if keep == "auto" else keep

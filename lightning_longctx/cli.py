@@ -131,7 +131,8 @@ def format_plan(cfg: DictConfig) -> str:
 def longstraw_choices_line(cfg: DictConfig, model: ModelShape, knobs: MemoryKnobs) -> str:
     """The line saying what the planner chose for this LongStraw step (:func:`.config_plan.longstraw_choices`,
     the choices ``longctx-train`` builds the model with): where the rollouts read the prompt cache from, and
-    whether the prompt's attention outputs are kept for the grouped backward (``keep_attention_output=auto``)."""
+    whether the prompt's attention outputs are kept for the grouped backward (``keep_attention_output=auto``),
+    and the prompt's checkpointed segment length (``prompt_checkpoint_every=auto``)."""
     chosen = longstraw_choices(cfg, model, knobs)
     if chosen["rollout_prompt_cache"] is None:
         rollouts = "rollouts: the prompt cache is on the device (not offloaded)"
@@ -142,8 +143,11 @@ def longstraw_choices_line(cfg: DictConfig, model: ModelShape, knobs: MemoryKnob
         rollouts = ("rollouts: the offloaded prompt cache does not fit on the device while decoding: streamed, two "
                     "layers on the device, re-fetched per decoded token (PCIe-bound)")
     auto = str(cfg.memory.get("keep_attention_output") or "auto") == "auto"
+    segments = str(cfg.memory.get("prompt_checkpoint_every") or 1) == "auto"
     return (f"{rollouts}; keep_attention_output={chosen['keep_attention_output']}"
-            + (" (auto: the planner's choice)" if auto else ""))
+            + (" (auto: the planner's choice)" if auto else "")
+            + f"; prompt_checkpoint_every={chosen['prompt_checkpoint_every']}"
+            + (" (auto: the planner's choice)" if segments else ""))
 
 
 def run_train(cfg: DictConfig) -> Any:

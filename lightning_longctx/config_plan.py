@@ -12,7 +12,11 @@ from omegaconf import DictConfig
 
 from .config_checks import ConfigError
 from .planner import ClusterShape, MemoryKnobs, ModelShape, Plan, check_budget
-from .planner.longstraw import choose_keep_attention_output, choose_rollout_prompt_cache
+from .planner.longstraw import (
+    choose_keep_attention_output,
+    choose_prompt_checkpoint_every,
+    choose_rollout_prompt_cache,
+)
 from .planner.shapes import PRESET
 
 
@@ -72,7 +76,7 @@ def check_plan(cfg: DictConfig, model: ModelShape | None = None) -> Plan:
 
 
 def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
-                       knobs: MemoryKnobs | None = None) -> dict[str, str | None]:
+                       knobs: MemoryKnobs | None = None) -> dict[str, Any]:
     """What a LongStraw step of ``cfg`` runs with, as the planner chooses it at the task's prompt, G and response
     length (``model``, ``knobs``: :func:`model_shape` and ``cfg.memory``'s, computed when None):
 
@@ -80,19 +84,24 @@ def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
       :func:`~.planner.longstraw.choose_keep_attention_output` (``device`` when it fits the budget, else ``off``);
     - ``rollout_prompt_cache``: with ``memory.offload_prompt_cache``,
       :func:`~.planner.longstraw.choose_rollout_prompt_cache` (``device``: the cache comes to the device once per
-      rollout; ``stream``: it is streamed per decoded token); None when the cache is not offloaded.
+      rollout; ``stream``: it is streamed per decoded token); None when the cache is not offloaded;
+    - ``prompt_checkpoint_every``: ``memory.prompt_checkpoint_every``, or with ``auto``
+      :func:`~.planner.longstraw.choose_prompt_checkpoint_every` (1 when every prompt layer's input fits the
+      device and host budgets, else the segment length that needs the least memory).
 
     The planner runs only for what it chooses."""
     keep = str(cfg.memory.get("keep_attention_output") or "auto")
     offloaded = bool(cfg.memory.get("offload_prompt_cache"))
-    if keep != "auto" and not offloaded:
-        return {"keep_attention_output": keep, "rollout_prompt_cache": None}
+    every = cfg.memory.get("prompt_checkpoint_every") or 1
+    if keep != "auto" and not offloaded and every != "auto":
+        return {"keep_attention_output": keep, "rollout_prompt_cache": None, "prompt_checkpoint_every": int(every)}
     request = plan_request(cfg, mode="longstraw")
     args = (model or model_shape(cfg), ClusterShape.from_config(cfg.cluster),
             knobs or MemoryKnobs.from_config(cfg.memory), request["seq_len"], request["group_size"],
             request["response_len"], request["prompt_grad"])
     return {"keep_attention_output": choose_keep_attention_output(*args) if keep == "auto" else keep,
-            "rollout_prompt_cache": choose_rollout_prompt_cache(*args) if offloaded else None}
+            "rollout_prompt_cache": choose_rollout_prompt_cache(*args) if offloaded else None,
+            "prompt_checkpoint_every": choose_prompt_checkpoint_every(*args) if every == "auto" else int(every)}
 
 
 __all__ = ["check_plan", "explicit_model_fields", "longstraw_choices", "model_shape", "plan_request"]

@@ -132,6 +132,7 @@ class ClusterConf:
     sharding: str = "fsdp"
     process_group_backend: str | None = None
     collective_timeout_s: float = 1800.0
+    host_memory_gib: float | None = None  # per node, shared by its ranks (planner/host.py); None = not budgeted
 
 
 @dataclass
@@ -168,6 +169,8 @@ class MemoryConf:
     mlp_chunk_size: int | None = None
     logits_chunk_size: int | None = None
     keep_attention_output: str = "auto"  # LongStraw: the prompt's attention outputs kept for the grouped backward
+    host_reserve_gib: float = 0.0  # host memory per rank the planner leaves for what it does not count
+    prompt_checkpoint_every: Any = 1  # LongStraw: prompt layers per checkpointed segment (int >= 1) or "auto"
 
 
 @dataclass

@@ -116,6 +116,11 @@ class StepMemory:
         replay_checkpointing: recompute each layer of a branch in its backward, keeping only the layer inputs
             (the prompt cache is never copied), so a long response's replay holds one layer's activations
             instead of all; one more branch forward. None = the model's ``MemoryConfig.activation_checkpointing``.
+        prompt_checkpoint_every: keep the prompt input of every that many layers (``k``); the grouped backward
+            re-runs each segment's forward from its checkpoint without autograd to rebuild the others
+            (:func:`~.prefix.grouped_backward`): at most ``ceil(L/k) + k - 1`` layer inputs alive instead of ``L``,
+            for about one more no-grad prompt forward. None = the model's ``MemoryConfig.prompt_checkpoint_every``
+            (1: every layer's input).
         measure_memory: track the step's peak live tensor bytes (``StepOutput.peak_bytes``; on CPU a dispatch
             mode that sees every op, which costs time on small ops): False for training loops, which read the
             device's own peak (``ops.tracker.device_peak_bytes``). On CUDA the allocator's peak counter is read,
@@ -130,6 +135,7 @@ class StepMemory:
     keep_attention_output: str | None = None
     replay_checkpointing: bool | None = None
     measure_memory: bool = True
+    prompt_checkpoint_every: int | None = None
 
     def __post_init__(self) -> None:
         check_logits_chunk_size(self.logits_chunk_size)
@@ -140,6 +146,8 @@ class StepMemory:
         if self.keep_attention_output is not None:
             check_keep_attention_output(self.keep_attention_output)
         _optional_bool("replay_checkpointing", self.replay_checkpointing)
+        if self.prompt_checkpoint_every is not None:
+            check_checkpoint_every(self.prompt_checkpoint_every)
 
 
 @dataclass(frozen=True)
@@ -193,10 +201,17 @@ def check_temperature(temperature) -> None:
         raise ValueError(f"temperature={temperature!r} must be a finite number > 0 (1 = the plain log-probs)")
 
 
+def check_checkpoint_every(every) -> None:
+    """``prompt_checkpoint_every``: prompt layers per checkpointed segment, an int >= 1."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"prompt_checkpoint_every={every!r} must be an integer >= 1 (prompt layers per checkpointed "
+                         "segment; 1 = every layer's input)")
+
+
 def check_keep_attention_output(keep) -> None:
     if keep not in KEEP_ATTENTION_OUTPUT:
         raise ValueError(f"keep_attention_output={keep!r}; choose one of {KEEP_ATTENTION_OUTPUT}")
 
 
 __all__ = ["KEEP_ATTENTION_OUTPUT", "PROMPT_GRADS", "LossOptions", "StepGroups", "StepMemory",
-           "check_keep_attention_output", "check_logits_chunk_size", "check_temperature"]
+           "check_checkpoint_every", "check_keep_attention_output", "check_logits_chunk_size", "check_temperature"]

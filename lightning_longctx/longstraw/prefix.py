@@ -38,7 +38,7 @@ from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, sh
 from .latent import mla_layer_backward
 from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
 from .offload import HostStager, to_host
-from .options import check_keep_attention_output
+from .options import check_checkpoint_every, check_keep_attention_output
 from .state import PromptState
 
 
@@ -61,8 +61,12 @@ def prefill(
     model, prompt_ids: torch.Tensor, group, *, keep_checkpoints: bool, cache_requires_grad: bool,
     offload_checkpoints: bool = False, progress=None, grad_dtype: torch.dtype = torch.float32,
     state_segment: int = DEFAULT_STATE_SEGMENT, offload_prompt_cache: bool = False, keep_attention_output: str = "off",
+    checkpoint_every: int = 1,
 ) -> PromptState:
     """Run the cached part of the prompt once without autograd, keeping per layer its state and checkpoint.
+
+    ``checkpoint_every`` (with ``keep_checkpoints``): keep the input of layers ``0, k, 2k, ...`` only (None in
+    ``PromptState.checkpoints`` elsewhere); :func:`grouped_backward` rebuilds the others segment by segment.
 
     ``grad_dtype``: the dtype the cache gradients accumulate in over the group (see :class:`PromptState`).
     ``state_segment``: with ``keep_checkpoints``, linear layers also keep their state every that many tokens
@@ -73,11 +77,13 @@ def prefill(
     backward does not attend over the prompt again; ``"off"``: it recomputes them.
     ``on_prompt=False`` adapters are disabled here (:func:`prompt_weights`)."""
     check_keep_attention_output(keep_attention_output)
+    check_checkpoint_every(checkpoint_every)
     world = group_size(group)
     cached = world * ((prompt_ids.numel() - 1) // world)
     every = state_segment if keep_checkpoints else None
     state = PromptState(prompt_ids=prompt_ids, cached_length=cached, group=group, grad_dtype=grad_dtype,
-                        state_segment=every, stager=HostStager(prompt_ids.device) if offload_prompt_cache else None)
+                        state_segment=every, stager=HostStager(prompt_ids.device) if offload_prompt_cache else None,
+                        checkpoint_every=checkpoint_every, offload_checkpoints=offload_checkpoints)
     state.param_versions, state.cache_requires_grad = parameter_versions(model), cache_requires_grad
     if cached == 0:
         return state
@@ -86,8 +92,9 @@ def prefill(
         hidden = model.embed(ids)
         last = len(model.layers) - 1
         for index, layer in enumerate(model.layers):
-            if keep_checkpoints:
-                state.checkpoints.append(to_host(hidden) if offload_checkpoints else hidden)
+            if keep_checkpoints:  # a segment's first layer keeps its input; the others' are rebuilt from it
+                kept_input = index % checkpoint_every == 0
+                state.checkpoints.append((to_host(hidden) if offload_checkpoints else hidden) if kept_input else None)
             kept = None
             if keep_checkpoints and keep_attention_output != "off" and index < last and _is_attention(layer):
                 kept = []
@@ -230,6 +237,12 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
     recompute their scan segment by segment in reverse from the stored states
     (:func:`.linear_backward.linear_layer_backward`), so only one segment's scan graph is alive.
 
+    Segment checkpoints (``PromptState.checkpoint_every = k > 1``, the prefill kept the input of every k-th
+    layer): the segments top-down, each first re-running its forward from its checkpoint without autograd
+    (:func:`_segment_inputs`; under FSDP2 each layer's parameters are gathered for it once) to rebuild its other
+    layers' inputs, then back-propagating its layers top-down. Each input is dropped after its layer, so at most
+    ``ceil(L/k) + k - 1`` layer inputs are alive (on the host when the checkpoints are offloaded).
+
     ``layer_grad_sync(layer, enabled)`` (FSDP2-sharded models): a Gated DeltaNet layer's backward is several
     backward passes (output side, each head stage, the input norm); its gradient reduce-scatter is switched off
     for all but the last, so each layer still reduces once.
@@ -240,39 +253,63 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
     ids, pos = state.local_prefix()
     grad_hidden = None
     layers = list(model.layers)
-    for index in reversed(range(len(layers))):
-        layer = layers[index]
-        hidden_in = state.checkpoints[index].to(ids.device, non_blocking=True).detach().requires_grad_()
-        cache_grads = state.device_cache_grads(index, hidden_in.device)
-        if isinstance(state.caches[index], LinearState):
-            last = None
-            if layer_grad_sync is not None:
-                layer_grad_sync(layer, False)
-                last = lambda layer=layer: layer_grad_sync(layer, True)  # noqa: E731
-            grad_in = linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads,
-                                            state.caches[index].boundaries, state.state_segment, last)
-        elif isinstance(state.caches[index], MLAState):  # the latent's summed gradient (:mod:`.latent`)
-            grad_in = mla_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads[0])
-        else:
-            kept = state.attention_outputs[index] if index < len(state.attention_outputs) else None
-            if kept is not None:
-                kept = [tuple(t.to(ids.device, non_blocking=True) for t in pair) for pair in kept]
-            grad_in = _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads, kept)
-            del kept
-        grad_hidden = grad_in
-        # this layer's state, state gradient, kept attention outputs and checkpoint are no longer needed
-        state.caches[index] = state.checkpoints[index] = None
-        if index < len(state.attention_outputs):
-            state.attention_outputs[index] = None
-        state.grads.pop((index, 0), None)
-        state.grads.pop((index, 1), None)
-        del hidden_in, cache_grads
-        if progress is not None:
-            progress(f"grouped backward layer {index + 1}/{len(layers)}")
+    every = state.checkpoint_every
+    for start in reversed(range(0, len(layers), every)):
+        segment = range(start, min(start + every, len(layers)))
+        _segment_inputs(layers, state, segment, pos, ids.device)
+        for index in reversed(segment):
+            grad_hidden = _layer_backward(layers[index], index, state, pos, grad_hidden, layer_grad_sync)
+            if progress is not None:
+                progress(f"grouped backward layer {index + 1}/{len(layers)}")
     if grad_hidden is not None:
         embedded = model.embed(ids)
         if embedded.requires_grad:  # a frozen embedding (LoRA) needs nothing
             torch.autograd.backward(embedded, grad_hidden)
+
+
+def _segment_inputs(layers, state: PromptState, segment: range, pos, device) -> None:
+    """Rebuild the inputs of ``segment``'s layers after its first into ``state.checkpoints``: the segment's
+    forward from its checkpoint without autograd (each layer's plain forward: the same kernels, head stages
+    and MLP tiles as the prefill's), each output kept where the prefill keeps checkpoints (the host when
+    offloaded). The segment's last layer is not run: its output is the input of the segment above, done."""
+    if len(segment) == 1:
+        return
+    hidden = state.checkpoints[segment.start].to(device, non_blocking=True)
+    with torch.no_grad():
+        for index in segment[:-1]:
+            hidden = layers[index](hidden, pos)
+            state.checkpoints[index + 1] = to_host(hidden) if state.offload_checkpoints else hidden
+
+
+def _layer_backward(layer, index: int, state: PromptState, pos, grad_hidden, layer_grad_sync):
+    """Back-propagate prompt layer ``index`` from its input ``state.checkpoints[index]`` (``[1, s_l, E]``), its
+    summed state gradients and ``grad_hidden`` (its output's gradient; None for the top layer, whose prompt
+    outputs nothing reads); drop what it held of the prompt state; return its input's gradient."""
+    device = pos.device
+    hidden_in = state.checkpoints[index].to(device, non_blocking=True).detach().requires_grad_()
+    cache_grads = state.device_cache_grads(index, hidden_in.device)
+    if isinstance(state.caches[index], LinearState):
+        last = None
+        if layer_grad_sync is not None:
+            layer_grad_sync(layer, False)
+            last = lambda layer=layer: layer_grad_sync(layer, True)  # noqa: E731
+        grad_in = linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads,
+                                        state.caches[index].boundaries, state.state_segment, last)
+    elif isinstance(state.caches[index], MLAState):  # the latent's summed gradient (:mod:`.latent`)
+        grad_in = mla_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads[0])
+    else:
+        kept = state.attention_outputs[index] if index < len(state.attention_outputs) else None
+        if kept is not None:
+            kept = [tuple(t.to(device, non_blocking=True) for t in pair) for pair in kept]
+        grad_in = _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads, kept)
+        del kept
+    # this layer's state, state gradient, kept attention outputs and checkpoint are no longer needed
+    state.caches[index] = state.checkpoints[index] = None
+    if index < len(state.attention_outputs):
+        state.attention_outputs[index] = None
+    state.grads.pop((index, 0), None)
+    state.grads.pop((index, 1), None)
+    return grad_in
 
 
 def _attention_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads, kept=None):

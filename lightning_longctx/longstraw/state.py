@@ -34,10 +34,11 @@ class PromptState:
     slice into in place (:class:`.grads.CacheGradSink`); Gated DeltaNet states are leaves whose bf16 gradient a
     post-accumulate hook moves into the buffer.
     ``checkpoints``: per layer, its input ``[1, S'/P, hidden]`` on this rank (possibly on the host), for the
-    grouped backward. ``attention_outputs`` (``keep_attention_output``): per attention layer but the last, each
-    stage's head-sharded attention output ``[1, S', C, d]`` and LSE ``[1, C, S']`` (fp32) from the prefill, on
-    the device or the host, so the grouped backward runs the attention backward without attending again
-    (:func:`attention_output_bytes`); None elsewhere.
+    grouped backward; with ``checkpoint_every = k > 1`` only layers ``0, k, 2k, ...`` (None elsewhere until the
+    grouped backward rebuilds their segment). ``attention_outputs`` (``keep_attention_output``): per attention
+    layer but the last, each stage's head-sharded attention output ``[1, S', C, d]`` and LSE ``[1, C, S']``
+    (fp32) from the prefill, on the device or the host, so the grouped backward runs the attention backward
+    without attending again (:func:`attention_output_bytes`); None elsewhere.
     """
 
     prompt_ids: torch.Tensor  # [S], full
@@ -53,6 +54,8 @@ class PromptState:
     param_versions: tuple[int, ...] = ()  # the parameters' version counters at prefill (see check_prompt_state)
     consumed: bool = False  # a grouped backward ran over it (its caches and checkpoints are gone)
     attention_outputs: list = field(default_factory=list)  # per layer: [(out, lse) per stage] or None
+    checkpoint_every: int = 1  # the prefill kept the input of every that many layers (segments; the rest None)
+    offload_checkpoints: bool = False  # the checkpoints (and the grouped backward's rebuilt inputs) on the host
 
     def add_cache(self, cache, requires_grad: bool, *, offload: bool = False) -> None:
         """Append one layer's state; with ``requires_grad`` its gradients sum in ``grad_dtype``.

@@ -52,6 +52,7 @@ from .options import (
     LossOptions,
     StepGroups,
     StepMemory,
+    check_checkpoint_every,
     check_keep_attention_output,
     check_logits_chunk_size,
     check_temperature,
@@ -122,7 +123,8 @@ def prefill_for_step(
 
     Valid until the parameters change (an optimizer step); the step consumes it. What it reads: ``loss.
     prompt_grad``, ``memory``'s prefill knobs (``offload_checkpoints``, ``offload_prompt_cache``,
-    ``state_segment``, ``keep_attention_output``), ``groups.sp_group`` and ``groups.accumulate_dtype``.
+    ``state_segment``, ``keep_attention_output``, ``prompt_checkpoint_every``), ``groups.sp_group`` and
+    ``groups.accumulate_dtype``.
     """
     loss, memory, groups = _options(loss, memory, groups)
     validate_group(model, prompt_ids, [prompt_ids[-1:]])  # the prompt's checks
@@ -130,6 +132,10 @@ def prefill_for_step(
     if keep is None:
         keep = _memory_knob(model, "keep_attention_output", "off")
         check_keep_attention_output(keep)
+    every = memory.prompt_checkpoint_every
+    if every is None:  # segment checkpoints of the prompt (prefix.py): the model's MemoryConfig
+        every = _memory_knob(model, "prompt_checkpoint_every", 1)
+        check_checkpoint_every(every)
     set_sequence_parallel_group(model, groups.sp_group)
     full = _needs_grouped_backward(model, loss.prompt_grad)
     grad_dtype = accumulation_dtype([p for p in model.parameters() if p.requires_grad], groups.accumulate_dtype)
@@ -137,7 +143,8 @@ def prefill_for_step(
         return prefill(model, prompt_ids, groups.sp_group, keep_checkpoints=full, cache_requires_grad=full,
                        offload_checkpoints=memory.offload_checkpoints, progress=progress_marker(progress),
                        grad_dtype=grad_dtype, state_segment=memory.state_segment,
-                       offload_prompt_cache=memory.offload_prompt_cache, keep_attention_output=keep if full else "off")
+                       offload_prompt_cache=memory.offload_prompt_cache, keep_attention_output=keep if full else "off",
+                       checkpoint_every=every)
 
 
 def _memory_knob(model, name: str, default):

@@ -318,6 +318,10 @@ class MemoryConfig:
             ``"device"`` = each layer's K/V fetched once per rollout and kept; ``"stream"`` = re-fetched per
             decoded token, two layers on the device (the planner's ``rollouts`` phase chooses, see
             ``memory.longstraw.choose_rollout_prompt_cache``).
+        prompt_checkpoint_every: LongStraw's exact step keeps the prompt input of every that many layers; the
+            grouped backward re-runs each segment's forward from it without autograd (``longstraw.prefix``:
+            ``ceil(L/k) + k - 1`` layer inputs alive instead of ``L``, for about one more no-grad prompt
+            forward). 1 = every layer's input.
     """
 
     head_chunk_size: int | None = None
@@ -327,12 +331,14 @@ class MemoryConfig:
     logits_chunk_size: int | None = None
     keep_attention_output: str = "off"
     rollout_prompt_cache: str = "device"
+    prompt_checkpoint_every: int = 1
 
     def __post_init__(self) -> None:
         for name in ("head_chunk_size", "mlp_chunk_size", "logits_chunk_size"):
             check_positive(name, getattr(self, name), allow_none=True)
         if self.keep_attention_output not in ("off", "device", "host"):
             raise ValueError(f"keep_attention_output={self.keep_attention_output!r} must be 'off', 'device' or 'host'")
+        _positive("prompt_checkpoint_every", self.prompt_checkpoint_every)
         if self.rollout_prompt_cache not in ("device", "stream"):
             raise ValueError(f"rollout_prompt_cache={self.rollout_prompt_cache!r} must be 'device' or 'stream'")
         if self.offload_checkpoints and not self.activation_checkpointing:

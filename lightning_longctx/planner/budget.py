@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .longstraw import longstraw_phases
+from .host import host_budget_bytes, pinned_block, recomputed_layers
+from .longstraw import choose_prompt_checkpoint_every, grouped_backward_runs, host_blocks, longstraw_phases
 from .mla_moe import mla_layout
 from .phases import stage_layout
 from .reserve import RESERVE_TERMS, reserve_terms
@@ -40,7 +41,12 @@ class Plan:
     ``breakdown``: every component (persistent ones, each transient and the reserve's terms,
     :data:`.reserve.RESERVE_TERMS`), bytes per rank. ``phases``: the total of each phase of the step;
     ``peak_phase`` the largest; ``total_bytes`` = its total + the reserve (:attr:`reserve_bytes`).
-    ``host_bytes``: offloaded checkpoints (pinned host memory, not in the budget).
+    ``host_breakdown``: what the step puts on this rank's host, by component (offloaded checkpoints, the
+    prompt cache and its gradient sums, kept attention outputs), bytes of the tensors; ``host_bytes`` their sum.
+    ``host_pinned_bytes``: the pinned blocks torch allocates for them (:func:`.host.pinned_block`: powers of
+    two on a GPU cluster), checked against ``host_budget_bytes`` (:func:`.host.host_budget_bytes`; None = not
+    budgeted). ``prompt_checkpoint_every``: the LongStraw prompt's segment length planned (1 = every layer's
+    input kept).
     """
 
     mode: str
@@ -59,6 +65,10 @@ class Plan:
     host_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     precision: str = "bf16-mixed"
+    host_breakdown: dict[str, int] = field(default_factory=dict)
+    host_pinned_bytes: int = 0
+    host_budget_bytes: int | None = None
+    prompt_checkpoint_every: int = 1
 
     @property
     def reserve_bytes(self) -> int:
@@ -66,8 +76,17 @@ class Plan:
         return sum(self.breakdown.get(name, 0) for name in RESERVE_TERMS)
 
     @property
-    def fits(self) -> bool:
+    def device_fits(self) -> bool:
         return self.total_bytes <= self.budget_bytes
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_budget_bytes is None or self.host_pinned_bytes <= self.host_budget_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Within the device budget and the host budget."""
+        return self.device_fits and self.host_fits
 
     @property
     def total_gib(self) -> float:
@@ -86,11 +105,16 @@ class Plan:
         lines.append("  phases (persistent + transients alive together; * = peak):")
         lines += [f"  {'* ' if name == self.peak_phase else '  '}{name:<24}{value / scale:>12.3f}"
                   for name, value in self.phases.items()]
-        if self.host_bytes:
-            lines.append(f"  host memory (offloaded checkpoints): {self.host_bytes / scale:.3f} {unit}/rank")
-        verdict = "fits" if self.fits else "DOES NOT FIT"
-        lines.append(f"  peak {self.total_bytes / scale:.3f} {unit}/rank ({self.peak_phase}) vs budget "
+        if self.host_breakdown:
+            lines.append("  host memory (per rank, bytes of the tensors):")
+            lines += [f"    {name:<24}{value / scale:>12.3f}" for name, value in self.host_breakdown.items() if value]
+        verdict = "fits" if self.device_fits else "DOES NOT FIT"
+        lines.append(f"  device peak {self.total_bytes / scale:.3f} {unit}/rank ({self.peak_phase}) vs budget "
                      f"{self.budget_bytes / GIB:.3f} GiB: {verdict}")
+        host_budget = ("not budgeted (cluster.host_memory_gib=null)" if self.host_budget_bytes is None else
+                       f"budget {self.host_budget_bytes / GIB:.3f} GiB: {'fits' if self.host_fits else 'DOES NOT FIT'}")
+        lines.append(f"  host {self.host_bytes / scale:.3f} {unit}/rank ({self.host_pinned_bytes / scale:.3f} in "
+                     f"pinned blocks) vs {host_budget}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -131,11 +155,18 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         chunk = mla_layout(model, cluster.sp, knobs.head_chunk_size)[0]
     if mode == "sft":
         held = replace(cluster, sharding=param_sharding) if param_sharding else cluster
-        comp, phases, host = sft_phases(model, held, knobs, seq_len)
+        comp, phases, host_total = sft_phases(model, held, knobs, seq_len)
         local = math.ceil(seq_len / cluster.sp)
+        host = {"activation_checkpoints": host_total} if host_total else {}
+        one = local * model.hidden_size * knobs.dtype_bytes  # save_on_cpu: each layer input its own block
+        blocks = {"activation_checkpoints": (host_total // one) * pinned_block(one, cluster)} if host_total else {}
+        every = 1
     else:
         held = replace(cluster, sharding=param_sharding or cluster.sharding)
+        every = choose_prompt_checkpoint_every(model, held, knobs, seq_len, group_size, response_len, prompt_grad)
+        knobs = replace(knobs, prompt_checkpoint_every=every)
         comp, phases, host = longstraw_phases(model, held, knobs, seq_len, group_size, response_len, prompt_grad)
+        blocks = host_blocks(host, model, held, knobs, seq_len)
         local = (seq_len - 1) // cluster.sp
     comp.update(reserve_terms(cluster, knobs, comp))  # the CUDA runtime's share and memory.reserve_gib
     reserve = sum(comp[name] for name in RESERVE_TERMS)
@@ -144,13 +175,24 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
     if mode == "longstraw" and cluster.world > 1 and param_sharding is None and held.sharding == "replicate":
         notes.append("LongStraw: parameters, gradients and optimizer states are full replicas on every rank "
                      "(cluster.sharding=replicate)")
+    if mode == "longstraw" and not grouped_backward_runs(model, prompt_grad):
+        why = ("prefix-frozen LoRA (model.lora.on_prompt=false): the prompt state depends on frozen weights only"
+               if prompt_grad == "full" else "prompt_grad=none: the prompt state is detached (biased)")
+        notes.append(f"LongStraw detached step, {why}: no prompt checkpoints, no cache gradients, no grouped "
+                     "backward")
+    if mode == "longstraw" and every > 1:
+        notes.append(f"LongStraw prompt checkpoints every {every} layers (memory.prompt_checkpoint_every): the "
+                     f"grouped backward re-runs {recomputed_layers(model.num_hidden_layers, every)} of the "
+                     f"{model.num_hidden_layers} layers' forward over the prompt without autograd")
     if model.linear_layers and mode == "sft":
         notes.append(f"{model.linear_layers} linear-attention (Gated DeltaNet) layers: their SFT activation terms "
                      "are estimates from the layer shapes (the LongStraw terms are checked against the tracker)")
     return Plan(mode=mode, seq_len=seq_len, group_size=group_size, response_len=response_len, sp=cluster.sp,
                 dp=cluster.dp, local_tokens=local, head_chunk_size=chunk, breakdown=comp, phases=phases,
                 peak_phase=peak_phase, total_bytes=phases[peak_phase] + reserve,
-                budget_bytes=int(knobs.budget_gib * GIB), host_bytes=host, notes=notes, precision=knobs.precision)
+                budget_bytes=int(knobs.budget_gib * GIB), host_bytes=sum(host.values()), notes=notes,
+                precision=knobs.precision, host_breakdown=host, host_pinned_bytes=sum(blocks.values()),
+                host_budget_bytes=host_budget_bytes(cluster, knobs), prompt_checkpoint_every=every)
 
 
 def max_context(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, mode: str = "sft", granularity: int = 1024,
@@ -184,7 +226,8 @@ def _override_text(cluster: ClusterShape, knobs: MemoryKnobs, new_cluster: Clust
              if getattr(new_cluster, f) != getattr(cluster, f)]
     parts += [f"memory.{f}={fmt(getattr(new_knobs, f))}" for f in ("head_chunk_size", "activation_checkpointing",
                                                                   "offload_checkpoints", "offload_prompt_cache",
-                                                                  "mlp_chunk_size", "logits_chunk_size")
+                                                                  "mlp_chunk_size", "logits_chunk_size",
+                                                                  "prompt_checkpoint_every")
               if getattr(new_knobs, f) != getattr(knobs, f)]
     return " ".join(parts)
 
@@ -194,22 +237,28 @@ def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: i
     """Changes (Hydra override strings) that make an over-budget plan fit, with their peak GiB, fewest first.
 
     Tries, one at a time: ``memory.head_chunk_size=1``, activation checkpointing, offloading (LongStraw: also
-    the prompt cache), a tiled MLP, chunked logits, all memory knobs together, twice the devices / nodes (SP
-    over more ranks), FSDP sharding; then all knobs with SP over 2, 4, ... 64 times the nodes (only the
+    the prompt cache, and segment checkpoints of the prompt; over the host budget: the offloads off), a tiled
+    MLP, chunked logits, all memory knobs together, twice the devices / nodes (SP over more ranks), FSDP
+    sharding; then all knobs with SP over 2, 4, ... 64 times the nodes (only the
     smallest that fits).
     """
     model = ModelShape.from_config(model_cfg) if not isinstance(model_cfg, ModelShape) else model_cfg
     cluster = cluster_cfg if isinstance(cluster_cfg, ClusterShape) else ClusterShape.from_config(cluster_cfg)
     knobs = memory_cfg if isinstance(memory_cfg, MemoryKnobs) else MemoryKnobs.from_config(memory_cfg)
     longstraw = mode == "longstraw"
+    segments = "auto" if longstraw else knobs.prompt_checkpoint_every
     all_knobs = replace(knobs, head_chunk_size=1, activation_checkpointing=True, offload_checkpoints=True,
-                        offload_prompt_cache=knobs.offload_prompt_cache or longstraw,
+                        prompt_checkpoint_every=segments, offload_prompt_cache=knobs.offload_prompt_cache or longstraw,
                         mlp_chunk_size=knobs.mlp_chunk_size or 8192, logits_chunk_size=knobs.logits_chunk_size or 8192)
     candidates = [
         (cluster, replace(knobs, head_chunk_size=1)),
         (cluster, replace(knobs, activation_checkpointing=True)),
         (cluster, replace(knobs, activation_checkpointing=True, offload_checkpoints=True)),
-        *([(cluster, replace(knobs, offload_prompt_cache=True))] if longstraw else []),
+        *([(cluster, replace(knobs, offload_prompt_cache=True)),
+           (cluster, replace(knobs, prompt_checkpoint_every="auto"))] if longstraw else []),
+        # over the host budget: keep on the device what fits there instead
+        *([(cluster, replace(knobs, offload_prompt_cache=False))] if knobs.offload_prompt_cache else []),
+        *([(cluster, replace(knobs, offload_checkpoints=False))] if knobs.offload_checkpoints else []),
         (cluster, replace(knobs, mlp_chunk_size=knobs.mlp_chunk_size or 8192)),
         (cluster, replace(knobs, logits_chunk_size=knobs.logits_chunk_size or 8192)),
         (cluster, all_knobs),
@@ -251,6 +300,15 @@ def check_budget(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: 
     fixes = suggestions(model_cfg, cluster_cfg, memory_cfg, seq_len=seq_len, mode=mode, **kwargs)
     longest = max_context(model_cfg, cluster_cfg, memory_cfg, mode=mode, **kwargs)
     what = " or ".join(f"set {o} ({g:.1f} GiB)" for o, g in fixes[:4]) or "no knob or scale-out up to 64x fits"
+    if p.device_fits:  # over the host budget only
+        parts = ", ".join(f"{name} {value / GIB:.2f}" for name, value in p.host_breakdown.items() if value)
+        raise PlanError(
+            f"plan needs {p.host_pinned_bytes / GIB:.1f} GiB of pinned host memory per rank > host budget "
+            f"{p.host_budget_bytes / GIB:.1f} GiB (cluster.host_memory_gib / cluster.devices - "
+            f"memory.host_reserve_gib; {p.mode}, {seq_len:,} tokens; {parts} GiB of tensors): {what}; or shorten "
+            f"the context to <= {longest:,} tokens, or set cluster.host_memory_gib to the node's memory if it has "
+            "more. Run longctx-plan with the same overrides for the breakdown."
+        )
     reserve = ", ".join(f"{name} {p.breakdown[name] / GIB:.2f}" for name in RESERVE_TERMS if p.breakdown.get(name))
     raise PlanError(
         f"plan needs {p.total_gib:.1f} GiB per rank > budget {p.budget_bytes / GIB:.1f} GiB "

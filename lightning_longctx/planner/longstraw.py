@@ -7,9 +7,12 @@ Legend and how the counts were checked: :mod:`.layers` (the per-layer terms thes
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import replace
 
+from .host import checkpoint_every_candidates, host_budget_bytes, live_checkpoints, pinned_block, segments
 from .layers import (
     A,
     attention_output_bytes,
@@ -65,7 +68,7 @@ def choose_keep_attention_output(model: ModelShape, cluster: ClusterShape, knobs
     (``prompt_grad="none"``) nothing is kept: ``"off"``. An explicit setting is returned as it is."""
     if knobs.keep_attention_output != "auto":
         return knobs.keep_attention_output
-    if prompt_grad != "full" or not model.full_layers:
+    if not grouped_backward_runs(model, prompt_grad) or not model.full_layers:
         return "off"
     comp, phases, _ = longstraw_phases(model, cluster, replace(knobs, keep_attention_output="device"), seq_len,
                                        group_size, response_len, prompt_grad)
@@ -91,6 +94,16 @@ def choose_rollout_prompt_cache(model: ModelShape, cluster: ClusterShape, knobs:
 
 def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int, group_size: int,
                      response_len: int, prompt_grad: str = "full", rollout_prompt_cache: str | None = None):
+    """:func:`_longstraw_phases`, remembered for the inputs (frozen dataclasses), copies returned: the automatic
+    choices (``auto`` knobs) and the longest-context search plan the same step many times."""
+    comp, phases, host = _longstraw_phases(model, cluster, knobs, seq_len, group_size, response_len, prompt_grad,
+                                           rollout_prompt_cache)
+    return dict(comp), dict(phases), dict(host)
+
+
+@functools.lru_cache(maxsize=4096)
+def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int, group_size: int,
+                      response_len: int, prompt_grad: str = "full", rollout_prompt_cache: str | None = None):
     """Components and phases of one exact LongStraw group step on one rank (``seq_len`` = prompt tokens).
 
     Persistent through the step: ``static``, the KV cache of the cached prompt ``S' = P floor((S-1)/P)``
@@ -128,6 +141,9 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     (``attention_recompute_bytes(kept=True)``); ``"host"`` keeps them in host memory and the device holds the
     layer being back-propagated's copy.
     """
+    every = choose_prompt_checkpoint_every(model, cluster, knobs, seq_len, group_size, response_len, prompt_grad)
+    if every != knobs.prompt_checkpoint_every:
+        knobs = replace(knobs, prompt_checkpoint_every=every)
     keep = choose_keep_attention_output(model, cluster, knobs, seq_len, group_size, response_len, prompt_grad)
     if keep != knobs.keep_attention_output:
         knobs = replace(knobs, keep_attention_output=keep)
@@ -141,17 +157,23 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     base = sum(static.values()) + copies
     kv = kv_cache_bytes(model, knobs, sp, cached)
     state = recurrent_state_bytes(model, knobs, sp)
-    full = prompt_grad == "full"
-    ckpt = model.num_hidden_layers * s_l * e * b if full else 0
-    ckpt += segment_state_bytes(model, sp, cached) if full else 0  # they live (and are offloaded) with the checkpoints
-    host = ckpt if knobs.offload_checkpoints else 0
-    ckpt_dev = 0 if host else ckpt
+    full = grouped_backward_runs(model, prompt_grad)
+    layers_n = model.num_hidden_layers
+    # one layer input [1, s_l, E]; the prefill keeps every ``every``-th (ceil(L/k)), the grouped backward's
+    # segment forwards rebuild the others of one segment at a time (:mod:`.host`)
+    one_ckpt = s_l * e * b if full else 0
+    seg_states = segment_state_bytes(model, sp, cached) if full else 0  # kept (and offloaded) with the checkpoints
+    host = {}  # what lives on the host, by component (bytes of the tensors; :func:`host_blocks` their blocks)
+    if knobs.offload_checkpoints and full:
+        host["prompt_checkpoints"] = live_checkpoints(layers_n, every) * one_ckpt
+        host["segment_states"] = seg_states
+    ckpt_dev = 0 if knobs.offload_checkpoints else math.ceil(layers_n / every) * one_ckpt + seg_states
     acc = (kv // b * max(A, b) + state) if full else 0  # the sums are float32 (float64 for a float64 model)
     if knobs.offload_prompt_cache and model.full_layers:
         # K/V and their float32 gradient sums on the host; on the device two layers of each (double buffering)
         layers = model.full_layers
         kv_acc = acc - state if full else 0
-        host += kv + kv_acc
+        host.update(prompt_kv=kv, prompt_kv_grad_sums=kv_acc)
         kv, acc = min(kv, 2 * kv // layers), (min(kv_acc, 2 * kv_acc // layers) + state if full else 0)
     comp = dict(static, weight_copies=copies)
     comp.update(kv_cache=kv, recurrent_state=state, checkpoints=ckpt_dev, longstraw_accumulators=acc)
@@ -162,7 +184,8 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     out_layer = [attention_output_bytes(model, knobs, sp, cached) if kept and k == FULL_ATTENTION and i < last
                  else 0 for i, k in enumerate(model.layer_types)]
     out_dev = out_layer if keep == "device" else [0] * len(out_layer)
-    host += sum(out_layer) if keep == "host" else 0
+    if keep == "host":
+        host["attention_outputs"] = sum(out_layer)
     persistent = base + kv + state + ckpt_dev + sum(out_dev)
     # what the layers 0..i hold of the prompt state on the device, per phase: their checkpoints (+ segment
     # states), the linear layers' states (and, in the grouped backward, their gradients), the attention
@@ -175,18 +198,29 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     layer_acc = layer_kv // b * max(A, b) if full else 0
     layer_state = recurrent_state_bytes(model, knobs, sp) // model.linear_layers if model.linear_layers else 0
     staged = bool(knobs.offload_prompt_cache and model.full_layers)
-    ckpt_layer = [0 if knobs.offload_checkpoints or not full else s_l * e * b for _ in model.layer_types]
+    ckpt_dev_one = 0 if knobs.offload_checkpoints else one_ckpt  # one layer input on the device
+    seg_layer = [0] * layers_n  # a linear layer's states every STATE_SEGMENT tokens, on the device
     if full and not knobs.offload_checkpoints and model.linear_layers:
-        seg = segment_state_bytes(model, sp, cached) // model.linear_layers
-        ckpt_layer = [c + (seg if k == LINEAR_ATTENTION else 0) for c, k in zip(ckpt_layer, model.layer_types)]
+        seg = seg_states // model.linear_layers
+        seg_layer = [seg if k == LINEAR_ATTENTION else 0 for k in model.layer_types]
 
-    def prompt_state(upto: int, grouped: bool) -> int:
-        total = sum(ckpt_layer[: upto + 1]) + sum(out_dev[: upto + 1])
-        kinds_below = model.layer_types[: upto + 1]
-        attention = sum(k == FULL_ATTENTION for k in kinds_below)
-        mla = sum(k == MLA_ATTENTION for k in kinds_below)  # the latent stays on the device, its sums too
+    def inputs_alive(upto: int, grouped: bool) -> int:
+        """Layer inputs alive at layer ``upto``: the prefill's checkpoints at layers ``0, k, ...`` up to it; in the
+        grouped backward those of the segments up to its own and its segment's rebuilt inputs up to it."""
+        j = upto // every
+        return j + 1 + (upto - j * every if grouped else 0)
+
+    # running sums over the layers 0..i (each phase asks for many i)
+    kept_below = list(itertools.accumulate(s_ + o for s_, o in zip(seg_layer, out_dev)))
+    attention_below = list(itertools.accumulate(k == FULL_ATTENTION for k in model.layer_types))
+    mla_below = list(itertools.accumulate(k == MLA_ATTENTION for k in model.layer_types))
+
+    def prompt_state(upto: int, grouped: bool, inputs: int | None = None) -> int:
+        alive = inputs_alive(upto, grouped) if inputs is None else inputs
+        total = alive * ckpt_dev_one + kept_below[upto]
+        attention, mla = attention_below[upto], mla_below[upto]  # MLA: the latent stays on the device, its sums too
         total += mla * (layer_latent + (latent_acc if grouped else 0))
-        total += (len(kinds_below) - attention - mla) * layer_state * (2 if grouped and full else 1)
+        total += (upto + 1 - attention - mla) * layer_state * (2 if grouped and full else 1)
         if not staged:
             return total + attention * (layer_kv + (layer_acc if grouped else 0))
         return total + (min(2, attention) * layer_acc if grouped else 0)
@@ -204,15 +238,17 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     prefill_moe = s_l * (2 * e * b + norm_bytes(model, b)) + moe_nograd_bytes(model, knobs, moe_tokens)
 
     def prefill_layer(i: int) -> int:
+        # the MLP runs with the layer's own new state alive (returned with the output; kept from the next layer on)
         mlp = prefill_moe if model.is_sparse(i) else prefill_mlp
         if model.layer_types[i] == MLA_ATTENTION:
             return mla_prefill_bytes(model, knobs, sp, s_l, top=True) if i == last else max(
-                mlp, mla_prefill_bytes(model, knobs, sp, s_l))
+                mlp + layer_latent, mla_prefill_bytes(model, knobs, sp, s_l))
         if model.layer_types[i] == FULL_ATTENTION:
             if i == last:
                 return attention_prefill_bytes(model, knobs, sp, s_l, top=True)
-            return max(prefill_mlp, attention_prefill_bytes(model, knobs, sp, s_l))
-        return max(0 if i == last else prefill_mlp, linear_prefill_bytes(model, knobs, sp, s_l, top=i == last))
+            return max(mlp + layer_kv, attention_prefill_bytes(model, knobs, sp, s_l))
+        return max(0 if i == last else mlp + layer_state,
+                   linear_prefill_bytes(model, knobs, sp, s_l, top=i == last))
 
     # FSDP2's buffers (:func:`.phases.static_bytes`): the prefill gathers layers only (no gradient yet); in the
     # grouped backward a layer's reduce-scatter input exists only once its backward (activations freed) is done
@@ -220,9 +256,13 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     gathered = 2 * model.largest_layer_parameters() * b if sharded else 0
     reduce_input = model.largest_layer_parameters() * knobs.param_bytes if sharded and not model.lora_r else 0
     nograd = base - static["grads"] - (static["fsdp_buffers"] - gathered)  # gradients are None until a backward
-    prefill = [(prompt_state(i - 1, False) if i else 0) + ckpt_layer[i] + out_dev[i] + prefill_layer(i)
+    prefill_cost = _per_layer(prefill_layer, [(k, model.is_sparse(i), i == last) for i, k in
+                                              enumerate(model.layer_types)])
+    # the layer's input is on the device whether or not it is kept (a kept one is that tensor, counted by the
+    # layers above as a checkpoint; an offloaded one is a host copy of it)
+    prefill = [(prompt_state(i - 1, False) if i else 0) + s_l * e * b + seg_layer[i] + out_dev[i] + prefill_cost[i]
                for i in range(last + 1)]
-    comp["prefill_layer"] = max(prefill_layer(i) for i in range(last + 1))
+    comp["prefill_layer"] = max(prefill_cost)
 
     # replay: the branch's graph through every layer, then its backward; with activation checkpointing
     # (``replay_checkpointing``, default: the model's) only each layer's input, one layer recomputed at a time
@@ -273,8 +313,17 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
         return linear_recompute_bytes(model, knobs, sp, s_l)
 
     seed = s_l * e * b * (2 if knobs.offload_checkpoints else 1)
-    grouped = [prompt_state(i, True) + recompute(i) + seed for i in range(last + 1)] if full else [0]
-    comp.update(mlp_tiles=max(mlp_tiles.values()), layer_recompute=max(recompute(i) for i in range(last + 1)))
+    recompute_cost = _per_layer(recompute, [(k, model.is_sparse(i), i == last, out_layer[i]) for i, k in
+                                            enumerate(model.layer_types)])
+    grouped = [prompt_state(i, True) + recompute_cost[i] + seed for i in range(last + 1)] if full else [0]
+    # segment forwards (``every > 1``): layer m of a segment re-run without autograd from the inputs rebuilt so
+    # far, the prompt state of the layers up to the segment's top alive (their sums too), and the gradient
+    # arriving from the segment above (+ the input's device copy when the checkpoints are offloaded)
+    rerun = [prompt_state(seg[-1], True, inputs=inputs_alive(m, True)) + prefill_cost[m] + seed
+             for seg in segments(layers_n, every) for m in seg[:-1]] if full else []
+    if rerun:
+        comp["segment_forward"] = max(prefill_cost[m] for seg in segments(layers_n, every) for m in seg[:-1])
+    comp.update(mlp_tiles=max(mlp_tiles.values()), layer_recompute=max(recompute_cost))
     # rollouts (``longstraw.sample`` over the step's own prefill, before any replay): the prompt state as the
     # prefill left it (no gradient sums yet) plus every response's own cache, this rank's heads: G rows of
     # K/V for the prompt tail + ``response_len`` tokens per attention layer and a recurrent state per linear
@@ -300,9 +349,75 @@ def longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnob
     }
     if full:
         phases["grouped backward"] = base - reduce_input + max(grouped)
+    if rerun:
+        phases["segment forward"] = nograd + max(rerun)
     # AdamW's temporary: one trainable-parameter-sized tensor (with LoRA the adapters', not the frozen base's)
     phases["optimizer step"] = base + static["grads"]
     return comp, phases, host
 
 
-__all__ = ["STATE_SEGMENT", "choose_keep_attention_output", "longstraw_phases"]
+def _per_layer(cost, keys: list) -> list[int]:
+    """``[cost(i) for each layer i]``, computed once per distinct ``keys[i]`` (what the cost depends on)."""
+    seen: dict = {}
+    return [seen[key] if key in seen else seen.setdefault(key, cost(i)) for i, key in enumerate(keys)]
+
+
+def grouped_backward_runs(model: ModelShape, prompt_grad: str) -> bool:
+    """Whether the step runs the grouped backward (prompt checkpoints, cache gradient sums): ``prompt_grad="full"``
+    and a prompt state that depends on trainable weights. Prefix-frozen LoRA (``model.lora.on_prompt=false``:
+    the adapters act on the response tokens only, over a frozen base) runs the detached step, as
+    ``prompt_grad="none"`` does (``longstraw_step``: ``_needs_grouped_backward``)."""
+    return prompt_grad == "full" and not (model.lora_r and not model.lora_on_prompt)
+
+
+def host_blocks(host: dict[str, int], model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int,
+                ) -> dict[str, int]:
+    """The pinned host blocks (:func:`.host.pinned_block`) of a LongStraw plan's ``host`` components: each
+    component is tensors of one size (a layer input, a layer's segment states, a layer's keys or values and
+    their sums, a stage's kept output and LSE), each in its own block."""
+    sp = cluster.sp
+    cached = sp * ((seq_len - 1) // sp)
+    b = knobs.dtype_bytes
+    one = max(cached // sp, 1) * model.hidden_size * b
+    heads = kv_cache_bytes(model, knobs, sp, cached) // (2 * model.full_layers) if model.full_layers else 0
+    stages = max(1, (model.num_attention_heads // sp) // max(1, knobs.head_chunk_size or model.num_attention_heads))
+    stage_out = attention_output_bytes(model, knobs, sp, cached) // stages if model.full_layers else 0
+    sizes = {"prompt_checkpoints": one, "segment_states": segment_state_bytes(model, sp, cached) // max(
+        1, model.linear_layers), "prompt_kv": heads, "prompt_kv_grad_sums": heads // b * max(A, b),
+        "attention_outputs": stage_out}
+    out = {}
+    for name, total in host.items():
+        size = sizes.get(name) or total
+        count = total // size if size else 0
+        out[name] = count * pinned_block(size, cluster) + pinned_block(total - count * size, cluster)
+    return out
+
+
+def choose_prompt_checkpoint_every(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int,
+                                   group_size: int, response_len: int, prompt_grad: str = "full") -> int:
+    """What ``memory.prompt_checkpoint_every=auto`` runs as: 1 (every layer's input kept: no segment forward, the
+    fastest) when that plan fits the device budget (peak phase + the runtime reserve) and the host budget
+    (:func:`.host.host_budget_bytes`, its pinned blocks), else the segment length of
+    :func:`.host.checkpoint_every_candidates` whose plan needs the least device + host memory among those that
+    fit, else (none fits) the least memory. Without the grouped backward nothing is checkpointed: 1. An
+    explicit setting is returned as it is."""
+    if knobs.prompt_checkpoint_every != "auto":
+        return knobs.prompt_checkpoint_every
+    if not grouped_backward_runs(model, prompt_grad):
+        return 1
+    device_budget, host_budget = int(knobs.budget_gib * GIB), host_budget_bytes(cluster, knobs)
+    scored = []
+    for every in checkpoint_every_candidates(model.num_hidden_layers):
+        kn = replace(knobs, prompt_checkpoint_every=every)
+        comp, phases, host = longstraw_phases(model, cluster, kn, seq_len, group_size, response_len, prompt_grad)
+        device = max(phases.values()) + sum(reserve_terms(cluster, kn, comp).values())
+        pinned = sum(host_blocks(host, model, cluster, kn, seq_len).values())
+        fits = device <= device_budget and (host_budget is None or pinned <= host_budget)
+        if fits and every == 1:
+            return 1
+        scored.append((not fits, device + pinned, every))
+    return min(scored)[2]
+
+
+__all__ = ["STATE_SEGMENT", "choose_keep_attention_output", "choose_prompt_checkpoint_every",
+           "grouped_backward_runs", "host_blocks", "longstraw_phases"]

@@ -52,6 +52,14 @@ def check_precision(precision: Any, legacy_dtype: Any = None) -> str:
     return str(precision)
 
 
+def _checkpoint_every(value: Any) -> int | str:
+    """``memory.prompt_checkpoint_every`` as given: ``"auto"``, or an integer (a string of digits from the
+    command line too); anything else is returned for :class:`MemoryKnobs` to refuse with the value."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
+
+
 # ---------------------------------------------------------------------------------------------- inputs
 @dataclass(frozen=True)
 class ModelShape(MLAMoEShape):
@@ -87,6 +95,7 @@ class ModelShape(MLAMoEShape):
     linear_conv_kernel_dim: int = 4
     lora_r: int | None = None
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_on_prompt: bool = True  # False: prefix-frozen adapters (``model.lora.on_prompt``), response tokens only
     attention_out_bias: bool | None = None  # o_proj's bias; None = attention_bias (Qwen2: q/k/v only)
     # multi-head latent attention (layer type "mla_attention"; kv_lora_rank set) and the mixture of experts
     # (n_routed_experts set; "sparse" entries of mlp_layer_types), transformers' deepseek_v3 / qwen3_5_moe names
@@ -174,6 +183,7 @@ class ModelShape(MLAMoEShape):
                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                 "linear_conv_kernel_dim")},
             lora_r=None if not lora_r else int(lora_r), lora_targets=targets,
+            lora_on_prompt=not lora_r or bool(config_value(lora, "on_prompt", True)),
             attention_out_bias=None if out_bias is None else bool(out_bias),
             q_lora_rank=None if config_value(cfg, "q_lora_rank") is None else int(config_value(cfg, "q_lora_rank")),
             kv_lora_rank=int(config_value(cfg, "kv_lora_rank")) if mla else None,
@@ -279,20 +289,25 @@ class ClusterShape:
     """``devices`` per node x ``num_nodes``; ``sp_size`` ranks per sequence-parallel group (None = devices).
 
     ``accelerator`` (``cluster.accelerator``): ``gpu`` (the default here: plans are for GPUs), ``cuda`` or
-    ``auto`` plan the CUDA runtime's reserve (:mod:`.reserve`); ``cpu`` none of it."""
+    ``auto`` plan the CUDA runtime's reserve (:mod:`.reserve`); ``cpu`` none of it.
+    ``host_memory_gib``: host memory per node (``cluster.host_memory_gib``), shared by the node's ``devices``
+    ranks, for what a step puts on the host (:mod:`.host`); None = not budgeted."""
 
     devices: int = 1
     num_nodes: int = 1
     sp_size: int | None = None
     sharding: str = "fsdp"
     accelerator: str = "gpu"
+    host_memory_gib: float | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> ClusterShape:
         sp = config_value(cfg, "sp_size", None)
         return cls(devices=int(config_value(cfg, "devices", 1)), num_nodes=int(config_value(cfg, "num_nodes", 1)),
                    sp_size=None if sp is None else int(sp), sharding=str(config_value(cfg, "sharding", "fsdp")),
-                   accelerator=str(config_value(cfg, "accelerator", "gpu")))
+                   accelerator=str(config_value(cfg, "accelerator", "gpu")),
+                   host_memory_gib=None if config_value(cfg, "host_memory_gib") is None
+                   else float(config_value(cfg, "host_memory_gib")))
 
     @property
     def world(self) -> int:
@@ -313,6 +328,9 @@ class ClusterShape:
             raise ValueError(f"world size {self.world} (devices x nodes) must be divisible by sp_size={self.sp}")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding={self.sharding!r} must be one of {SHARDINGS}")
+        if self.host_memory_gib is not None and self.host_memory_gib <= 0:
+            raise ValueError(f"cluster.host_memory_gib={self.host_memory_gib} must be > 0 (GiB of host memory per "
+                             "node) or null (not budgeted)")
 
 
 @dataclass(frozen=True)
@@ -333,6 +351,12 @@ class MemoryKnobs:
     backward does not attend again; ``"off"`` (the default, as ``MemoryConfig``'s) recomputes; ``"auto"`` (the
     app's default, ``memory.keep_attention_output``): ``"device"`` when that plan fits the budget, else ``"off"``
     (:func:`.longstraw.choose_keep_attention_output`).
+    ``host_reserve_gib``: host memory per rank the plan leaves for what it does not count (the rank's Python
+    process and CUDA's host side, dataloader workers, the page cache), taken off the node's
+    ``cluster.host_memory_gib / devices``.
+    ``prompt_checkpoint_every``: LongStraw's exact step keeps the input of every that many prompt layers (a
+    segment); the grouped backward re-runs each segment's forward from its checkpoint (:mod:`.host`). 1 = every
+    layer's input (no extra forward); ``"auto"``: :func:`.longstraw.choose_prompt_checkpoint_every`.
     """
 
     budget_gib: float = 80.0
@@ -348,6 +372,8 @@ class MemoryKnobs:
     reserve_gib: float = 0.0
     optimizer_states: int = 2
     expandable_segments: bool | None = None
+    host_reserve_gib: float = 0.0
+    prompt_checkpoint_every: int | str = 1
 
     @classmethod
     def from_config(cls, cfg: Any) -> MemoryKnobs:
@@ -369,6 +395,8 @@ class MemoryKnobs:
             keep_attention_output=str(config_value(cfg, "keep_attention_output", "off")),
             expandable_segments=None if config_value(cfg, "expandable_segments") is None
             else bool(config_value(cfg, "expandable_segments")),
+            host_reserve_gib=float(config_value(cfg, "host_reserve_gib", 0.0)),
+            prompt_checkpoint_every=_checkpoint_every(config_value(cfg, "prompt_checkpoint_every", 1)),
         )
 
     def __post_init__(self) -> None:
@@ -376,6 +404,13 @@ class MemoryKnobs:
         if self.reserve_gib < 0:
             raise ValueError(f"memory.reserve_gib={self.reserve_gib} must be >= 0 (an extra margin on top of the "
                              "planned runtime reserve)")
+        if self.host_reserve_gib < 0:
+            raise ValueError(f"memory.host_reserve_gib={self.host_reserve_gib} must be >= 0 (host memory per rank "
+                             "the plan leaves for what it does not count)")
+        every = self.prompt_checkpoint_every
+        if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"memory.prompt_checkpoint_every={every!r} must be an integer >= 1 (prompt layers per "
+                             "checkpointed segment; 1 = every layer's input) or 'auto'")
         if self.keep_attention_output not in KEEP_ATTENTION_OUTPUT:
             raise ValueError(f"memory.keep_attention_output={self.keep_attention_output!r} must be one of "
                              f"{list(KEEP_ATTENTION_OUTPUT)}")

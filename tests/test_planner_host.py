@@ -1,0 +1,194 @@
+"""The planner's host budget, segment checkpoints of the prompt and the detached step's plan (issue 25):
+``planner/host.py``, ``planner/longstraw.py``, ``planner/budget.py``.
+
+Formulas by hand (the per-rank host budget, pinned blocks as torch's caching host allocator rounds them, the
+live layer inputs of a segmented grouped backward), the structure (the host budget stops a plan and bounds the
+longest context; ``auto`` picks 1 when it fits, else the least memory), and the tracker: on the tiny preset the
+planned peak of the step with segments and of the detached step (``prompt_grad="none"``, prefix-frozen LoRA) is
+within 10% of what the live-tensor tracker measures, and what segments save on the host is what a spy on the
+host copies sees.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import pytest
+import torch
+
+from lightning_longctx.planner import GIB, ClusterShape, MemoryKnobs, PlanError, check_budget, max_context, plan
+from lightning_longctx.planner.host import (
+    host_budget_bytes,
+    live_checkpoints,
+    pinned_block,
+    pinned_round_threshold,
+    recomputed_layers,
+)
+from lightning_longctx.planner.longstraw import choose_prompt_checkpoint_every
+from test_planner import CPU, FP32_EAGER, ONE, QWEN36_27B, TINY
+
+GPU8 = dict(devices=8, host_memory_gib=2048)
+H20 = dict(budget_gib=95.0, reserve_gib=0.5, precision="bf16-mixed", head_chunk_size=1,
+           activation_checkpointing=True, offload_checkpoints=True, offload_prompt_cache=True, mlp_chunk_size=16384,
+           logits_chunk_size=4096, keep_attention_output="auto", host_reserve_gib=16)
+STEP = dict(mode="longstraw", group_size=8, response_len=8192)
+QWEN_LORA = dict(QWEN36_27B, lora=dict(r=16))
+
+
+# ------------------------------------------------------------------------------------------------ formulas
+def test_host_budget_per_rank_is_the_nodes_share_less_the_reserve():
+    cluster = ClusterShape(devices=8, host_memory_gib=2048)
+    assert host_budget_bytes(cluster, MemoryKnobs(host_reserve_gib=16)) == (256 - 16) * GIB
+    assert host_budget_bytes(ClusterShape(devices=8), MemoryKnobs()) is None  # not budgeted
+    with pytest.raises(ValueError, match="cluster.host_memory_gib=0.0 must be > 0"):
+        plan(TINY, dict(host_memory_gib=0), {}, seq_len=64)
+    with pytest.raises(ValueError, match="memory.host_reserve_gib=-1.0 must be >= 0"):
+        MemoryKnobs(host_reserve_gib=-1.0)
+    with pytest.raises(ValueError, match="memory.prompt_checkpoint_every=0 must be an integer >= 1"):
+        MemoryKnobs(prompt_checkpoint_every=0)
+
+
+def test_pinned_blocks_are_powers_of_two_on_gpus_unless_over_the_round_threshold():
+    """torch's CachingHostAllocator rounds each pinned request up to a power of two (``PowerOf2Ceil``) up to
+    ``pinned_max_round_threshold_mb`` (unlimited by default): a 2.49 GiB layer input holds a 4 GiB block."""
+    gpu, cpu = ClusterShape(devices=8), ClusterShape(accelerator="cpu")
+    checkpoint = 261_120 * 5120 * 2  # Qwen3.5-27B's layer input at 2,088,960 prompt tokens on 8 ranks
+    assert pinned_block(checkpoint, gpu, {}) == 4 * GIB and pinned_block(checkpoint, cpu, {}) == checkpoint
+    assert pinned_block(GIB, gpu, {}) == GIB and pinned_block(GIB + 1, gpu, {}) == 2 * GIB
+    conf = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,pinned_max_round_threshold_mb:64"}
+    assert pinned_round_threshold(conf) == 64 * 2**20 and pinned_round_threshold({}) is None
+    assert pinned_block(checkpoint, gpu, conf) == checkpoint and pinned_block(3 * 2**20, gpu, conf) == 4 * 2**20
+
+
+def test_segments_keep_ceil_l_over_k_plus_the_segments_other_inputs():
+    assert [live_checkpoints(64, k) for k in (1, 2, 8, 64)] == [64, 33, 15, 64]
+    assert live_checkpoints(7, 3) == 4 and live_checkpoints(4, 3) == 3  # the top segment is shorter
+    assert [recomputed_layers(64, k) for k in (1, 8, 64)] == [0, 56, 63]
+
+
+# ------------------------------------------------------------------------------------------------ structure
+def test_a_plan_over_the_host_budget_stops_naming_the_numbers_and_what_to_change():
+    """Qwen3.5-27B at the paper's 2,088,960 prompt tokens with every layer's input kept (k=1): 64 checkpoints of
+    4 GiB blocks alone exceed the 240 GiB a rank may pin on a 2 TB node; the message names the host figures and
+    the segment checkpoints that fix it; with them (``auto``) the plan fits both budgets."""
+    knobs = dict(H20, prompt_checkpoint_every=1)
+    p = plan(QWEN_LORA, GPU8, knobs, seq_len=2_088_960, **STEP)
+    assert p.device_fits and not p.host_fits and not p.fits
+    assert p.host_breakdown["prompt_checkpoints"] == 64 * 261_119 * 5120 * 2  # S' = 2,088,952 over 8 ranks
+    with pytest.raises(PlanError, match=r"pinned host memory per rank > host budget 240.0 GiB .*"
+                                        r"memory.prompt_checkpoint_every=auto"):
+        check_budget(QWEN_LORA, GPU8, knobs, seq_len=2_088_960, **STEP)
+    auto = plan(QWEN_LORA, GPU8, dict(H20, prompt_checkpoint_every="auto"), seq_len=2_088_960, **STEP)
+    assert auto.fits and 4 <= auto.prompt_checkpoint_every <= 10, auto.prompt_checkpoint_every
+    assert "segment forward" in auto.phases and any("re-runs" in n for n in auto.notes)
+    assert "host" in auto.table() and "budget 240.000 GiB: fits" in auto.table()
+
+
+def test_the_longest_context_honours_the_host_budget():
+    unbudgeted = max_context(QWEN_LORA, dict(devices=8), dict(H20, prompt_checkpoint_every=1), **STEP)
+    budgeted = max_context(QWEN_LORA, GPU8, dict(H20, prompt_checkpoint_every=1), **STEP)
+    assert budgeted < unbudgeted
+    over = plan(QWEN_LORA, GPU8, dict(H20, prompt_checkpoint_every=1), seq_len=budgeted + 1024, **STEP)
+    assert over.device_fits and not over.host_fits  # the host budget is what stopped the search
+    segmented = max_context(QWEN_LORA, GPU8, dict(H20, prompt_checkpoint_every="auto"), **STEP)
+    assert segmented >= 2_088_960 > budgeted
+
+
+def test_auto_is_every_layer_when_it_fits_else_the_least_memory():
+    args = (ClusterShape(devices=8, host_memory_gib=2048), MemoryKnobs.from_config(dict(
+        H20, prompt_checkpoint_every="auto")))
+    from lightning_longctx.planner import ModelShape
+
+    model = ModelShape.from_config(QWEN_LORA)
+    assert choose_prompt_checkpoint_every(model, *args, 65_536, 8, 8192) == 1
+    assert choose_prompt_checkpoint_every(model, *args, 2_088_960, 8, 8192) > 1
+    assert choose_prompt_checkpoint_every(model, *args, 2_088_960, 8, 8192, prompt_grad="none") == 1
+
+
+def test_prefix_frozen_lora_and_prompt_grad_none_are_planned_at_the_detached_cost():
+    frozen = dict(QWEN36_27B, lora=dict(r=16, on_prompt=False))
+    exact = plan(QWEN_LORA, GPU8, H20, seq_len=1_048_576, **STEP)
+    detached = plan(frozen, GPU8, H20, seq_len=1_048_576, **STEP)
+    none = plan(QWEN_LORA, GPU8, H20, seq_len=1_048_576, prompt_grad="none", **STEP)
+    for p in (detached, none):
+        assert "grouped backward" not in p.phases and "segment forward" not in p.phases
+        assert p.breakdown["longstraw_accumulators"] == 0 and p.breakdown["checkpoints"] == 0
+        assert "prompt_checkpoints" not in p.host_breakdown and p.host_breakdown["prompt_kv_grad_sums"] == 0
+        assert any("no prompt checkpoints, no cache gradients, no grouped backward" in n for n in p.notes)
+    assert "on_prompt=false" in detached.notes[-1] and "prompt_grad=none" in none.notes[-1]
+    assert detached.host_bytes < exact.host_bytes / 3 and detached.total_bytes < exact.total_bytes
+    assert max_context(frozen, GPU8, H20, **STEP) >= 4_448_256
+
+
+# ------------------------------------------------------------------------------------- measured (tracker)
+def _measured_peak(fields, knobs, *, prompt_grad="full", lora_on_prompt=None, seq=4096):
+    """The step's peak as its own tracker sees it (float32 tiny preset, G=4 responses of 8 tokens, one rank)."""
+    from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(**fields), MemoryConfig(**knobs))
+    if lora_on_prompt is not None:
+        model.add_lora(r=4, alpha=8, target_modules=["q_proj", "v_proj"], on_prompt=lora_on_prompt)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (seq,), generator=gen)
+    responses = [torch.randint(0, 64, (8,), generator=gen) for _ in range(4)]
+    out = longstraw_step(model, prompt, responses, torch.randn(4, generator=gen),
+                         loss=LossOptions(prompt_grad=prompt_grad),
+                         memory=StepMemory(logits_chunk_size=knobs.get("logits_chunk_size")))
+    return out.peak_bytes
+
+
+TRACKED = [  # (label, MemoryConfig knobs, prompt_grad, lora on_prompt, model layers)
+    ("segments k=2", dict(prompt_checkpoint_every=2), "full", None, 4),
+    ("segments k=3 chunked", dict(prompt_checkpoint_every=3, head_chunk_size=1, logits_chunk_size=512), "full",
+     None, 4),
+    ("prompt_grad=none", {}, "none", None, 2),
+    ("prefix-frozen LoRA", {}, "full", False, 2),
+]
+
+
+@pytest.mark.parametrize("label,knobs,prompt_grad,on_prompt,layers", TRACKED, ids=[c[0] for c in TRACKED])
+def test_plan_matches_the_tracker_for_segments_and_the_detached_step(label, knobs, prompt_grad, on_prompt, layers):
+    shape = dict(TINY, num_hidden_layers=layers)
+    measured = _measured_peak(shape, knobs, prompt_grad=prompt_grad, lora_on_prompt=on_prompt)
+    fields = dict(shape, lora=dict(r=4, target_modules=["q_proj", "v_proj"], on_prompt=on_prompt)) \
+        if on_prompt is not None else shape
+    p = plan(fields, ONE, dict(FP32_EAGER, **knobs), seq_len=4096, mode="longstraw", group_size=4, response_len=8,
+             prompt_grad=prompt_grad)
+    planned = p.total_bytes - p.breakdown["params"] - p.breakdown["optimizer"]
+    assert abs(planned - measured) <= 0.10 * measured, (label, planned, measured, p.peak_phase)
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_planned_host_checkpoints_are_what_the_host_holds(monkeypatch, every):
+    """Offloaded checkpoints of a 5-layer tiny model: the planner's ``prompt_checkpoints`` (on a CPU cluster: the
+    tensors' bytes) equals the most host copies alive at once (a spy on ``prefix.to_host``) times their size."""
+    from lightning_longctx.longstraw import StepMemory, longstraw_step
+    from lightning_longctx.longstraw import prefix as prefix_module
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+
+    alive, most = [], [0]
+
+    def spy(x):
+        copy = x.detach().clone()
+        alive[:] = [r for r in alive if r() is not None] + [weakref.ref(copy)]
+        most[0] = max(most[0], len(alive) * copy.numel() * copy.element_size())
+        return copy
+
+    monkeypatch.setattr(prefix_module, "to_host", spy)
+    fields = dict(TINY, num_hidden_layers=5)
+    model = DecoderLM(DecoderConfig(**fields), MemoryConfig(prompt_checkpoint_every=every,
+                                                           activation_checkpointing=True, offload_checkpoints=True))
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (257,), generator=gen)
+    responses = [torch.randint(0, 64, (4,), generator=gen) for _ in range(2)]
+    longstraw_step(model, prompt, responses, torch.randn(2, generator=gen),
+                   memory=StepMemory(offload_checkpoints=True, measure_memory=False))
+    knobs = dict(FP32_EAGER, prompt_checkpoint_every=every, activation_checkpointing=True, offload_checkpoints=True)
+    p = plan(fields, ClusterShape(devices=1, sharding="replicate", **CPU), knobs, seq_len=257, mode="longstraw",
+             group_size=2, response_len=4)
+    assert p.host_breakdown["prompt_checkpoints"] == most[0] == live_checkpoints(5, every) * 256 * 64 * 4
+    assert p.host_pinned_bytes == p.host_bytes  # a CPU cluster pins nothing: no rounding
+    assert math.ceil(5 / every) + every - 1 >= live_checkpoints(5, every)
