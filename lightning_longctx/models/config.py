@@ -338,7 +338,7 @@ class MemoryConfig:
             check_positive(name, getattr(self, name), allow_none=True)
         if self.keep_attention_output not in ("off", "device", "host"):
             raise ValueError(f"keep_attention_output={self.keep_attention_output!r} must be 'off', 'device' or 'host'")
-        _positive("prompt_checkpoint_every", self.prompt_checkpoint_every)
+        check_positive("prompt_checkpoint_every", self.prompt_checkpoint_every)
         if self.rollout_prompt_cache not in ("device", "stream"):
             raise ValueError(f"rollout_prompt_cache={self.rollout_prompt_cache!r} must be 'device' or 'stream'")
         if self.offload_checkpoints and not self.activation_checkpointing:
