@@ -28,6 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, nargs="+", default=[16384, 65536], help="tokens (batch 1), one row each")
     p.add_argument("--index-topk", type=int, default=2048)
     p.add_argument("--index-heads", type=int, default=4)
+    p.add_argument("--index-head-dim", type=int, default=16)
     p.add_argument("--query-block", type=int, default=1024, help="queries per tile (indexer and attention)")
     p.add_argument("--key-block", type=int, default=4096, help="keys per tile of the streaming top-k")
     p.add_argument("--threads", type=int, default=None)
@@ -39,7 +40,8 @@ def tiny_dsa(args) -> DecoderLM:
                            num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=12, q_lora_rank=20,
                            qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=8, n_routed_experts=4,
                            num_experts_per_tok=2, first_k_dense_replace=1, index_topk=args.index_topk,
-                           index_n_heads=args.index_heads, index_head_dim=16, indexer_types=["full", "shared"])
+                           index_n_heads=args.index_heads, index_head_dim=args.index_head_dim,
+                           indexer_types=["full", "shared"])
     model = DecoderLM(config, MemoryConfig(logits_chunk_size=4096, mlp_chunk_size=8192)).eval()
     for layer in model.layers:
         layer.self_attn.query_block = args.query_block

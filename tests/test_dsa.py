@@ -5,11 +5,11 @@ picking ``index_topk = 6`` of up to 40 keys, so most keys are dropped; random no
 transformers' ``save_pretrained`` and loaded by ``DecoderLM.from_pretrained`` give transformers' logits and every
 parameter's gradient (at ``rounding_tol``), GLM with IndexShare (``full, shared, full, shared``); the same
 weights attending densely do not (the sparsity matters), and ``save_pretrained`` goes back into transformers.
-The kernels against plain references (float64): the streaming top-k equals a dense top-k (ties: the lowest key)
-for any tile sizes, the sparse attention equals masked dense attention, forward and gradients. IndexShare under
-activation checkpointing changes no number; a prefix state ``[prefix; rest]`` continues the sequence exactly. A
-per-shard top-k (each shard's queries choosing among its own keys,
-the LongStraw paper's variant) gives other logits than transformers, so the global one is what is tested.
+The kernels against plain references (float64): the streaming top-k equals a dense top-k (ties: the lowest key) for
+any tile sizes, the sparse attention equals masked dense attention, forward and gradients. IndexShare under
+activation checkpointing changes no number; LoRA adapters equal their merged weights; a prefix state ``[prefix;
+rest]`` continues the sequence exactly. A per-shard top-k (each shard's queries choosing among its own keys, the
+LongStraw paper's variant) gives other logits than transformers, so the global one is what is tested.
 Sharded (2 and 4 gloo ranks, float64, :mod:`dsa_workers`): loss and every gradient == one process at 1e-10.
 """
 
@@ -245,6 +245,25 @@ def test_prefix_state_continues_the_sequence_exactly():
     (got * probe).sum().backward()
     assert_close_rel(got, whole, 1e-12, "hidden of [prefix; rest]")
     assert_grads_match(grads(model), want, 1e-12, "prefix state vs whole")
+
+
+def test_lora_on_every_dsa_projection_equals_its_merged_weights():
+    """Adapters on q_a / q_b / kv_a / kv_b (folded into the absorbed weight) / o_proj: the adapted model equals
+    the merged one (float64), and every adapter gets a gradient."""
+    model = _float64_model("glm_moe_dsa")
+    model.add_lora(4, 8.0, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ids = _ids()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    adapters = [n for n, p in model.named_parameters() if "lora_" in n]
+    assert len(adapters) == 2 * 5 * 4 and all(n in grads(model) for n in adapters)
+    model.merge_lora()
+    with torch.no_grad():
+        assert_close_rel(model(ids).logits, out.logits, 1e-12, "adapted vs merged")
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
