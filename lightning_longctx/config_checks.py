@@ -199,6 +199,30 @@ def check_module_arguments(cfg: DictConfig) -> None:
         raise ConfigError(f"task.module ({path}): {err}") from err
 
 
+def check_module_base(cfg: DictConfig) -> None:
+    """A ``task.module._target_`` that subclasses ``LongStrawModule`` but not ``TextGRPOModule`` while the node
+    carries the text task's own arguments (``task=text_grpo``: ``tokenizer_path``, ``reward_funcs``, ...): with
+    ``**kwargs`` it passes the key check, and ``LongStrawModule`` would refuse them inside the ranks. Raises
+    :class:`ConfigError` naming the arguments and the base class to subclass."""
+    node = cfg.task.get("module")
+    path = node.get("_target_") if isinstance(node, DictConfig) else None
+    if not isinstance(path, str):
+        return
+    from .tasks.text_grpo import TextGRPOModule
+    from .training.longstraw_module import LongStrawModule
+
+    target = locate(path, "task.module._target_")
+    if not isinstance(target, type) or not issubclass(target, LongStrawModule) or issubclass(target, TextGRPOModule):
+        return
+    base = set(inspect.signature(LongStrawModule.__init__).parameters)
+    text_only = sorted(str(k) for k in node if str(k) in set(inspect.signature(TextGRPOModule).parameters) - base)
+    if text_only:
+        raise ConfigError(f"task.module._target_={path!r} subclasses LongStrawModule, not TextGRPOModule, but "
+                          f"task.module passes the text task's arguments {text_only} (task=text_grpo), which "
+                          "LongStrawModule does not take: subclass lightning_longctx.tasks.text_grpo.TextGRPOModule "
+                          "(or drop those keys)")
+
+
 _PATH_KEYS = ("path", "tokenizer_path")  # local files the built-in tasks read (tasks/text_data.py)
 
 
@@ -281,6 +305,7 @@ def check_config(cfg: DictConfig) -> None:
     check_task(cfg)
     check_trainer_keys(cfg.trainer)
     check_targets(cfg)
+    check_module_base(cfg)
     check_model_fields(cfg)
     check_module_arguments(cfg)
     check_task_files(cfg)

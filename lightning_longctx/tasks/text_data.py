@@ -29,7 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .needle import collate_prompt_groups
 
@@ -88,6 +88,19 @@ def check_text_file(file: Path, fields: Sequence[str] = ()) -> None:
     for name, (number, keys) in first_missing.items():
         if name in present:
             raise _line_error(file, number, f"no {name!r} field, or null (the row has {keys})")
+
+
+TEXT_EXTRA = "pip install 'lightning-longctx[text]'"
+
+
+def require_text_extra() -> None:
+    """The text tasks' packages (``transformers`` for the tokenizer, ``datasets`` for the files) are importable;
+    else ImportError naming the ``[text]`` extra that installs them."""
+    import importlib.util
+
+    missing = [name for name in ("datasets", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"the text tasks (task=text_grpo, task=text_sft) need {missing}: {TEXT_EXTRA}")
 
 
 def load_rows(path: str | os.PathLike, *, split: str = "train", cache_dir: str | None = None,
@@ -259,7 +272,9 @@ class TextPromptData(pl.LightningDataModule):
             ending with the generation prompt; an error when the tokenizer has no template.
         truncate: None = refuse prompts longer than ``seq_len``; ``"left"`` = keep their last ``seq_len`` tokens.
         batch_size: prompts per batch (LongStrawModule takes one optimizer step per prompt).
-        shuffle, seed: the order (under several DP ranks Lightning's DistributedSampler shuffles with its seed).
+        shuffle, seed: the order. Under a Trainer whose strategy shards the data (``strategy="ulysses"``: over
+            the dp ranks) the loader brings its own ``DistributedSampler(shuffle=shuffle, seed=seed)``, which
+            Lightning keeps (Lightning's own would shuffle a training loader whatever ``shuffle`` says).
         split, cache_dir: see :func:`load_rows`.
     """
 
@@ -268,6 +283,7 @@ class TextPromptData(pl.LightningDataModule):
                  truncate: str | None = None, batch_size: int = 1, shuffle: bool = True, seed: int = 0,
                  num_workers: int = 0, split: str = "train", cache_dir: str | None = None) -> None:
         super().__init__()
+        require_text_extra()
         if truncate not in TRUNCATE:
             raise ValueError(f"task.data.truncate={truncate!r} must be one of {list(TRUNCATE)}")
         if seq_len < 1:
@@ -314,11 +330,22 @@ class TextPromptData(pl.LightningDataModule):
         return [torch.tensor(x[-seq_len:], dtype=torch.int32) for x in ids]
 
     def train_dataloader(self) -> DataLoader:
+        sharding = self._sampler_kwargs()
+        if sharding is not None:  # this dp rank's share, in the order shuffle says
+            sampler = DistributedSampler(self.rows, shuffle=self.shuffle, seed=self.seed, **sharding)
+            return DataLoader(self.rows, batch_size=self.batch_size, sampler=sampler,
+                              collate_fn=collate_prompt_groups, num_workers=self.num_workers)
         generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(self.rows, batch_size=self.batch_size, shuffle=self.shuffle, generator=generator,
                           collate_fn=collate_prompt_groups, num_workers=self.num_workers)
 
+    def _sampler_kwargs(self) -> dict | None:
+        """The attached Trainer's ``DistributedSampler`` arguments (``num_replicas``, ``rank``: the dp ranks under
+        ``strategy="ulysses"``) when its strategy shards the data; None without a Trainer or when it does not."""
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        return dict(kwargs) if kwargs is not None else None  # a ParallelStrategy's (DDP, FSDP, ulysses)
 
-__all__ = ["FORMATS", "RESERVED_COLUMNS", "PromptRows", "TextPromptData", "chat_ids", "check_columns",
+
+__all__ = ["FORMATS", "RESERVED_COLUMNS", "TEXT_EXTRA", "PromptRows", "TextPromptData", "chat_ids", "check_columns",
            "check_text_file", "encode_prompt", "has_chat_template", "is_conversation", "load_rows", "load_tokenizer",
-           "marks_assistant_tokens"]
+           "marks_assistant_tokens", "require_text_extra"]

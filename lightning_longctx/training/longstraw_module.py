@@ -172,6 +172,10 @@ class LongStrawModule(pl.LightningModule):
         group_size = arguments.get("group_size", 4)
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size={group_size!r} must be an int >= 1 (responses per prompt)")
+        if group_size == 1:
+            raise ValueError("group_size=1: a GRPO advantage is a response's reward minus its group's mean, 0 for a "
+                             "group of one response, so every gradient would be 0 and the run would train nothing; "
+                             "use group_size >= 2 (responses sampled per prompt)")
         check_sampling_options(group_size, **{k: arguments[k] for k in ("max_new_tokens", "temperature", "top_p",
                                                                          "top_k") if k in arguments})
         lr, max_grad_norm = arguments.get("lr", 1e-4), arguments.get("max_grad_norm")

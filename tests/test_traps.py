@@ -1,0 +1,107 @@
+"""The traps of issue 26 item 6, each refused or fixed before it costs a run: ``group_size=1`` (GRPO trains
+nothing), ``task.data.shuffle=false`` (Lightning's sampler shuffled anyway), the text tasks without the ``[text]``
+extra, and a ``LongStrawModule`` subclass given the text task's arguments."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from distributed import run_distributed
+from lightning_longctx import cli
+from lightning_longctx.config_checks import ConfigError
+from traps_workers import prompt_order
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "text_grpo"
+sys.path.insert(0, str(EXAMPLE))
+import make_data  # noqa: E402
+import make_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("leave_no_process_group")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return make_model.make_model(tmp_path_factory.mktemp("hf") / "tiny_qwen3")
+
+
+@pytest.fixture(scope="module")
+def qa_jsonl(tmp_path_factory) -> Path:
+    return make_data.write_jsonl(tmp_path_factory.mktemp("qa") / "train.jsonl", make_data.make_rows(6, 20))
+
+
+def _compose(*overrides: str):
+    with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_group_size_one_is_refused_with_the_reason():
+    from lightning_longctx import LongStrawModule
+    from lightning_longctx.models import DecoderConfig, DecoderLM
+
+    with pytest.raises(ConfigError, match=r"group_size=1: a GRPO advantage .* every gradient would be 0"):
+        cli.check_config(_compose("task.group_size=1"))
+    model = DecoderLM(DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    with pytest.raises(ValueError, match=r"group_size=1"):
+        LongStrawModule(model, group_size=1)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_shuffle_is_honoured_on_one_and_two_dp_ranks(hf_dir, qa_jsonl, shuffle):
+    """shuffle=false: the file's order, rank r of dp=2 taking rows r, r+2, ...; shuffle=true: the sampler's
+    permutation of ``seed`` (Lightning's own sampler used to shuffle a training loader in both cases)."""
+    rows = [json.loads(line)["prompt"] for line in qa_jsonl.read_text().splitlines()]
+    one = prompt_order(0, 1, str(hf_dir), str(qa_jsonl), shuffle)
+    two = run_distributed(prompt_order, 2, str(hf_dir), str(qa_jsonl), shuffle, timeout=240.0, init_group=False)
+    if not shuffle:
+        assert one == rows[:3]
+        assert two == [[rows[0], rows[2], rows[4]], [rows[1], rows[3], rows[5]]]
+        return
+    order = torch.randperm(6, generator=torch.Generator().manual_seed(3)).tolist()  # DistributedSampler's
+    assert one == [rows[i] for i in order[:3]] and one != rows[:3]
+    assert two == [[rows[i] for i in order[0::2]], [rows[i] for i in order[1::2]]]
+
+
+def test_the_text_tasks_without_the_text_extra_name_it(monkeypatch, qa_jsonl, hf_dir):
+    import importlib.util
+
+    from lightning_longctx.tasks.text_data import TextPromptData
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
+    with pytest.raises(ImportError, match=r"need \['datasets'\]: pip install 'lightning-longctx\[text\]'"):
+        TextPromptData(str(qa_jsonl), seq_len=512, tokenizer_path=str(hf_dir))
+
+
+MY_GRPO = """
+from lightning_longctx import LongStrawModule
+
+
+class MyGRPO(LongStrawModule):
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+
+    def reward(self, prompt_ids, responses, **fields):
+        return [0.0] * len(responses)
+"""
+
+
+def test_a_long_straw_subclass_under_text_grpo_is_refused_naming_the_text_base(tmp_path, monkeypatch, qa_jsonl,
+                                                                             hf_dir):
+    (tmp_path / "my_grpo_trap.py").write_text(MY_GRPO)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    cfg = _compose("task=text_grpo", f"model.pretrained={hf_dir}", f"tokenizer.path={hf_dir}",
+                   f"task.data.path={qa_jsonl}", "task.reward_funcs=[builtins.len]",
+                   "task.module._target_=my_grpo_trap.MyGRPO")
+    with pytest.raises(ConfigError, match=r"subclasses LongStrawModule, not TextGRPOModule.*'reward_funcs'.*"
+                                          r"'tokenizer_path'.*subclass lightning_longctx\.tasks\.text_grpo\."
+                                          r"TextGRPOModule"):
+        cli.check_config(cfg)
+    sys.modules.pop("my_grpo_trap", None)
