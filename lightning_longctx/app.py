@@ -22,7 +22,6 @@ directory is importable (``task.module._target_=my_grpo.MyGRPO`` with ``my_grpo.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import math
@@ -31,8 +30,6 @@ import warnings
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-
-from . import config_schema
 
 # Lightning and the training layer are imported inside the functions that build the Trainer's pieces: the
 # planning path (longctx-plan, longctx-rehearse's checks) imports this module without Lightning's import time.
@@ -47,29 +44,11 @@ from .config_checks import (  # the checks before any work; re-exported for cli.
     locate,
 )
 from .config_plan import longstraw_choices
+from .config_schema import decoder_config
 from .models import DecoderLM, MemoryConfig
-
-_HF_KEYS = ("_target_", "name", "hf_id", "pretrained", "lora")  # ModelConf keys that are not architecture fields
 
 
 # ------------------------------------------------------------------------------------------------ building
-def decoder_config(model_cfg: DictConfig):
-    """``DecoderConfig`` from a model preset. Fields ``DecoderConfig`` does not have must be at their defaults
-    (else the architecture would silently change)."""
-    from .models import DecoderConfig
-
-    values = {k: v for k, v in OmegaConf.to_container(model_cfg, resolve=True).items() if k not in _HF_KEYS}
-    known = {f.name for f in dataclasses.fields(DecoderConfig)}
-    schema_defaults = {f.name: f.default for f in dataclasses.fields(config_schema.ModelConf)}
-    unsupported = sorted(k for k in values if k not in known and values[k] != schema_defaults.get(k))
-    if unsupported:
-        raise NotImplementedError(
-            f"model={model_cfg.name}: DecoderLM does not implement the fields {unsupported}; "
-            f"longctx-plan model={model_cfg.name} still plans it"
-        )
-    return DecoderConfig(**{k: v for k, v in values.items() if k in known})
-
-
 def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
     """The ``MemoryConfig`` knobs of the model for ``cfg``.
 

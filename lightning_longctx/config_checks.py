@@ -6,6 +6,7 @@ every ``trainer.*`` key against ``lightning.pytorch.Trainer``'s signature; each 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import os
@@ -14,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .config_schema import prompts_per_rank
+from .config_schema import decoder_config, prompts_per_rank
 
 _HYDRA_KEYS = ("_target_", "_partial_", "_convert_", "_recursive_", "_args_")
 # Trainer arguments the CLI sets from other groups: key -> where to set it instead
@@ -119,6 +120,40 @@ def check_targets(cfg: DictConfig, *, injected: dict[str, tuple[str, ...]] | Non
             close = difflib.get_close_matches(arg, sorted(names), n=1)
             hint = f"; did you mean {key}.{close[0]}?" if close else f"; it takes {sorted(names)}"
             raise ConfigError(f"{key}.{arg}: {path} takes no argument {arg!r}{hint}")
+
+
+def _typed_nodes(node: DictConfig, key: str):
+    """``(full key, node)`` of ``node`` and every dict node under it whose schema is a dataclass (the open nodes,
+    typed ``Any``, are plain dicts; ``hydra`` excluded)."""
+    if node._is_none() or node._is_missing() or node._is_interpolation():
+        return
+    if dataclasses.is_dataclass(OmegaConf.get_type(node)):
+        yield key, node
+    for child in node:
+        value = node._get_node(child)
+        if isinstance(value, DictConfig) and not (key == "" and child == "hydra"):
+            yield from _typed_nodes(value, f"{key}.{child}" if key else str(child))
+
+
+def check_schema_keys(cfg: DictConfig) -> None:
+    """Every key of a typed node (``model`` and ``model.lora``, ``cluster``, ``memory``,
+    ``checkpoint``, ``plan``, a built-in task's top level, the root) is a field of its schema. Hydra refuses an
+    unknown key at composition, but adds one given with ``+`` (``+task.group_sise=4``) to any node: it would be
+    ignored. A ``model._target_`` builder may take keys of its own (those its signature names, or any with
+    ``**kwargs``). Raises :class:`ConfigError` naming the key and the closest valid one."""
+    for key, node in _typed_nodes(cfg, ""):
+        schema = OmegaConf.get_type(node)
+        names = {f.name for f in dataclasses.fields(schema)}
+        if key == "model" and isinstance(node.get("_target_"), str):
+            params = keyword_parameters(locate(node._target_, "model._target_"))
+            if params is None or params[1]:
+                continue
+            names |= params[0]
+        for extra in (str(k) for k in node if str(k) not in names):
+            where = f"{key}.{extra}" if key else extra
+            close = difflib.get_close_matches(extra, sorted(names), n=1)
+            hint = f"; did you mean {key + '.' if key else ''}{close[0]}?" if close else f"; it takes {sorted(names)}"
+            raise ConfigError(f"{where} is not a key of {key or 'the config'} ({schema.__name__}){hint}")
 
 
 def check_task(cfg: DictConfig) -> None:
@@ -287,8 +322,6 @@ def check_model_fields(cfg: DictConfig) -> None:
     if not isinstance(model, DictConfig):
         return
     if not model.get("_target_") and not model.get("pretrained"):
-        from .app import decoder_config
-
         try:
             decoder_config(model)
         except (TypeError, ValueError) as err:
@@ -300,8 +333,10 @@ def check_model_fields(cfg: DictConfig) -> None:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """All checks that need no model and no process group: task, trainer keys, every ``_target_``, the model's
-    fields, the task module's arguments and files, the cluster / logger / checkpoint settings."""
+    """All checks that need no model and no process group: the keys of the typed nodes, task, trainer keys, every
+    ``_target_``, the model's fields, the task module's arguments and files, the cluster / logger / checkpoint
+    settings."""
+    check_schema_keys(cfg)
     check_task(cfg)
     check_trainer_keys(cfg.trainer)
     check_targets(cfg)

@@ -4,7 +4,18 @@ ConfigStore.
 The YAML tree (``lightning_longctx/conf``) is validated against these dataclasses where strictness helps: an
 unknown key or a value of the wrong type in ``model``, ``cluster``, ``memory``, ``checkpoint``,
 ``plan`` or a built-in task's top level fails at composition with Hydra's error naming the key, before any
-work. ``config.yaml`` starts from ``base_config`` (:class:`Config`).
+work; a key added with ``+`` is refused at launch, naming the closest valid key
+(:func:`lightning_longctx.config_checks.check_schema_keys`). ``config.yaml`` starts from ``base_config``
+(:class:`Config`).
+
+Each knob is defined once, where the code that uses it is:
+
+- ``model``: :class:`ModelConf` is generated from :class:`~lightning_longctx.models.DecoderConfig`'s fields
+  (names, types, defaults), plus the preset's own keys (``_target_``, ``name``, ``hf_id``, ``pretrained``,
+  ``lora``); every architecture field is settable, and ``DecoderConfig`` checks the values.
+- a built-in task's top level (``schema/task/<name>``): generated from the signatures of the task's module and
+  data targets (:func:`task_schema`): each knob's type and default are the parameter's, so the yaml
+  (``conf/task/<name>.yaml``) sets only what the preset chooses differently.
 
 Open nodes (any key, no ``+`` needed; checked where they are used, before any work):
 
@@ -20,20 +31,65 @@ Open nodes (any key, no ``+`` needed; checked where they are used, before any wo
 
 A task's top level carries the planner's keys (``name``, ``mode`` = ``sft`` | ``longstraw``, ``seq_len``; for
 LongStraw also ``group_size``, ``max_new_tokens``, ``prompt_grad``) and any knobs its ``module`` / ``data``
-interpolate. Built-in tasks are typed (``schema/task/needle_grpo``: :class:`NeedleGRPOConf`,
-``schema/task/long_sft``: :class:`LongSFTConf`); a task from elsewhere starts from ``schema/task/base`` (open
-``module``/``data``, the planner keys required) and is checked at launch (:func:`lightning_longctx.app.check_task`).
+interpolate. A task from elsewhere starts from ``schema/task/base`` (open ``module``/``data``, the planner keys
+required) and is checked at launch (:func:`lightning_longctx.app.check_task`).
 
 Importing this module registers the schemas (``cli.py`` and ``lightning_longctx.conf`` do before Hydra composes).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from .models import DecoderConfig
+from .tasks.long_sft import LongSFTModule, recall_dataloader
+from .tasks.needle import NeedleGRPO, needle_dataloader
+from .tasks.text_data import TextPromptData
+from .tasks.text_grpo import TextGRPOModule
+from .tasks.text_sft import text_sft_dataloader
+from .training.evaluation import RolloutEvaluation
+
+
+def hydra_type(annotation: Any) -> Any:
+    """``annotation`` as a type OmegaConf can check: a tuple becomes a list, a union holding a container, a dict
+    (OmegaConf cannot merge a command-line dict into an optional dict node that is None) or any type OmegaConf
+    does not know (a tensor, a tokenizer) becomes ``Any`` (checked by the target itself), ``X | None`` stays
+    optional."""
+    if annotation is dict or typing.get_origin(annotation) is dict:
+        return Any
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        if len(args) == 1:
+            inner = hydra_type(args[0])
+            return Any if inner is Any else inner | None
+        return annotation if all(a in (int, float, bool, str) for a in args) else Any
+    if typing.get_origin(annotation) is tuple:
+        element = {a for a in typing.get_args(annotation) if a is not Ellipsis}
+        return list[element.pop()] if len(element) == 1 else list
+    try:
+        OmegaConf.structured(dataclasses.make_dataclass("Probe", [("value", annotation | None, field(default=None))]))
+    except Exception:  # noqa: BLE001 - any type OmegaConf refuses: the target checks the value itself
+        return Any
+    return annotation
+
+
+def schema_field(annotation: Any, default: Any) -> tuple[Any, Any]:
+    """``(type, dataclasses.field)`` for a schema field from a signature's (or a dataclass's) annotation and
+    default: containers through ``default_factory`` (a tuple as a list), no default as ``MISSING``."""
+    if default is inspect.Parameter.empty or default is dataclasses.MISSING:
+        return hydra_type(annotation), field(default=MISSING)
+    if isinstance(default, (list, tuple, dict)):
+        value = list(default) if isinstance(default, tuple) else default
+        return hydra_type(annotation), field(default_factory=lambda: type(value)(value))
+    return hydra_type(annotation), field(default=default)
 
 
 @dataclass
@@ -50,66 +106,42 @@ class LoRAConf:
     on_prompt: bool = True
 
 
-@dataclass
-class ModelConf:
-    """A decoder preset: HF field names (as ``DecoderConfig`` / transformers' config.json).
+MODEL_PRESET_KEYS = ("_target_", "name", "hf_id", "pretrained", "lora")  # ModelConf keys beside DecoderConfig's
 
-    ``pretrained``: a local HF checkpoint directory to load (``DecoderLM.from_pretrained``); None = random
-    init (shape-only runs, planning). ``hf_id``: the hub id the preset is shaped after (informational).
-    ``linear_*`` / ``attn_output_gate`` / ``zero_centered_norms`` / ``partial_rotary_factor``: the hybrid
-    (qwen3_5_text) fields.
 
-    ``_target_``: an optional model builder (``model._target_=my_pkg.build_model``), called with the fields of
-    this node (resolved) that its signature names (all but ``lora`` if it takes ``**kwargs``) plus
-    ``memory=MemoryConfig(...)`` if it takes ``memory``; ``model.lora`` is then attached by the CLI unless the
-    builder names a ``lora`` parameter. The architecture fields stay what the planner plans. None = ``DecoderLM``
-    from ``pretrained`` or the architecture fields (see ``lightning_longctx.app.build_model``).
-    """
+def _model_conf() -> type:
+    hints = typing.get_type_hints(DecoderConfig)
+    architecture = [(f.name, *schema_field(hints[f.name], f.default)) for f in dataclasses.fields(DecoderConfig)]
+    preset = [("_target_", str | None, field(default=None)), ("name", str, field(default=MISSING)),
+              ("hf_id", str | None, field(default=None)), ("pretrained", str | None, field(default=None))]
+    lora = [("lora", LoRAConf | None, field(default_factory=LoRAConf))]
+    return dataclasses.make_dataclass("ModelConf", preset + architecture + lora, namespace={
+        "__module__": __name__, "__doc__": _MODEL_DOC})
 
-    _target_: str | None = None
-    name: str = MISSING
-    hf_id: str | None = None
-    pretrained: str | None = None
-    vocab_size: int = MISSING
-    hidden_size: int = MISSING
-    intermediate_size: int = MISSING
-    num_hidden_layers: int = MISSING
-    num_attention_heads: int = MISSING
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False
-    layer_types: list[str] | None = None
-    attn_output_gate: bool = False
-    zero_centered_norms: bool = False
-    partial_rotary_factor: float = 1.0
-    linear_num_key_heads: int | None = None
-    linear_num_value_heads: int | None = None
-    linear_key_head_dim: int | None = None
-    linear_value_head_dim: int | None = None
-    linear_conv_kernel_dim: int | None = None
-    # MLA + MoE (deepseek_v3 / glm4_moe_lite; see DecoderConfig): set kv_lora_rank / n_routed_experts to use them
-    q_lora_rank: int | None = None
-    kv_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
-    qk_nope_head_dim: int | None = None
-    v_head_dim: int | None = None
-    rope_interleave: bool = True
-    n_routed_experts: int | None = None
-    num_experts_per_tok: int | None = None
-    n_shared_experts: int = 1
-    moe_intermediate_size: int | None = None
-    first_k_dense_replace: int | None = None
-    routed_scaling_factor: float = 1.0
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = True
-    shared_expert_intermediate_size: int | None = None  # Qwen3.5-MoE (qwen3_5_moe_text, with the hybrid fields)
-    max_position_embeddings: int | None = None
-    lora: LoRAConf | None = field(default_factory=LoRAConf)
+
+_MODEL_DOC = """A decoder preset: every :class:`~lightning_longctx.models.DecoderConfig` field (HF field names, as
+transformers' config.json; generated from the dataclass, so each has ``DecoderConfig``'s type and default)
+plus the preset's own keys.
+
+``pretrained``: a local HF checkpoint directory to load (``DecoderLM.from_pretrained``); None = random init
+(shape-only runs, planning). ``hf_id``: the hub id the preset is shaped after (informational).
+
+``_target_``: an optional model builder (``model._target_=my_pkg.build_model``), called with the fields of this
+node (resolved) that its signature names (all but ``lora`` if it takes ``**kwargs``) plus
+``memory=MemoryConfig(...)`` if it takes ``memory``; ``model.lora`` is then attached by the CLI unless the
+builder names a ``lora`` parameter; a key added with ``+`` must be one the builder names. The architecture
+fields stay what the planner plans. None = ``DecoderLM`` from ``pretrained`` or the architecture fields (see
+``lightning_longctx.app.build_model``).
+"""
+
+ModelConf = _model_conf()
+
+
+def decoder_config(model_cfg: DictConfig) -> DecoderConfig:
+    """``DecoderConfig`` from a model node: every key but the preset's own (:data:`MODEL_PRESET_KEYS`) is a
+    ``DecoderConfig`` field, checked by its ``__post_init__`` (ValueError / TypeError naming the value)."""
+    values = OmegaConf.to_container(model_cfg, resolve=True)
+    return DecoderConfig(**{k: v for k, v in values.items() if k not in MODEL_PRESET_KEYS})
 
 
 @dataclass
@@ -187,70 +219,81 @@ class TaskConf:
     data: Any = field(default_factory=dict)
 
 
-@dataclass
-class LongStrawTaskConf(TaskConf):
-    """A LongStraw (GRPO-family) task: the planner also reads G, the response length and ``prompt_grad``.
-    ``reward_timeout_s``: each reward call's limit (null = none); ``on_reward_error``: ``raise`` (default) or
-    ``skip_group`` for a reward that raises, times out or returns the wrong thing (``LongStrawModule``)."""
-
-    mode: str = "longstraw"
-    group_size: int = 8
-    max_new_tokens: int = 1024
-    prompt_grad: str = "full"
-    prompts_per_step: int | None = None  # global; null = one per data-parallel rank (see prompts_per_rank)
-    reward_timeout_s: float | None = None
-    on_reward_error: str = "raise"
-
-
-@dataclass
-class NeedleGRPOConf(LongStrawTaskConf):
-    """Needle-in-a-haystack GRPO with exact LongStraw steps (``tasks/needle.py``); ``seq_len`` = prompt tokens
-    (haystack + key marker + key + query marker). The knobs below reach ``module`` / ``data`` by interpolation
-    (``conf/task/needle_grpo.yaml``).
-
-    ``max_grad_norm``: the module clips each group step's gradients to this global norm (null = off; use it,
-    not ``trainer.gradient_clip_val``: the module optimises manually). ``lr_warmup_steps``: linear warmup
-    optimizer steps; ``lr_schedule``: ``constant`` or ``cosine`` (to 0 at ``trainer.max_steps``) after it.
-    ``memory.offload_checkpoints=true`` offloads the LongStraw prompt checkpoints (``module.offload_checkpoints``).
-    """
-
-    name: str = "needle_grpo"
-    seq_len: int = 2048
-    num_prompts: int = 64
-    group_size: int = 8
-    max_new_tokens: int = 2
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off; applied before top_p
-    logprob_temperature: float | None = None  # null = the sampling temperature (1 when greedy)
-    loss_type: str = "token_mean"
-    state_segment: int = 16384  # hybrids: linear-layer states kept every this many prompt tokens
-    beta: float = 0.0
-    clip_eps: list[float] = field(default_factory=lambda: [0.2, 0.2])
-    scale_rewards: bool = True
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    lr_warmup_steps: int = 0
-    lr_schedule: str = "constant"
-    num_workers: int = 0
-    seed: int = 0
+def target_parameters(target: Any) -> dict[str, tuple[Any, Any]]:
+    """``{name: (annotation, default)}`` of the keyword parameters ``target`` (a class or a function) takes; a
+    class's ``__init__`` that passes ``**kwargs`` on is followed up its MRO (``NeedleGRPO`` ->
+    ``LongStrawModule``), the first declaration of a name winning. ``default`` is ``inspect.Parameter.empty``
+    for a required parameter; an annotation that cannot be evaluated is ``Any``."""
+    owners = [c.__init__ for c in target.__mro__ if "__init__" in vars(c)] if isinstance(target, type) else [target]
+    found: dict[str, tuple[Any, Any]] = {}
+    for function in owners:
+        signature = inspect.signature(function)
+        namespace = vars(inspect.getmodule(function))
+        for name, parameter in signature.parameters.items():
+            if name == "self" or name in found or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+                continue
+            annotation = parameter.annotation
+            if isinstance(annotation, str):
+                try:
+                    annotation = eval(annotation, namespace)  # noqa: S307 - the package's own annotations
+                except Exception:  # noqa: BLE001 - a name only a type checker sees
+                    annotation = Any
+            found[name] = (Any if annotation is inspect.Parameter.empty else annotation, parameter.default)
+        if not any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+            break
+    return found
 
 
-@dataclass
-class LongSFTConf(TaskConf):
-    """Synthetic long-context SFT (``tasks/long_sft.py``): recall a passage hidden in a long context."""
+def task_schema(name: str, mode: str, sources: tuple[tuple[Any, str], ...], knobs: tuple[str, ...],
+                declared: dict[str, tuple[Any, Any]] | None = None) -> type:
+    """The schema of a built-in task's top level (``schema/task/<name>``): :class:`TaskConf` with ``name`` and
+    ``mode`` set, plus one field per knob, typed and defaulted as the parameter that defines it: the first of
+    ``sources`` (``(target, prefix)``: the module, the data target, ``(RolloutEvaluation, "eval_")`` for
+    ``eval_samples`` = its ``samples``) whose signature (:func:`target_parameters`) has ``knob`` minus the prefix
+    (``MISSING`` where the parameter has no default: the task's yaml sets it). A knob no signature takes (read
+    by a resolver or by the app) is ``declared`` here: ``{knob: (type, default)}``. The yaml's ``module`` /
+    ``data`` nodes interpolate the knobs (``lr: ${task.lr}``). An undefined knob raises ``TypeError`` at import."""
+    parameters = dict(declared or {})
+    for target, prefix in sources:
+        for parameter, spec in target_parameters(target).items():
+            parameters.setdefault(prefix + parameter, spec)
+    missing = [knob for knob in knobs if knob not in parameters]
+    if missing:
+        raise TypeError(f"task {name}: the knobs {missing} are parameters of none of "
+                        f"{[target.__qualname__ for target, _ in sources]}; declare them")
+    fields = [("name", str, field(default=name)), ("mode", str, field(default=mode))]
+    fields += [(knob, *schema_field(*parameters[knob])) for knob in knobs]
+    names = ", ".join(f"{t.__module__}.{t.__qualname__}" for t, _ in sources)
+    doc = f"``task={name}``: the knobs {', '.join(knobs)}, typed and defaulted as in {names}."
+    class_name = "".join(part.title() for part in name.split("_")) + "Conf"
+    return dataclasses.make_dataclass(class_name, fields, bases=(TaskConf,),
+                                      namespace={"__module__": __name__, "__doc__": doc})
 
-    name: str = "long_sft"
-    mode: str = "sft"
-    seq_len: int = 4096
-    num_samples: int = 64
-    batch_size: int = 1
-    passage_len: int = 16
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    num_workers: int = 0
-    seed: int = 0
+
+_LONGSTRAW_KNOBS = ("group_size", "max_new_tokens", "prompt_grad", "temperature", "loss_type", "beta", "lr",
+                    "max_grad_norm", "lr_warmup_steps", "lr_schedule", "reward_timeout_s", "on_reward_error",
+                    "prompts_per_step")
+# knobs no signature takes: prompts_per_step (global, split over the dp ranks by ${longctx.prompts_per_rank:...}
+# into data.batch_size); eval_every_n_steps (0 = no held-out evaluation: RolloutEvaluation is not built);
+# eval_data (a _target_ node like data, read by app.build_evaluation)
+_DECLARED = {"prompts_per_step": (int | None, None), "eval_every_n_steps": (int, 0), "eval_data": (Any, {})}
+_EVAL = (RolloutEvaluation, "eval_")  # eval_samples, eval_greedy, eval_pass_threshold
+TASK_SCHEMAS = {
+    # seq_len = prompt tokens (haystack + key marker + key + query marker); state_segment: hybrids' linear-layer
+    # states kept every this many prompt tokens; max_grad_norm: the module clips each group step (not
+    # trainer.gradient_clip_val: it optimises manually); lr_schedule constant | cosine (to 0 at trainer.max_steps)
+    "needle_grpo": task_schema("needle_grpo", "longstraw", ((NeedleGRPO, ""), (needle_dataloader, "")), (
+        "seq_len", "num_prompts", *_LONGSTRAW_KNOBS, "top_p", "top_k", "logprob_temperature", "state_segment",
+        "clip_eps", "scale_rewards", "weight_decay", "seed", "num_workers"), _DECLARED),
+    "long_sft": task_schema("long_sft", "sft", ((LongSFTModule, ""), (recall_dataloader, "")), (
+        "seq_len", "num_samples", "batch_size", "passage_len", "lr", "weight_decay", "seed", "num_workers")),
+    "text_grpo": task_schema("text_grpo", "longstraw", ((TextGRPOModule, ""), (TextPromptData, ""), _EVAL), (
+        "seq_len", *_LONGSTRAW_KNOBS, "reward_funcs", "reward_weights", "check_rewards",
+        "log_completions_every_n_steps", "eval_every_n_steps", "eval_samples", "eval_greedy",
+        "eval_pass_threshold", "eval_data"), _DECLARED),
+    "text_sft": task_schema("text_sft", "sft", ((LongSFTModule, ""), (text_sft_dataloader, "")), ("seq_len", "lr")),
+}
+NeedleGRPOConf, LongSFTConf = TASK_SCHEMAS["needle_grpo"], TASK_SCHEMAS["long_sft"]
 
 
 @dataclass
@@ -331,21 +374,33 @@ class Config:
     on_nonfinite: str = "raise"
 
 
-TASK_SCHEMAS = {"needle_grpo": NeedleGRPOConf, "long_sft": LongSFTConf}
 OPEN_NODES = ("trainer", "tokenizer", "logger")  # keys of Config whose nodes take any key
-OPEN_TASK_NODES = ("module", "data")
+OPEN_TASK_NODES = ("module", "data", "eval_data")  # (eval_data where the schema has it)
 
 
-def _open(node: DictConfig, *keys: str) -> DictConfig:
+def open_keys(node: DictConfig, *keys: str) -> DictConfig:
     """``node`` with its children ``keys`` open: new keys need no ``+`` (Hydra's struct mode stays on elsewhere)."""
     for key in keys:
-        node[key]._set_flag("struct", False)
+        if key in node:
+            node[key]._set_flag("struct", False)
     return node
 
 
-def task_schema(schema: type) -> DictConfig:
+def task_schema_node(schema: type) -> DictConfig:
     """A task schema node as stored: typed top level, open ``module`` and ``data``."""
-    return _open(OmegaConf.structured(schema), *OPEN_TASK_NODES)
+    return open_keys(OmegaConf.structured(schema), *OPEN_TASK_NODES)
+
+
+INTERNAL_GROUPS = ("hydra", "schema")  # config groups --help leaves out: Hydra's own, and the schemas yaml extends
+
+
+def user_config_groups() -> str:
+    """The ``group: option, option`` lines of ``--help`` (the ``${longctx.config_groups:}`` of the help template
+    in ``conf/config.yaml`` and ``conf/rehearse.yaml``): Hydra's own listing (``$APP_CONFIG_GROUPS``, every
+    group of the search path) without the :data:`INTERNAL_GROUPS`."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    return GlobalHydra.instance().hydra.format_config_groups(lambda group: group.split("/")[0] not in INTERNAL_GROUPS)
 
 
 def prompts_per_rank(prompts_per_step: int | None, devices: int, num_nodes: int, sp_size: int | None) -> int:
@@ -370,20 +425,23 @@ def prompts_per_rank(prompts_per_step: int | None, devices: int, num_nodes: int,
 
 
 def register_resolvers() -> None:
-    """``${longctx.prompts_per_rank:...}`` (:func:`prompts_per_rank`), idempotent."""
+    """``${longctx.prompts_per_rank:...}`` (:func:`prompts_per_rank`) and ``${longctx.config_groups:}``
+    (:func:`user_config_groups`), idempotent."""
     if not OmegaConf.has_resolver("longctx.prompts_per_rank"):
         OmegaConf.register_new_resolver("longctx.prompts_per_rank", prompts_per_rank)
+    if not OmegaConf.has_resolver("longctx.config_groups"):
+        OmegaConf.register_new_resolver("longctx.config_groups", user_config_groups)
 
 
 def register_configs() -> None:
     """Store the schemas: ``base_config``, ``schema/task/<name>`` (and ``schema/task/base``: the planner keys
-    required, everything else free, for tasks defined outside this package), ``schema/export`` (idempotent)."""
+    required, everything else free, for tasks defined outside this package), ``export_schema`` (idempotent)."""
     cs = ConfigStore.instance()
-    cs.store(name="base_config", node=_open(OmegaConf.structured(Config), *OPEN_NODES))
+    cs.store(name="base_config", node=open_keys(OmegaConf.structured(Config), *OPEN_NODES))
     for name, schema in TASK_SCHEMAS.items():
-        cs.store(group="schema/task", name=name, node=task_schema(schema))
+        cs.store(group="schema/task", name=name, node=task_schema_node(schema))
     base = OmegaConf.create({"name": MISSING, "mode": MISSING, "seq_len": MISSING, "module": {}, "data": {}})
-    cs.store(group="schema/task", name="base", node=_open(base, *OPEN_TASK_NODES))
+    cs.store(group="schema/task", name="base", node=open_keys(base, *OPEN_TASK_NODES))
     cs.store(name="export_schema", node=ExportConf)
 
 
@@ -395,8 +453,9 @@ __all__ = [
     "ClusterConf",
     "Config",
     "ExportConf",
+    "LoRAConf",
     "LongSFTConf",
-    "LongStrawTaskConf",
+    "MODEL_PRESET_KEYS",
     "MemoryConf",
     "ModelConf",
     "NeedleGRPOConf",
@@ -404,8 +463,16 @@ __all__ = [
     "PlanConf",
     "TASK_SCHEMAS",
     "TaskConf",
+    "INTERNAL_GROUPS",
+    "decoder_config",
+    "hydra_type",
+    "open_keys",
     "prompts_per_rank",
     "register_configs",
     "register_resolvers",
+    "schema_field",
+    "target_parameters",
     "task_schema",
+    "task_schema_node",
+    "user_config_groups",
 ]

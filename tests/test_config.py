@@ -5,7 +5,10 @@ rest of the project relies on (tiny = the examples' model, the hybrid's 64 KiB/t
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from omegaconf import OmegaConf
 
 from lightning_longctx import app, config_schema
 from lightning_longctx.cli import check_slurm_layout, decoder_config, plan_request, trainer_precision
+from lightning_longctx.config_checks import check_schema_keys
 from lightning_longctx.planner import ModelShape, kv_cache_bytes, plan
 from lightning_longctx.planner.budget import MemoryKnobs
 
@@ -279,18 +283,164 @@ def test_unknown_precision_or_the_old_dtype_key_fails_naming_what_to_set(overrid
         assert "bf16-mixed" in str(err.value)
 
 
-def test_help_lists_the_groups_and_their_options(monkeypatch, capsys):
+@pytest.mark.parametrize("entry", ["train", "plan", "rehearse"])
+def test_help_lists_the_users_groups_and_their_options(monkeypatch, capsys, entry):
+    """``--help`` of longctx-train / -plan / -rehearse lists the groups a user composes from, not the internal
+    ``schema/task`` group the task yaml files extend (Hydra's own ``$APP_CONFIG_GROUPS`` lists it)."""
     from lightning_longctx import cli
+    from lightning_longctx.rehearse import cli as rehearse_cli
 
-    monkeypatch.setattr(sys, "argv", ["longctx-train", "--help"])
+    main = {"train": cli.train, "plan": cli.plan, "rehearse": rehearse_cli.rehearse}[entry]
+    monkeypatch.setattr(sys, "argv", [f"longctx-{entry}", "--help"])
     with pytest.raises(SystemExit) as done:
-        cli.train()
+        main()
     assert done.value.code in (0, None)
     text = capsys.readouterr().out
-    assert "== Configuration groups ==" in text and "longctx-train" in text
+    assert "== Configuration groups ==" in text and f"longctx-{entry}" in text
+    groups = text.split("== Configuration groups ==")[1].split("== Config ==")[0]
     for line in ("model: deepseek_v3, llama3_8b, qwen3_32b, qwen3_5_27b, qwen3_5_35b_a3b, qwen3_8b, tiny, tiny_hybrid, "
                  "tiny_hybrid_moe, tiny_mla_moe",
-                 "memory: cpu, h100_80g, h200_141g, h20_96g", "task: long_sft, needle_grpo", "trainer: default, smoke",
-                 "checkpoint: default", "tokenizer: default"):
-        assert line in text, text
-    assert "cluster: cpu_2proc, node_8gpu" in text, text
+                 "memory: cpu, h100_80g, h200_141g, h20_96g", "task: long_sft, needle_grpo, text_grpo, text_sft",
+                 "trainer: default, smoke", "checkpoint: default", "tokenizer: default"):
+        assert line in groups, groups
+    assert "cluster: cpu_2proc, node_8gpu" in groups, groups
+    assert "schema" not in groups and "hydra/" not in groups, groups
+
+
+# ------------------------------------------------------------------------------------------ one definition
+def test_the_model_node_is_decoder_config():
+    """ModelConf is generated from DecoderConfig: every field (the scaled-RoPE, GLM-layout and metadata ones too)
+    with its default, settable from the command line and reaching the built config; a value DecoderConfig
+    refuses is named before any work."""
+    from lightning_longctx.models import DecoderConfig
+
+    schema = {f.name: f for f in dataclasses.fields(config_schema.ModelConf)}
+    for f in dataclasses.fields(DecoderConfig):
+        assert f.name in schema, f.name
+        default = f.default if f.default is not dataclasses.MISSING else "???"
+        assert schema[f.name].default == default, f.name
+    assert set(schema) - {f.name for f in dataclasses.fields(DecoderConfig)} == set(config_schema.MODEL_PRESET_KEYS)
+    cfg = compose_cfg("model=tiny", "model.rope_parameters={rope_type: linear, factor: 2.0}",
+                      "model.initializer_range=0.01", "model.attention_out_bias=false", "model.attention_bias=true",
+                      "model.max_position_embeddings=4096")
+    config = decoder_config(cfg.model)
+    assert config.rope_parameters == {"rope_type": "linear", "factor": 2.0}
+    assert (config.initializer_range, config.attention_out_bias, config.attention_bias) == (0.01, False, True)
+    assert config.shape_model_type() == "qwen2" and config.max_position_embeddings == 4096
+    glm = decoder_config(compose_cfg("model=tiny_mla_moe", "model.first_k_dense_replace=null",
+                                     "model.mlp_layer_types=[sparse,dense,sparse]").model)
+    assert glm.mlp_layer_types == ["sparse", "dense", "sparse"] and glm.shape_model_type() == "glm4_moe_lite"
+    with pytest.raises(app.ConfigError, match=r"model\.initializer_range=-1\.0 must be a finite number >= 0"):
+        app.check_config(compose_cfg("model.initializer_range=-1"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("+task.group_sise=4",), "task.group_sise is not a key of task (NeedleGrpoConf); did you mean task.group_size?"),
+    (("task=text_grpo", "+task.group_sise=4"), "task.group_sise is not a key of task (TextGrpoConf); did you mean "
+                                               "task.group_size?"),
+    (("task=long_sft", "+task.passage=4"), "task.passage is not a key of task (LongSftConf); did you mean "
+                                           "task.passage_len?"),
+    (("+model.hiden_size=128",), "model.hiden_size is not a key of model (ModelConf); did you mean model.hidden_size?"),
+    (("+model.lora.rank=4",), "model.lora.rank is not a key of model.lora (LoRAConf)"),
+    (("+memory.head_chunk=1",), "memory.head_chunk is not a key of memory"),
+    (("+cluster.gpus=8",), "cluster.gpus is not a key of cluster (ClusterConf)"),
+    (("+checkpoint.evry_n_steps=8",), "did you mean checkpoint.every_n_steps?"),
+])
+def test_a_key_added_with_plus_is_refused_naming_the_closest(overrides, message):
+    """Hydra adds a ``+`` key to any node, typed or not; the launch checks refuse one the schema does not have
+    (it would be ignored), before any work."""
+    with pytest.raises(app.ConfigError) as err:
+        app.check_config(compose_cfg(*overrides))
+    assert message in str(err.value), str(err.value)
+
+
+def test_a_model_builder_may_take_keys_of_its_own(tmp_path, monkeypatch):
+    (tmp_path / "my_builder.py").write_text("def build(hidden_size, my_width, memory=None):\n    return None\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    check_schema_keys(compose_cfg("model._target_=my_builder.build", "+model.my_width=3"))
+    with pytest.raises(app.ConfigError, match="model.my_widht is not a key of model"):
+        check_schema_keys(compose_cfg("model._target_=my_builder.build", "+model.my_widht=3"))
+
+
+def _written(group: str, option: str) -> dict:
+    """The preset file as written (no defaults list, no schema, interpolations unresolved)."""
+    values = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
+    values.pop("defaults", None)
+    return values
+
+
+def _schema_defaults(schema: type) -> dict:
+    return {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+            for f in dataclasses.fields(schema)}
+
+
+_RECEIVED: list[dict] = []
+
+
+def _record(*args, **kwargs):
+    """A stand-in ``_target_``: keeps the keyword arguments ``instantiate`` passes."""
+    _RECEIVED.append(kwargs)
+
+
+_TASK_FILES = {"text_grpo": ("task.data.path=prompts.jsonl", "tokenizer.path=tok"),  # the ??? the user gives
+               "text_sft": ("task.data.path=chats.jsonl", "tokenizer.path=tok")}
+
+
+@pytest.mark.parametrize("task", options("task"))
+def test_each_knob_reaches_the_module_as_the_yaml_or_the_signature_says(task):
+    """Each built-in task's knobs are defined once: the schema's default is the parameter's default in the
+    module's (else the data target's) signature, the yaml sets only what differs from it, and every knob reaches
+    the module or the data target. What ``instantiate`` hands ``task.module`` and ``task.data`` is what the yaml
+    files say (the task's, and the model / memory presets' for ``${model.*}`` / ``${memory.*}``), else the
+    schema default, for every model and every memory preset."""
+    from hydra.utils import instantiate
+
+    from lightning_longctx.training.evaluation import RolloutEvaluation
+
+    schema = config_schema.TASK_SCHEMAS[task]
+    defaults = _schema_defaults(schema)
+    written = _written("task", task)
+    nodes = {part: written.pop(part) for part in ("module", "data", "eval_data") if part in written}
+    signatures = [(config_schema.target_parameters(app.locate(nodes[part]["_target_"], part)), "")
+                  for part in ("module", "data")] + [(config_schema.target_parameters(RolloutEvaluation), "eval_")]
+    interpolated = " ".join(str(v) for node in nodes.values() for v in node.values())
+    knobs = sorted(set(defaults) - {"module", "data", "eval_data", "name", "mode"})
+    for knob in knobs:
+        declared = next((p[knob[len(prefix):]][1] for p, prefix in signatures
+                         if knob.startswith(prefix) and knob[len(prefix):] in p), None)
+        if declared is not None and declared is not inspect.Parameter.empty:
+            assert defaults[knob] == (list(declared) if isinstance(declared, tuple) else declared), knob
+        assert written.get(knob, object()) != defaults[knob], f"conf/task/{task}.yaml restates task.{knob}"
+        # a knob reaches the module or the data target through an interpolation, or the app reads it (eval_*:
+        # app.build_evaluation's RolloutEvaluation)
+        assert re.search(rf"task\.{knob}\b", interpolated) or knob.startswith("eval_"), \
+            f"task.{knob} reaches neither task.module nor task.data"
+    assert set(written) <= set(knobs), sorted(set(written) - set(knobs))
+    schema_of = {"model": config_schema.ModelConf, "memory": config_schema.MemoryConf}
+    with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
+        base = compose(config_name="config", overrides=[f"task={task}", *_TASK_FILES.get(task, ())])
+    assert OmegaConf.get_type(base.task) is schema
+    for group, option in [("model", m) for m in options("model")] + [("memory", m) for m in options("memory")]:
+        # each preset in its group's node, merged as Hydra merges it (composing the tree per preset is slow)
+        cfg = base.copy()
+        cfg[group] = OmegaConf.merge(OmegaConf.structured(schema_of[group]), _written(group, option))
+        preset = {"model": _written("model", cfg.model.name), "memory": _written("memory", cfg.memory.name)}
+        for part, node in nodes.items():
+            if part == "eval_data":
+                continue  # built only with task.eval_every_n_steps (test_eval.py)
+            injected = {"model": None} if part == "module" else {}
+            instantiate(cfg.task[part], _target_=_record, _convert_="all", **injected)
+            got = _RECEIVED.pop()
+            for key, value in node.items():
+                if str(key).startswith("_") or value == "???":  # Hydra's keys; what the user must give
+                    continue
+                if isinstance(value, str) and value.startswith("${") and value.count("${") == 1:
+                    root, name = value[2:-1].split(".") if "." in value else (value[2:-1], "")
+                    if root == "task":
+                        value = written.get(name, defaults[name])
+                    elif root in preset:
+                        value = preset[root].get(name, _schema_defaults(schema_of[root]).get(name))
+                    else:  # ${seed}, ${tokenizer.path}: the run's, not a preset's
+                        value = OmegaConf.select(cfg, value[2:-1])
+                assert got[key] == value, (task, group, option, part, key, got[key], value)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from ..config_schema import OPEN_NODES, Config, _open
+from ..config_schema import OPEN_NODES, Config, open_keys
 
 
 @dataclass
@@ -42,7 +42,7 @@ class RehearseConfig(Config):
 
 def register() -> None:
     """Store ``rehearse_schema`` (idempotent)."""
-    ConfigStore.instance().store(name="rehearse_schema", node=_open(OmegaConf.structured(RehearseConfig),
+    ConfigStore.instance().store(name="rehearse_schema", node=open_keys(OmegaConf.structured(RehearseConfig),
                                                                      *OPEN_NODES))
 
 
