@@ -435,7 +435,11 @@ def test_each_knob_reaches_the_module_as_the_yaml_or_the_signature_says(task):
             for key, value in node.items():
                 if str(key).startswith("_") or value == "???":  # Hydra's keys; what the user must give
                     continue
-                if isinstance(value, str) and value.startswith("${") and value.count("${") == 1:
+                if isinstance(value, str) and value.startswith("${longctx.prompts_per_rank:"):
+                    cluster, per_step = cfg.cluster, written.get("prompts_per_step", defaults["prompts_per_step"])
+                    value = config_schema.prompts_per_rank(per_step, cluster.devices, cluster.num_nodes,
+                                                           cluster.sp_size)  # the knob over the dp ranks
+                elif isinstance(value, str) and value.startswith("${") and value.count("${") == 1:
                     root, name = value[2:-1].split(".") if "." in value else (value[2:-1], "")
                     if root == "task":
                         value = written.get(name, defaults[name])
