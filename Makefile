@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check lightning_longctx tests bench examples
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
@@ -24,6 +25,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lightning_longctx tests bench examples
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV)

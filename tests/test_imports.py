@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
 import re
@@ -245,3 +246,87 @@ def test_renamed_modules_import_under_their_old_names_with_a_warning(old, new, n
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "deprecated" in out.stdout and new.rsplit(".", 1)[0] in out.stdout, out.stdout
+
+
+# ------------------------------------------------------------------------------------------------- layers
+PACKAGE = ROOT / "lightning_longctx"
+
+
+def test_import_contracts_hold():
+    """pyproject's ``[tool.importlinter]`` contracts, as ``make test`` runs them (``lint-imports``): each layer
+    imports only the layers below it (cli -> app -> training -> longstraw | planner -> models -> parallel -> ops),
+    and the Lightning-free layers import no Lightning. Here too so a violation fails CI whatever the Makefile runs."""
+    cli = pytest.importorskip("importlinter.cli", reason="import-linter is not installed (pip install -e '.[dev]')")
+    status = cli.lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True)
+    assert status == 0, "lint-imports found a broken contract: see the captured stdout"
+
+
+def _import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycles_between_modules_not_even_through_function_level_imports():
+    """No two modules of the package import each other, directly or round a loop, counting imports inside
+    functions (grimp sees those: a function-level import is no way around a cycle). The package ``__init__``
+    re-exports are counted too."""
+    grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter (pip install -e '.[dev]')")
+    graph = grimp.build_graph("lightning_longctx", cache_dir=None)
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    assert _import_cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_a_loop_through_three_modules():
+    assert _import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """``from .x import _name`` across modules of the package: a private name another module needs is made public
+    (with a docstring) or the code moves (``__future__`` and dunders aside)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            ours = isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(PACKAGE.name))
+            if ours:
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {private}")
+    assert found == []
