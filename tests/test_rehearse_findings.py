@@ -52,3 +52,24 @@ def test_half_weight_gradient_is_the_float32_sum_of_the_chunks():
         dlogits[torch.arange(16), targets[start:start + 16]] += 1.0
         total += (dlogits.to(torch.bfloat16).T @ h[start:start + 16]).float()
     assert torch.equal(grad_w, total.to(torch.bfloat16))
+
+
+def test_the_decode_head_plan_reads_no_device_value():
+    """Found by the LongStraw rehearsal: the rollouts' decode head plan (``models.decode.attention_plan``) read
+    its heads back from the stage plan's index tensors (``.tolist()``): on fake tensors a value no one has (a
+    placeholder read made every head 0 and the plan's own check refused it). It now comes from the stage
+    schedule's Python ints: under FakeTensorMode, where any read raises, the plan is built and is the real one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_longctx.models.decode import attention_plan
+    from sampling_workers import build_model
+
+    attn = build_model("plain").layers[0].self_attn  # 8 query heads over 2 K/V heads
+    real = attention_plan(attn, torch.device("cpu"))
+    assert real.groups == 4 and real.stage.q_index.tolist() == list(range(8))
+    assert real.stage.kv_heads.tolist() == [0, 1]
+    attn.__dict__.pop("_decode_plans")
+    with FakeTensorMode():
+        fake = attention_plan(attn, torch.device("cpu"))
+    assert fake.groups == real.groups and fake.stage.q_index.shape == real.stage.q_index.shape
+    assert fake.stage.kv_heads.shape == real.stage.kv_heads.shape

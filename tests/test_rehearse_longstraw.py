@@ -15,8 +15,11 @@ from distributed import run_distributed
 from test_rehearse_workers import LONGSTRAW_PHASES, fitted_longstraw_peaks, sharded_longstraw_peaks
 
 # G=2 responses of 2 tokens over a 256-token needle prompt: every phase of the step, few ops (fake dispatch costs)
+# (all local heads at once: a quarter of memory=cpu's per-head dispatches)
 TINY_GRPO = ["task=needle_grpo", "task.seq_len=256", "task.group_size=2", "task.max_new_tokens=2",
-             "task.num_prompts=4"]
+             "task.num_prompts=4", "memory.head_chunk_size=null"]
+# a rehearsal and a real run of a whole LongStraw step each: ~1 min on an idle 2-core machine, several under load
+HEAVY = pytest.mark.timeout(900)
 
 
 def rehearsed(overrides):
@@ -34,20 +37,41 @@ def assert_close(rehearsed_peaks, real_peaks):
         assert rehearsed_peaks[name] == pytest.approx(real_peaks[name], rel=0.02), name
 
 
-def test_one_rank_longstraw_rehearsal_equals_the_fitted_run():
+@HEAVY
+def test_one_rank_longstraw_rehearsal_equals_the_fitted_run(monkeypatch):
+    from lightning_longctx.training import UlyssesStrategy, longstraw_module
+    from lightning_longctx.training.longstraw_module import LongStrawModule
+
+    calls = []  # spies: the rehearsal runs the functions a real run calls, through the same names
+    for owner, name in [(LongStrawModule, "training_step"), (LongStrawModule, "prefill"), (longstraw_module, "sample"),
+                        (LongStrawModule, "group_rewards"), (longstraw_module, "longstraw_step"),
+                        (UlyssesStrategy, "optimizer_step")]:
+        original = getattr(owner, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
     one = [*TINY_GRPO, "model=tiny", "cluster.devices=1"]
     result = rehearsed(one)
-    assert_close(by_phase(result), run_distributed(fitted_longstraw_peaks, 1, one, timeout=400)[0])
+    monkeypatch.undo()
+    per_step = ["training_step", "prefill", "sample", "group_rewards", "longstraw_step", "optimizer_step"]
+    assert calls == per_step * 2  # rehearsal.steps=2: the measured step and the one before it
+    assert_close(by_phase(result), run_distributed(fitted_longstraw_peaks, 1, one, timeout=800)[0])
     # the planner's rollouts phase is the step's sampling; the reward's host reads are said in the output
     sampling = next(row for row in result.rows if row.name == "sampling")
     assert sampling.planned_bytes == result.plan.phases["rollouts"]
     assert any(note.startswith("host reads answered with placeholders") and "reward:" in note for note in result.notes)
 
 
-@pytest.mark.parametrize("model", ["tiny"])
+# dense attention; Gated DeltaNet + gated attention (2 chunks of 64)
+@HEAVY
+@pytest.mark.parametrize("model", [["model=tiny"], ["model=tiny_hybrid", "task.seq_len=128"]],
+                         ids=["tiny", "tiny_hybrid"])
 def test_two_rank_longstraw_rehearsal_equals_rank_0_of_a_gloo_run(model):
-    two = [*TINY_GRPO, f"model={model}", "cluster.devices=2"]
-    real, real_collectives = run_distributed(sharded_longstraw_peaks, 2, two, timeout=400)[0]
+    two = [*TINY_GRPO, *model, "cluster.devices=2"]
+    real, real_collectives = run_distributed(sharded_longstraw_peaks, 2, two, timeout=800)[0]
     result = rehearsed(two)
     assert_close(by_phase(result), real)
     rehearsed_collectives = {row.name: {k: c["count"] for k, c in row.collectives.items()} for row in result.rows

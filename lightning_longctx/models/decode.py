@@ -37,7 +37,7 @@ from ..ops.attention import attention_forward
 from ..ops.gated_delta import l2norm
 from ..ops.merge import merge_attention_outputs
 from ..parallel import group_rank, group_size
-from ..parallel.head_stages import Stage
+from ..parallel.head_stages import Stage, check_head_layout, head_schedule
 from .fused_attention import stage_qkv, stage_weights
 from .lora import fold_stage_lora
 
@@ -137,13 +137,17 @@ def attention_plan(attn, device) -> AttentionPlan:
     plans = attn.__dict__.setdefault("_decode_plans", {})
     if key in plans:
         return plans[key]
-    q_heads, kv_heads = [], []
-    for st in attn.stages(device):  # once per layout: host reads of the small index tensors are fine
-        c = st.q_index.numel() // world
-        q_heads += st.q_index[rank * c:(rank + 1) * c].tolist()
-        if st.cache_new:  # the K/V heads this stage delivered to this rank, in cache layout order
-            sent = st.kv_heads if st.kv_send is None else st.kv_heads[st.kv_send]
-            kv_heads += sent[rank * st.kv_per_rank:(rank + 1) * st.kv_per_rank].tolist()
+    # from the stage schedule's Python ints (what build_stages makes the index tensors of): no host read of a
+    # device tensor, so a rehearsal on fake tensors gets the real plan
+    chunk = check_head_layout(attn.num_heads, attn.num_kv_heads, world, attn.head_chunk_size)
+    q_heads, kv_heads, delivered = [], [], None
+    for stage_q, stage_kv in head_schedule(attn.num_heads, attn.num_kv_heads, world, chunk):
+        c, m = len(stage_q) // world, len(stage_kv) // world
+        q_heads += stage_q[rank * c:(rank + 1) * c]
+        mine = list(stage_kv[rank * m:(rank + 1) * m])
+        if mine != delivered:  # the K/V heads this stage delivers to this rank first, in cache layout order
+            kv_heads += mine
+            delivered = mine
     g = attn.num_heads // attn.num_kv_heads
     groups = len(q_heads) // len(kv_heads)
     reads = [kv_heads.index(h // g) for h in q_heads]

@@ -14,7 +14,10 @@ from dataclasses import asdict, dataclass, field
 
 from ..planner import GIB, Plan
 
-HOST_LIVE_PHASES = ("forward", "backward")  # the offloaded checkpoints live through these (freed before the update)
+# per task mode, the phases the offloaded (host) tensors live through, freed before the update: SFT's checkpoints;
+# LongStraw's prompt checkpoints and K/V cache (prefill to grouped backward)
+HOST_LIVE_PHASES = {"sft": ("forward", "backward"),
+                    "longstraw": ("prefill", "sampling", "reward", "replay", "grouped backward")}
 
 
 @dataclass
@@ -61,7 +64,7 @@ def phase_rows(names, tracker, counters, transfers, plan: Plan, hw=None, num_nod
     """A :class:`PhaseRow` per phase of ``names`` (in that order), then any other phase the step marked; with
     ``hw`` (:class:`~.roofline.Hardware`) each row's roofline estimate. ``host_folded``: host bytes the
     measurement cannot tell from device bytes (a CPU stand-in for the GPU), added to the planned phases they live
-    through (:data:`HOST_LIVE_PHASES`)."""
+    through (:data:`HOST_LIVE_PHASES` of the plan's mode)."""
     from .roofline import phase_times
 
     seen = list(names) + [n for n in tracker.device_peaks if n not in names]
@@ -71,7 +74,7 @@ def phase_rows(names, tracker, counters, transfers, plan: Plan, hw=None, num_nod
         rows.append(PhaseRow(
             name=name, measured_bytes=tracker.device_peaks.get(name, 0),
             planned_bytes=None if (planned := planned_phase(plan, name)) is None else
-            planned + (host_folded if name in HOST_LIVE_PHASES else 0),
+            planned + (host_folded if name in HOST_LIVE_PHASES.get(plan.mode, ()) else 0),
             host_bytes=tracker.host_peaks.get(name, 0), flops=counters.flops.get(name, 0),
             h2d_bytes=moved.h2d_bytes if moved else 0, d2h_bytes=moved.d2h_bytes if moved else 0,
             host_syncs=moved.syncs if moved else 0, collectives=dict(counters.collectives.get(name, {})),
@@ -166,7 +169,8 @@ class Rehearsal:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         if self.host_folded:
             lines.append(f"  measured = device + host (a CPU stand-in cannot tell them apart): the planned host bytes "
-                         f"{self.host_folded / scale:.3f} {unit} are added to the planned forward and backward and "
+                         f"{self.host_folded / scale:.3f} {unit} are added to the planned "
+                         f"{', '.join(HOST_LIVE_PHASES.get(p.mode, ()))} and "
                          "taken off the peak for the verdict")
         lines.append(f"  peak {self.peak_bytes / scale:.3f} {unit} + runtime reserve {p.reserve_bytes / GIB:.2f} GiB "
                      f"vs budget {p.budget_bytes / GIB:.2f} GiB: {verdict} (planned peak "
