@@ -7,7 +7,7 @@ not counted). The loss is chunked (``logits_chunk_size``) so no ``[S, vocab]`` l
 
 Example (the figure in docs/dsa.md)::
 
-    python bench/dsa_memory.py --seq 16384 32768 65536
+    python bench/dsa_memory.py --seq 4096 16384 65536 --index-topk 256 --index-heads 2 --index-head-dim 8
 """
 
 from __future__ import annotations
