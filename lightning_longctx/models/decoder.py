@@ -262,7 +262,7 @@ class DecoderLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path, memory: MemoryConfig | None = None, *, dtype: torch.dtype | None = None):
         """Load a local HF directory (llama, qwen2, qwen3, qwen3_5_text / qwen3_5_moe_text and a qwen3_5 / qwen3_5_moe
-        checkpoint's text tower, deepseek_v3, glm4_moe_lite); see
+        checkpoint's text tower, deepseek_v3, glm4_moe_lite, glm_moe_dsa, deepseek_v32); see
         :func:`.hf_io.load_pretrained`."""
         return hf_io.load_pretrained(cls, path, memory=memory, dtype=dtype)
 

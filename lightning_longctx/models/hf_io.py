@@ -3,7 +3,8 @@
 Supported ``model_type``: ``llama``, ``qwen2``, ``qwen3`` (SiLU MLP without bias, no sliding window) and the
 hybrid ``qwen3_5_text`` (Gated DeltaNet + gated full attention) and its MoE form ``qwen3_5_moe_text``, also as
 the text tower of a multimodal ``qwen3_5`` / ``qwen3_5_moe`` checkpoint, and the MLA + MoE family
-``deepseek_v3`` / ``glm4_moe_lite`` (:mod:`.hf_moe`, which also converts the experts between one module each on
+``deepseek_v3`` / ``glm4_moe_lite`` and its DeepSeek-sparse-attention members ``glm_moe_dsa`` / ``deepseek_v32``
+(:mod:`.hf_moe`, which also converts the experts between one module each on
 disk and two 3-D weights in the model). RoPE may be default or any of transformers' scaled types
 (:mod:`.rope`). Anything that would change the numbers and that ``DecoderLM`` does not implement is an error
 naming the field, never a silent mismatch. Parameter names are identical on both sides (see :mod:`.decoder`); a
