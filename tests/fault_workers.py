@@ -4,7 +4,7 @@
   ...}]`` on the ``longctx-train`` command line; tests/runs.py puts tests/ on ``PYTHONPATH``) that SIGKILLs its
   rank right after the distributed-checkpoint writer wrote this rank's shard file(s) of the checkpoint of
   step ``step``: the checkpoint directory then holds shard files but no ``.metadata`` nor ``meta.pt``.
-- :func:`nonfinite_fit`: a 2-rank fit (spawned workers, gloo) of an SFT module (automatic optimisation) or a
+- :func:`nonfinite_fit`: a 2-rank fit (the tests' worker pool, gloo) of an SFT module (automatic optimisation) or a
   LongStraw module (manual optimisation) under ``UlyssesStrategy(on_nonfinite=..., sharding=...)`` with an
   ``inf`` forced into the loss or into one parameter's gradient, on ONE rank, at one step; it records each
   rank's parameters and optimizer state (FSDP2 local shards) before and after every optimizer step.
@@ -19,7 +19,7 @@ import signal
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_longctx.parallel.spawn import run_distributed  # fresh processes, not the tests' pool
+from distributed import run_distributed  # the session's pool: an inf is a fault of the numbers, not of a process
 
 VOCAB = 32
 

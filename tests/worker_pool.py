@@ -3,7 +3,13 @@
 :func:`lightning_longctx.parallel.spawn.run_distributed` spawns ``world_size`` fresh processes per call, and each
 of them imports torch (and Lightning, transformers... when the test's module does): 10-20 s per call on the
 2-core CI machine, most of a multi-process test's wall time. The pool (the pattern of torch's
-``MultiProcContinuousTest``) spawns the ranks once and sends each call's ``(fn, args)`` to them over a pipe.
+``MultiProcContinuousTest``) starts the ranks once and sends each call's ``(fn, args)`` to them over a pipe.
+
+The ranks are forked from multiprocessing's forkserver, a fresh interpreter (not a fork of pytest) that imported
+``PRELOAD`` once: a pool of 4 ranks, or one respawned after a failure, then does not import torch again per
+rank (~4 s of CPU each on the 2-core machine). Only modules whose import reads no per-rank state are preloaded;
+Lightning sets ``rank_zero_only.rank`` from ``RANK`` / ``LOCAL_RANK`` when it is imported, so the call imports
+it, with the rank's environment already set, as in a freshly spawned process.
 
 Per call every rank
 - takes the caller's ``os.environ`` (plus ``RANK``/``WORLD_SIZE``/``MASTER_*`` and a fresh ``MASTER_PORT``),
@@ -47,8 +53,9 @@ from lightning_longctx.parallel.spawn import free_port, rank_environment
 
 _SHUTDOWN = b""  # an empty message tells a worker to exit
 _FAILURE_GRACE = 1.0  # seconds the other ranks get to report after the first failure
-
-
+PRELOAD = ("torch", "torch._dynamo")  # imported once by the forkserver (Lightning imports torch._dynamo)
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(list(PRELOAD))  # read when the forkserver starts: at the first pool's first rank
 
 _last_port = [-1]
 
@@ -165,10 +172,9 @@ class WorkerPool:
         return [p.pid for p in self._procs]
 
     def _spawn(self) -> None:
-        ctx = mp.get_context("spawn")
         for rank in range(self.world_size):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_serve, args=(rank, self.world_size, child_end), daemon=True,
+            parent_end, child_end = _CONTEXT.Pipe(duplex=True)
+            proc = _CONTEXT.Process(target=_serve, args=(rank, self.world_size, child_end), daemon=True,
                                name=f"pool-{self.world_size}-rank{rank}")
             proc.start()
             child_end.close()
