@@ -8,12 +8,13 @@ import pytest
 # Test helpers (reference.py, distributed.py) import as top-level modules, also in spawned workers.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-# Seconds each of the costliest files takes in the default run (CPU time of pytest and every process it starts, on
-# the 2-core machine; see pytest_collection_modifyitems). A file not listed is estimated at SECONDS_PER_TEST per
-# test. Only the order matters: re-measure when a file grows a launch or a heavy fixture.
+# Approximate seconds each of the costliest files takes in the default run on the 2-core machine (see
+# pytest_collection_modifyitems): test_faults' seven longctx-train launches and their fault waits, test_config's
+# three preset-combination tests (~40 s of CPU each, Hydra's compose), ... A file not listed is estimated at
+# SECONDS_PER_TEST per test. Only the order matters: re-measure when a file grows a launch or a heavy fixture.
 FILE_SECONDS = {
     "test_faults.py": 180,
-    "test_config.py": 120,
+    "test_config.py": 130,
     "test_resume_export.py": 100,
     "test_cli.py": 90,
     "test_bench_gpu.py": 66,
