@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -81,12 +82,12 @@ def resolve(overrides: str) -> str:
 
 
 def run(name: str, overrides: str, timeout: float) -> dict:
-    """One rehearsal in a fresh process; its JSON figures plus ``command``, ``wall_s`` and the machine's load
-    average over the last minute at its end (or ``error``). Kept in ``rehearse_<name>.run.json`` too."""
+    """One rehearsal in a fresh process; its JSON figures plus ``command``, ``wall_s``, the machine's load average
+    over the last minute at its end and the CPU seconds it got (or ``error``). Kept in ``rehearse_<name>.run.json``."""
     overrides = resolve(overrides)
     out = os.path.join(RESULTS, f"rehearse_{name}.json")
     command = [sys.executable, "-m", "lightning_longctx.rehearse.cli", *overrides.split(), f"rehearsal.out={out}"]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     meta = {"command": overrides}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -99,6 +100,8 @@ def run(name: str, overrides: str, timeout: float) -> dict:
         else:
             meta["table"] = done.stdout
     meta["load"] = os.getloadavg()[0]
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)  # the CPU time the rehearsal got (a loaded machine)
+    meta["cpu_s"] = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
     with open(os.path.join(RESULTS, f"rehearse_{name}.run.json"), "w") as f:
         json.dump(meta, f, indent=2)
     return stored(name)
@@ -125,11 +128,12 @@ def markdown(results: dict[str, dict]) -> str:
     for name, r in results.items():
         lines += [f"## {name}", "", f"`longctx-rehearse {r['command']}`", ""]
         if "error" in r:
-            after = f" (after {r['wall_s']:.0f} s, load average {r['load']:.1f})" if "load" in r else ""
+            after = f" (after {r['wall_s']:.0f} s, load average {r['load']:.1f}" if r.get("load") is not None else ""
+            after += f", {r['cpu_s']:.0f} CPU s)" if r.get("cpu_s") is not None else (")" if after else "")
             lines += [f"not rehearsed: {r['error']}{after}", ""]
             continue
-        lines += [f"rehearsal wall time {r['seconds']:.0f} s (process {r['wall_s']:.0f} s, load average "
-                  f"{r.get('load', float('nan')):.1f} on 2 cores); rank 0 of "
+        load = f"load average {r['load']:.1f} on 2 cores" if r.get("load") is not None else "load not recorded"
+        lines += [f"rehearsal wall time {r['seconds']:.0f} s (process {r['wall_s']:.0f} s, {load}); rank 0 of "
                   f"{r['world_size']}; peak {r['peak_bytes'] / GIB:.2f} GiB + reserve {r['reserve_bytes'] / GIB:.2f} "
                   f"GiB vs budget {r['budget_bytes'] / GIB:.1f} GiB: **{'fits' if r['fits'] else 'does not fit'}**",
                   "", "| phase | measured GiB | planned GiB | diff | TFLOP | collectives (count) |",
