@@ -41,6 +41,7 @@ from .app import (
     summary_callback,
     trainer_kwargs,
 )
+from .config_checks import apply_renamed_keys, check_schema_keys
 from .config_plan import check_plan, explicit_model_fields, longstraw_choices, model_shape, plan_request
 from .export import ExportError, export_checkpoint
 from .planner import (
@@ -87,6 +88,8 @@ def _is_rank_zero() -> bool:
 def format_plan(cfg: DictConfig) -> str:
     """What ``longctx-plan`` prints: where the model's shape comes from (the preset, or ``model.pretrained``'s
     config.json), the layout, the plan at the task's context, and the longest contexts."""
+    apply_renamed_keys(cfg)  # memory.attention_backend -> memory.planned_attention_backend (with a warning)
+    check_schema_keys(cfg)  # a key added with + that the schema does not have: named, not ignored
     model, knobs = model_shape(cfg), MemoryKnobs.from_config(cfg.memory)
     ClusterShape.from_config(cfg.cluster).validate()  # devices >= 1, sp_size divides them: before any arithmetic
     cluster = cfg.cluster
@@ -94,7 +97,7 @@ def format_plan(cfg: DictConfig) -> str:
     sp = cluster.sp_size or cluster.devices
     kv_token = kv_cache_bytes(model, knobs, 1, 1)
     knob_names = ("head_chunk_size", "activation_checkpointing", "offload_checkpoints", "mlp_chunk_size",
-                  "logits_chunk_size", "attention_backend", "keep_attention_output")
+                  "logits_chunk_size", "planned_attention_backend", "keep_attention_output")
     lines = [
         f"model: {describe_model(cfg.model, model)}",  # the preset, or model.pretrained's config.json
         f"  {model.num_parameters() / 1e9:.2f}B parameters, KV {kv_token / 1024:g} KiB/token in {knobs.compute_dtype}"

@@ -11,6 +11,7 @@ import difflib
 import inspect
 import os
 import sys
+import warnings
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -120,6 +121,23 @@ def check_targets(cfg: DictConfig, *, injected: dict[str, tuple[str, ...]] | Non
             close = difflib.get_close_matches(arg, sorted(names), n=1)
             hint = f"; did you mean {key}.{close[0]}?" if close else f"; it takes {sorted(names)}"
             raise ConfigError(f"{key}.{arg}: {path} takes no argument {arg!r}{hint}")
+
+
+# 0.2: a key renamed for what it means -> its new name (the old one works until 0.3, with a FutureWarning)
+RENAMED_KEYS = {"memory.attention_backend": "memory.planned_attention_backend"}
+
+
+def apply_renamed_keys(cfg: DictConfig) -> None:
+    """Move each renamed key's value (:data:`RENAMED_KEYS`, set = not None) to its new name, with a
+    ``FutureWarning`` naming the new key; the old key is left null. Idempotent."""
+    for old, new in RENAMED_KEYS.items():
+        value = OmegaConf.select(cfg, old, default=None)
+        if value is None:
+            continue
+        warnings.warn(f"{old} is renamed {new} (what it sets: the attention kernels the planner counts, not the "
+                      f"model's); {old} will be removed in 0.3: set {new}={value}", FutureWarning, stacklevel=2)
+        OmegaConf.update(cfg, new, value)
+        OmegaConf.update(cfg, old, None)
 
 
 def _typed_nodes(node: DictConfig, key: str):
@@ -335,7 +353,8 @@ def check_model_fields(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """All checks that need no model and no process group: the keys of the typed nodes, task, trainer keys, every
     ``_target_``, the model's fields, the task module's arguments and files, the cluster / logger / checkpoint
-    settings."""
+    settings. Renamed keys are moved to their new names first (:func:`apply_renamed_keys`)."""
+    apply_renamed_keys(cfg)
     check_schema_keys(cfg)
     check_task(cfg)
     check_trainer_keys(cfg.trainer)

@@ -43,6 +43,7 @@ import dataclasses
 import inspect
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,21 +169,26 @@ class ClusterConf:
 
 
 @dataclass
-class MemoryConf:
-    """A per-rank budget and the memory knobs (``MemoryConfig`` + what the planner needs).
+class MemoryBudgetConf:
+    """The ``memory`` group: a per-rank device budget and the knobs that fit a run in it (the model's
+    ``MemoryConfig``, the LongStraw step's, and what the planner assumes).
 
     ``budget_gib``: usable device memory per rank. The CUDA runtime's reserve outside the counted tensors (the
     CUDA context, NCCL's buffers per communicator, cuBLAS workspaces, the allocator's fragmentation share of the
     largest transient) is planned term by term (``memory.reserve``, on a ``cluster.accelerator`` other than
-    ``cpu``); ``reserve_gib`` (>= 0) is an extra margin on top of it. ``attention_backend``: ``eager`` (CPU /
-    pure-torch kernels) or ``flash`` (flash-attn), for the planner's counts.
+    ``cpu``); ``reserve_gib`` (>= 0) is an extra margin on top of it.
+
+    ``planned_attention_backend``: which attention kernels' buffers the planner counts: ``eager`` (this package's
+    CPU / pure-torch kernels, K/V expanded per stage) or ``flash`` (flash-attn, native GQA). A planning
+    assumption only: the model picks its kernel at run time (``ops.attention``'s ``auto``: flash-attn on CUDA
+    in half precision when installed). ``attention_backend``: its name before 0.2 (a value is moved to
+    ``planned_attention_backend`` with a warning; removed in 0.3).
 
     ``precision``: Lightning's ``Trainer(precision=...)``, the one setting for dtypes (the planner derives the
     compute dtype from it): ``bf16-mixed`` (GPU default: fp32 master parameters, gradients and AdamW states,
     bf16 compute via autocast / FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``),
     ``bf16-true`` (explicit memory option: everything in bf16, updates below bf16's resolution are lost),
     ``32-true`` (CPU), ``64-true``. Anything else fails before any work, naming these.
-    ``dtype``: removed (it could disagree with ``precision``); setting it fails naming the precision to use.
     ``keep_attention_output`` (LongStraw's exact step, ``MemoryConfig.keep_attention_output``): ``off`` /
     ``device`` / ``host``, or ``auto`` (default): ``device`` when the planner's step with it fits
     ``budget_gib``, else ``off`` (``memory.longstraw.choose_keep_attention_output``; SFT tasks: ``off``).
@@ -192,8 +198,8 @@ class MemoryConf:
     budget_gib: float = MISSING
     reserve_gib: float = 0.0
     precision: str = "bf16-mixed"
-    dtype: str | None = None  # removed: any value raises (memory.dtype=bfloat16 ran as precision=bf16-true)
-    attention_backend: str = "flash"
+    planned_attention_backend: str = "flash"
+    attention_backend: str | None = None  # renamed planned_attention_backend (0.2); removed in 0.3
     head_chunk_size: int | None = None
     activation_checkpointing: bool = False
     offload_checkpoints: bool = False
@@ -361,7 +367,7 @@ class Config:
 
     model: ModelConf = MISSING
     cluster: ClusterConf = MISSING
-    memory: MemoryConf = MISSING
+    memory: MemoryBudgetConf = MISSING
     task: Any = None
     tokenizer: Any = field(default_factory=dict)  # open
     trainer: Any = field(default_factory=dict)  # open: any lightning.pytorch.Trainer argument
@@ -448,6 +454,16 @@ def register_configs() -> None:
 register_configs()
 register_resolvers()
 
+_RENAMED = {"MemoryConf": "MemoryBudgetConf"}  # 0.2: old name -> new name (importable until 0.3)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(f"lightning_longctx.config_schema.{name} is renamed {_RENAMED[name]} and will be removed in "
+                      "0.3", FutureWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "CheckpointConf",
     "ClusterConf",
@@ -456,7 +472,7 @@ __all__ = [
     "LoRAConf",
     "LongSFTConf",
     "MODEL_PRESET_KEYS",
-    "MemoryConf",
+    "MemoryBudgetConf",
     "ModelConf",
     "NeedleGRPOConf",
     "OPEN_NODES",

@@ -107,7 +107,7 @@ def test_train_passes_memory_precision_to_the_trainer(monkeypatch):
 
 
 @pytest.mark.parametrize("override, message", [("memory.precision=fp16", "use one of ['bf16-mixed', 'bf16-true'"),
-                                               ("memory.dtype=bfloat16", "set memory.precision to one of")])
+                                               ("+memory.dtype=bfloat16", "set memory.precision to one of")])
 def test_train_refuses_an_unknown_precision_before_any_work(monkeypatch, override, message):
     import lightning.pytorch as pl
 

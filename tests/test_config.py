@@ -65,7 +65,7 @@ def test_every_preset_combination_composes_into_the_schemas(cluster):
             where = f"model={model} cluster={cluster} memory={memory} task={task}"
             assert OmegaConf.get_type(cfg.model) is config_schema.ModelConf, where
             assert OmegaConf.get_type(cfg.cluster) is config_schema.ClusterConf, where
-            assert OmegaConf.get_type(cfg.memory) is config_schema.MemoryConf, where
+            assert OmegaConf.get_type(cfg.memory) is config_schema.MemoryBudgetConf, where
             if task in config_schema.TASK_SCHEMAS:
                 assert OmegaConf.get_type(cfg.task) is config_schema.TASK_SCHEMAS[task], where
             assert (cfg.model.name, cfg.cluster.name, cfg.memory.name, cfg.task.name) == (model, cluster, memory, task)
@@ -259,7 +259,7 @@ def test_memory_presets_give_their_precision(memory, precision):
     fp32. ``memory.precision`` is the only dtype setting: Trainer, planner and the plan table all read it."""
     assert set(options("memory")) == {"cpu", "h100_80g", "h200_141g", "h20_96g"}  # a new preset needs a row here
     cfg = compose_cfg(f"memory={memory}")
-    assert cfg.memory.precision == precision and cfg.memory.dtype is None
+    assert cfg.memory.precision == precision and "dtype" not in cfg.memory  # removed in 0.2
     assert trainer_precision(cfg.memory) == precision
     assert MemoryKnobs.from_config(cfg.memory).precision == precision
     explicit = compose_cfg(f"memory={memory}", "memory.precision=bf16-true")  # the explicit memory option
@@ -271,8 +271,8 @@ def test_memory_presets_give_their_precision(memory, precision):
     ("memory.precision=bf16", "memory.precision='bf16' is not supported; use one of ['bf16-mixed', 'bf16-true', "
                               "'32-true', '64-true']"),
     ("memory.precision=16-mixed", "memory.precision='16-mixed' is not supported"),
-    ("memory.dtype=bfloat16", "memory.dtype=bfloat16 is no longer a setting (it ran as memory.precision=bf16-true)"),
-    ("memory.dtype=float32", "memory.dtype=float32 is no longer a setting (it ran as memory.precision=32-true)"),
+    ("+memory.dtype=bfloat16", "memory.dtype=bfloat16 is no longer a setting (it ran as memory.precision=bf16-true)"),
+    ("+memory.dtype=float32", "memory.dtype=float32 is no longer a setting (it ran as memory.precision=32-true)"),
 ])
 def test_unknown_precision_or_the_old_dtype_key_fails_naming_what_to_set(override, message):
     cfg = compose_cfg("memory=h100_80g", override)
@@ -417,7 +417,7 @@ def test_each_knob_reaches_the_module_as_the_yaml_or_the_signature_says(task):
         assert re.search(rf"task\.{knob}\b", interpolated) or knob.startswith("eval_"), \
             f"task.{knob} reaches neither task.module nor task.data"
     assert set(written) <= set(knobs), sorted(set(written) - set(knobs))
-    schema_of = {"model": config_schema.ModelConf, "memory": config_schema.MemoryConf}
+    schema_of = {"model": config_schema.ModelConf, "memory": config_schema.MemoryBudgetConf}
     with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
         base = compose(config_name="config", overrides=[f"task={task}", *_TASK_FILES.get(task, ())])
     assert OmegaConf.get_type(base.task) is schema
@@ -448,3 +448,24 @@ def test_each_knob_reaches_the_module_as_the_yaml_or_the_signature_says(task):
                     else:  # ${seed}, ${tokenizer.path}: the run's, not a preset's
                         value = OmegaConf.select(cfg, value[2:-1])
                 assert got[key] == value, (task, group, option, part, key, got[key], value)
+
+
+# ------------------------------------------------------------------------------------------ renamed keys
+def test_memory_attention_backend_is_renamed_for_what_it_is():
+    """``memory.attention_backend`` was only the planner's assumption (never the model's kernel): it is
+    ``memory.planned_attention_backend`` now; the old key still plans the same for one release, with a warning
+    naming the new key. ``memory.dtype`` (removed) is no key of the schema."""
+    from lightning_longctx.cli import format_plan
+
+    new = compose_cfg("memory=h100_80g", "memory.planned_attention_backend=eager")
+    old = compose_cfg("memory=h100_80g", "memory.attention_backend=eager")
+    with pytest.warns(FutureWarning, match=r"memory.attention_backend is renamed memory.planned_attention_backend.*"
+                                           r"set memory.planned_attention_backend=eager"):
+        text = format_plan(old)
+    assert text == format_plan(new) and "planned_attention_backend=eager" in text
+    assert MemoryKnobs.from_config(old.memory).attention_backend == "eager"  # the planner's assumption
+    assert MemoryKnobs.from_config(new.memory).attention_backend == "eager"
+    with pytest.raises(ConfigCompositionException, match="dtype"):
+        compose_cfg("memory.dtype=bfloat16")
+    with pytest.warns(FutureWarning, match="MemoryConf is renamed MemoryBudgetConf"):
+        assert config_schema.MemoryConf is config_schema.MemoryBudgetConf

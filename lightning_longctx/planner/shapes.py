@@ -389,7 +389,9 @@ class MemoryKnobs:
             offload_checkpoints=bool(config_value(cfg, "offload_checkpoints", False)),
             offload_prompt_cache=bool(config_value(cfg, "offload_prompt_cache", False)),
             mlp_chunk_size=opt_int("mlp_chunk_size"), logits_chunk_size=opt_int("logits_chunk_size"),
-            attention_backend=str(config_value(cfg, "attention_backend", "flash")),
+            # memory.planned_attention_backend (Hydra; memory.attention_backend before 0.2) or a dict's key
+            attention_backend=str(config_value(cfg, "attention_backend")
+                                  or config_value(cfg, "planned_attention_backend") or "flash"),
             reserve_gib=float(config_value(cfg, "reserve_gib", 0.0)),
             optimizer_states=int(config_value(cfg, "optimizer_states", 2)),
             keep_attention_output=str(config_value(cfg, "keep_attention_output", "off")),

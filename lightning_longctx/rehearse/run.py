@@ -52,8 +52,8 @@ ROLLOUTS = "sampling"  # LongStrawModule's phase of the batched rollouts
 LONGSTRAW_PHASES = ("prefill", ROLLOUTS, "reward", "replay", "grouped backward", "gradient reduction",
                     "gradient clipping", "optimizer step")
 STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here): this package's CPU attention "
-            "kernels run, so the plan compared is memory.attention_backend=eager's; offloaded tensors stay on the same "
-            "CPU (docs/rehearsal.md)")
+            "kernels run, so the plan compared is memory.planned_attention_backend=eager's; offloaded tensors stay on "
+            "the same CPU (docs/rehearsal.md)")
 SKIPPED_CHECK = ("batch sharding: the SP ranks' shape agreement check (one all-gather of the shard's shape and its "
                  "host read, once per step before training_step) is not rehearsed: the read has no value on fake "
                  "tensors, and every fake rank holds rank 0's shapes")
@@ -243,7 +243,7 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     memory = cfg.memory
     if cluster.accelerator in ("gpu", "cuda") and device.type == "cpu":
         # the step runs this package's CPU kernels: plan what runs (the GPU's reserve terms stay in the plan)
-        memory = OmegaConf.merge(cfg.memory, {"attention_backend": "eager"})
+        memory = OmegaConf.merge(cfg.memory, {"planned_attention_backend": "eager"})
         notes.append(STAND_IN)
     planned = make_plan(shape, cluster, memory, **plan_request(cfg))
     steps = int(cfg.rehearsal.steps)
