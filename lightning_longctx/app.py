@@ -52,13 +52,10 @@ from .models import DecoderLM, MemoryConfig
 def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
     """The ``MemoryConfig`` knobs of the model for ``cfg``.
 
-    ``memory.offload_checkpoints`` means what the task checkpoints: for an SFT task (``long_sft``) the model's
-    activation checkpoints (``MemoryConfig``, which needs ``memory.activation_checkpointing=true``: unchanged,
-    the model's own error otherwise); for a LongStraw task (``needle_grpo``) the prompt's layer checkpoints of
-    ``longstraw_step``, which the task's ``module`` node takes (``offload_checkpoints:
-    ${memory.offload_checkpoints}``). The model of a LongStraw task then gets ``offload_checkpoints`` only
-    together with ``activation_checkpointing`` (its own checkpoints, used by any plain forward with autograd), so
-    ``memory.offload_checkpoints=true`` alone is valid there, not an error.
+    ``memory.offload_activation_checkpoints`` is the model's ``offload_checkpoints`` (its activation checkpoints,
+    which need ``memory.activation_checkpointing=true``: the model's own error otherwise), for every task;
+    ``memory.offload_prompt_checkpoints`` (the LongStraw step's prompt checkpoints) reaches the task's ``module``
+    node instead (``offload_checkpoints: ${memory.offload_prompt_checkpoints}``).
 
     ``memory.keep_attention_output`` (LongStraw): ``auto`` becomes what the planner chooses for this config's
     step (``device`` when it fits the budget, else ``off``), and ``rollout_prompt_cache`` (LongStraw with
@@ -66,10 +63,10 @@ def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
     choices ``longctx-plan`` prints, as is ``memory.prompt_checkpoint_every=auto`` (the segment length). SFT
     tasks never keep them (``off``).
     """
-    knobs = {k: cfg.memory[k] for k in ("head_chunk_size", "activation_checkpointing", "offload_checkpoints",
-                                        "mlp_chunk_size", "logits_chunk_size")}
+    knobs = {k: cfg.memory[k] for k in ("head_chunk_size", "activation_checkpointing", "mlp_chunk_size",
+                                        "logits_chunk_size")}
+    knobs["offload_checkpoints"] = cfg.memory.offload_activation_checkpoints
     if cfg.task.mode == "longstraw":
-        knobs["offload_checkpoints"] = bool(knobs["offload_checkpoints"] and knobs["activation_checkpointing"])
         chosen = longstraw_choices(cfg)
         knobs["keep_attention_output"] = chosen["keep_attention_output"]
         if chosen["rollout_prompt_cache"] is not None:

@@ -90,13 +90,14 @@ def format_plan(cfg: DictConfig) -> str:
     config.json), the layout, the plan at the task's context, and the longest contexts."""
     apply_renamed_keys(cfg)  # memory.attention_backend -> memory.planned_attention_backend (with a warning)
     check_schema_keys(cfg)  # a key added with + that the schema does not have: named, not ignored
-    model, knobs = model_shape(cfg), MemoryKnobs.from_config(cfg.memory)
+    model, knobs = model_shape(cfg), MemoryKnobs.from_config(cfg.memory, cfg.task.mode)
     ClusterShape.from_config(cfg.cluster).validate()  # devices >= 1, sp_size divides them: before any arithmetic
     cluster = cfg.cluster
     world = cluster.devices * cluster.num_nodes
     sp = cluster.sp_size or cluster.devices
     kv_token = kv_cache_bytes(model, knobs, 1, 1)
-    knob_names = ("head_chunk_size", "activation_checkpointing", "offload_checkpoints", "mlp_chunk_size",
+    knob_names = ("head_chunk_size", "activation_checkpointing", "offload_activation_checkpoints",
+                  "offload_prompt_checkpoints", "mlp_chunk_size",
                   "logits_chunk_size", "planned_attention_backend", "keep_attention_output")
     lines = [
         f"model: {describe_model(cfg.model, model)}",  # the preset, or model.pretrained's config.json

@@ -123,20 +123,31 @@ def check_targets(cfg: DictConfig, *, injected: dict[str, tuple[str, ...]] | Non
             raise ConfigError(f"{key}.{arg}: {path} takes no argument {arg!r}{hint}")
 
 
-# 0.2: a key renamed for what it means -> its new name (the old one works until 0.3, with a FutureWarning)
-RENAMED_KEYS = {"memory.attention_backend": "memory.planned_attention_backend"}
+# 0.2: a key renamed for what it means -> its new name(s) (the old one works until 0.3, with a FutureWarning)
+RENAMED_KEYS = {
+    "memory.attention_backend": ("memory.planned_attention_backend",),  # the planner's assumption, not the model's
+    # one key for two things, by the task's mode: the model's activation checkpoints, the LongStraw prompt's
+    "memory.offload_checkpoints": ("memory.offload_activation_checkpoints", "memory.offload_prompt_checkpoints"),
+}
 
 
 def apply_renamed_keys(cfg: DictConfig) -> None:
-    """Move each renamed key's value (:data:`RENAMED_KEYS`, set = not None) to its new name, with a
-    ``FutureWarning`` naming the new key; the old key is left null. Idempotent."""
+    """Move each renamed key's value (:data:`RENAMED_KEYS`, set = not None) to its new name(s), with a
+    ``FutureWarning`` naming them; the old key is left null. ``memory.offload_checkpoints`` sets both of its
+    keys as it ran: on a LongStraw task the model's activation checkpoints only with
+    ``memory.activation_checkpointing``. Idempotent."""
     for old, new in RENAMED_KEYS.items():
         value = OmegaConf.select(cfg, old, default=None)
         if value is None:
             continue
-        warnings.warn(f"{old} is renamed {new} (what it sets: the attention kernels the planner counts, not the "
-                      f"model's); {old} will be removed in 0.3: set {new}={value}", FutureWarning, stacklevel=2)
-        OmegaConf.update(cfg, new, value)
+        values = dict.fromkeys(new, value)
+        if old == "memory.offload_checkpoints" and OmegaConf.select(cfg, "task.mode") == "longstraw":
+            values["memory.offload_activation_checkpoints"] = bool(value and cfg.memory.activation_checkpointing)
+        settings = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
+        warnings.warn(f"{old} is renamed {' and '.join(new)}; {old} will be removed in 0.3: set {settings}",
+                      FutureWarning, stacklevel=2)
+        for key, moved in values.items():
+            OmegaConf.update(cfg, key, moved)
         OmegaConf.update(cfg, old, None)
 
 

@@ -97,7 +97,7 @@ def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
         return {"keep_attention_output": keep, "rollout_prompt_cache": None, "prompt_checkpoint_every": int(every)}
     request = plan_request(cfg, mode="longstraw")
     args = (model or model_shape(cfg), ClusterShape.from_config(cfg.cluster),
-            knobs or MemoryKnobs.from_config(cfg.memory), request["seq_len"], request["group_size"],
+            knobs or MemoryKnobs.from_config(cfg.memory, "longstraw"), request["seq_len"], request["group_size"],
             request["response_len"], request["prompt_grad"])
     return {"keep_attention_output": choose_keep_attention_output(*args) if keep == "auto" else keep,
             "rollout_prompt_cache": choose_rollout_prompt_cache(*args) if offloaded else None,

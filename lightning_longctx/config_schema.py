@@ -184,6 +184,12 @@ class MemoryBudgetConf:
     in half precision when installed). ``attention_backend``: its name before 0.2 (a value is moved to
     ``planned_attention_backend`` with a warning; removed in 0.3).
 
+    ``offload_activation_checkpoints``: the model's activation checkpoints (``MemoryConfig.offload_checkpoints``;
+    needs ``activation_checkpointing``) in host memory: an SFT step's, and any forward with autograd.
+    ``offload_prompt_checkpoints``: the LongStraw step's prompt layer checkpoints (its ``offload_checkpoints``)
+    in host memory. ``offload_checkpoints`` meant either, by the task's mode, before 0.2: a value sets both
+    (the activation one only with ``activation_checkpointing`` on a LongStraw task, as it ran), with a warning.
+
     ``precision``: Lightning's ``Trainer(precision=...)``, the one setting for dtypes (the planner derives the
     compute dtype from it): ``bf16-mixed`` (GPU default: fp32 master parameters, gradients and AdamW states,
     bf16 compute via autocast / FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``),
@@ -202,7 +208,9 @@ class MemoryBudgetConf:
     attention_backend: str | None = None  # renamed planned_attention_backend (0.2); removed in 0.3
     head_chunk_size: int | None = None
     activation_checkpointing: bool = False
-    offload_checkpoints: bool = False
+    offload_activation_checkpoints: bool = False  # the model's activation checkpoints on the host (SFT, any forward)
+    offload_prompt_checkpoints: bool = False  # LongStraw: the prompt's layer checkpoints of the exact step on the host
+    offload_checkpoints: bool | None = None  # before 0.2: either of the two, by task mode; moved (warning) until 0.3
     offload_prompt_cache: bool = False  # LongStraw: prompt K/V and their gradient sums on the host, staged per layer
     mlp_chunk_size: int | None = None
     logits_chunk_size: int | None = None

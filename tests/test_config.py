@@ -21,7 +21,7 @@ from lightning_longctx import app, config_schema
 from lightning_longctx.cli import check_slurm_layout, decoder_config, plan_request, trainer_precision
 from lightning_longctx.config_checks import check_schema_keys
 from lightning_longctx.planner import ModelShape, kv_cache_bytes, plan
-from lightning_longctx.planner.budget import MemoryKnobs
+from lightning_longctx.planner.budget import MemoryKnobs, suggestions
 
 CONF = Path(config_schema.__file__).parent / "conf"
 SUBMITIT_REASON = "needs hydra-submitit-launcher (in the [dev] and [slurm] extras) for cluster=slurm_4x8gpu"
@@ -128,7 +128,7 @@ def test_built_in_tasks_are_target_nodes_that_interpolate_their_knobs():
     """task.module / task.data are _target_ nodes; the knobs and memory.* reach them by interpolation, the
     planner keys stay at the task's top level."""
     cfg = compose_cfg("task.group_size=3", "task.lr=0.5", "memory.logits_chunk_size=64",
-                      "memory.offload_checkpoints=true", "task.seq_len=128")
+                      "memory.offload_prompt_checkpoints=true", "task.seq_len=128")
     module, data = cfg.task.module, cfg.task.data
     assert module._target_ == "lightning_longctx.tasks.needle.NeedleGRPO"
     assert data._target_ == "lightning_longctx.tasks.needle.needle_dataloader"
@@ -469,3 +469,34 @@ def test_memory_attention_backend_is_renamed_for_what_it_is():
         compose_cfg("memory.dtype=bfloat16")
     with pytest.warns(FutureWarning, match="MemoryConf is renamed MemoryBudgetConf"):
         assert config_schema.MemoryConf is config_schema.MemoryBudgetConf
+
+
+def test_memory_offload_checkpoints_is_split_into_the_two_things_it_meant():
+    """``memory.offload_checkpoints`` offloaded the model's activation checkpoints on an SFT task and the LongStraw
+    prompt's layer checkpoints on a LongStraw task: two keys now, each meaning one thing, each reaching its
+    consumer and the planner in its mode. The old key sets both as it ran, for one release, with a warning."""
+    from lightning_longctx.config_checks import apply_renamed_keys
+
+    ls = compose_cfg("memory=h200_141g", "memory.offload_prompt_checkpoints=true")
+    assert (ls.task.module.offload_checkpoints, app.model_memory_knobs(ls)["offload_checkpoints"]) == (True, False)
+    assert MemoryKnobs.from_config(ls.memory, "longstraw").offload_checkpoints is True
+    assert MemoryKnobs.from_config(ls.memory, "sft").offload_checkpoints is False
+    sft = compose_cfg("memory=h200_141g", "task=long_sft", "memory.offload_activation_checkpoints=true")
+    assert app.model_memory_knobs(sft)["offload_checkpoints"] is True
+    assert MemoryKnobs.from_config(sft.memory, "sft").offload_checkpoints is True
+    longest = {mode: plan(sft.model, sft.cluster, sft.memory, seq_len=4096, mode=mode).host_bytes
+               for mode in ("sft", "longstraw")}
+    assert longest["sft"] > 0 and longest["longstraw"] == 0, longest  # each mode plans its own key
+    for task, activation in (("needle_grpo", False), ("long_sft", True)):
+        old = compose_cfg("memory=h200_141g", f"task={task}", "memory.offload_checkpoints=true",
+                          "memory.activation_checkpointing=" + ("false" if task == "needle_grpo" else "true"))
+        with pytest.warns(FutureWarning, match="memory.offload_checkpoints is renamed "
+                                               "memory.offload_activation_checkpoints and memory.offload_prompt"):
+            apply_renamed_keys(old)
+        assert (old.memory.offload_activation_checkpoints, old.memory.offload_prompt_checkpoints) == (activation, True)
+        assert old.memory.offload_checkpoints is None
+        assert app.model_memory_knobs(old)["offload_checkpoints"] is activation
+    over = compose_cfg("model=llama3_8b", "cluster=node_8gpu", "memory=h200_141g", "task=long_sft",
+                       "task.seq_len=8388608", "memory.activation_checkpointing=true")
+    fixes = " ".join(text for text, _ in suggestions(over.model, over.cluster, over.memory, seq_len=8388608))
+    assert "memory.offload_activation_checkpoints=true" in fixes and "memory.offload_checkpoints" not in fixes, fixes

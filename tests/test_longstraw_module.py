@@ -187,7 +187,7 @@ def test_lr_warmup_and_cosine_follow_the_schedule_and_resume_from_a_checkpoint(t
 
 
 def test_memory_offload_checkpoints_reaches_longstraw_step_from_the_cli(tmp_path, monkeypatch):
-    """longctx-train task=needle_grpo memory.offload_checkpoints=true: the config composes (no
+    """longctx-train task=needle_grpo memory.offload_prompt_checkpoints=true: the config composes (no
     activation_checkpointing needed), the CLI builds the task, and longstraw_step gets offload_checkpoints=True;
     the task's clipping and schedule keys reach the module. long_sft keeps the model's own rule."""
     from hydra import compose, initialize_config_module
@@ -199,7 +199,7 @@ def test_memory_offload_checkpoints_reaches_longstraw_step_from_the_cli(tmp_path
         with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
             return compose(config_name="config", overrides=list(overrides))
 
-    cfg = cfg_for("task=needle_grpo", "memory.offload_checkpoints=true", "memory.offload_prompt_cache=true",
+    cfg = cfg_for("task=needle_grpo", "memory.offload_prompt_checkpoints=true", "memory.offload_prompt_cache=true",
                   "task.seq_len=32", "task.group_size=2", "task.lr_warmup_steps=3", "task.max_grad_norm=0.5")
     assert cfg.memory.activation_checkpointing is False
     model = cli.build_model(cfg)
@@ -225,10 +225,11 @@ def test_memory_offload_checkpoints_reaches_longstraw_step_from_the_cli(tmp_path
     _trainer(tmp_path, 1).fit(module, data)
     assert seen == [True]
 
-    sft = cfg_for("task=long_sft", "memory.offload_checkpoints=true")
+    sft = cfg_for("task=long_sft", "memory.offload_activation_checkpoints=true")
     with pytest.raises(ValueError, match="activation_checkpointing=True"):
         cli.build_model(sft)  # unchanged for SFT: the flag is the model's activation checkpoints
-    both = cfg_for("task=long_sft", "memory.offload_checkpoints=true", "memory.activation_checkpointing=true")
+    both = cfg_for("task=long_sft", "memory.offload_activation_checkpoints=true",
+                   "memory.activation_checkpointing=true")
     assert cli.build_model(both).memory.offload_checkpoints is True
 
 

@@ -26,7 +26,16 @@ from .mla_moe import mla_layout
 from .phases import stage_layout
 from .reserve import RESERVE_TERMS, reserve_terms
 from .sft import sft_phases
-from .shapes import GIB, MODES, PLANNED_ATTENTION_BACKENDS, PRECISIONS, ClusterShape, MemoryKnobs, ModelShape
+from .shapes import (
+    GIB,
+    MODES,
+    OFFLOAD_CHECKPOINTS_KEYS,
+    PLANNED_ATTENTION_BACKENDS,
+    PRECISIONS,
+    ClusterShape,
+    MemoryKnobs,
+    ModelShape,
+)
 
 
 class PlanError(RuntimeError):
@@ -139,7 +148,7 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
     """
     model = model_cfg if isinstance(model_cfg, ModelShape) else ModelShape.from_config(model_cfg)
     cluster = cluster_cfg if isinstance(cluster_cfg, ClusterShape) else ClusterShape.from_config(cluster_cfg)
-    knobs = memory_cfg if isinstance(memory_cfg, MemoryKnobs) else MemoryKnobs.from_config(memory_cfg)
+    knobs = memory_cfg if isinstance(memory_cfg, MemoryKnobs) else MemoryKnobs.from_config(memory_cfg, mode)
     cluster.validate()
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {MODES}")
@@ -149,7 +158,8 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
     if knobs.offload_checkpoints and not knobs.activation_checkpointing and mode == "sft":
-        raise ValueError("offload_checkpoints=True needs activation_checkpointing=True")
+        raise ValueError("memory.offload_activation_checkpoints=true needs memory.activation_checkpointing=true "
+                         "(an SFT step offloads the activation checkpoints)")
     chunk = stage_layout(model, cluster.sp, knobs.head_chunk_size)[0] if model.full_layers else 0
     if model.mla_layers:  # the latent is one shared K/V head: C divides H / P
         chunk = mla_layout(model, cluster.sp, knobs.head_chunk_size)[0]
@@ -217,17 +227,19 @@ def max_context(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, mode: str 
     return lo * granularity
 
 
-def _override_text(cluster: ClusterShape, knobs: MemoryKnobs, new_cluster: ClusterShape, new_knobs: MemoryKnobs) -> str:
-    """Hydra overrides that turn (cluster, knobs) into (new_cluster, new_knobs), e.g. ``memory.head_chunk_size=1``."""
+def _override_text(cluster: ClusterShape, knobs: MemoryKnobs, new_cluster: ClusterShape, new_knobs: MemoryKnobs,
+                   mode: str) -> str:
+    """Hydra overrides that turn (cluster, knobs) into (new_cluster, new_knobs), e.g. ``memory.head_chunk_size=1``
+    (``offload_checkpoints``: the ``memory.*`` key of ``mode``'s checkpoints, :data:`OFFLOAD_CHECKPOINTS_KEYS`)."""
     def fmt(value):
         return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
     parts = [f"cluster.{f}={fmt(getattr(new_cluster, f))}" for f in ("devices", "num_nodes", "sp_size", "sharding")
              if getattr(new_cluster, f) != getattr(cluster, f)]
-    parts += [f"memory.{f}={fmt(getattr(new_knobs, f))}" for f in ("head_chunk_size", "activation_checkpointing",
-                                                                  "offload_checkpoints", "offload_prompt_cache",
-                                                                  "mlp_chunk_size", "logits_chunk_size",
-                                                                  "prompt_checkpoint_every")
+    keys = {"offload_checkpoints": OFFLOAD_CHECKPOINTS_KEYS[mode]}
+    fields = ("head_chunk_size", "activation_checkpointing", "offload_checkpoints", "offload_prompt_cache",
+              "mlp_chunk_size", "logits_chunk_size", "prompt_checkpoint_every")
+    parts += [f"memory.{keys.get(f, f)}={fmt(getattr(new_knobs, f))}" for f in fields
               if getattr(new_knobs, f) != getattr(knobs, f)]
     return " ".join(parts)
 
@@ -244,7 +256,7 @@ def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: i
     """
     model = ModelShape.from_config(model_cfg) if not isinstance(model_cfg, ModelShape) else model_cfg
     cluster = cluster_cfg if isinstance(cluster_cfg, ClusterShape) else ClusterShape.from_config(cluster_cfg)
-    knobs = memory_cfg if isinstance(memory_cfg, MemoryKnobs) else MemoryKnobs.from_config(memory_cfg)
+    knobs = memory_cfg if isinstance(memory_cfg, MemoryKnobs) else MemoryKnobs.from_config(memory_cfg, mode)
     longstraw = mode == "longstraw"
     segments = "auto" if longstraw else knobs.prompt_checkpoint_every
     all_knobs = replace(knobs, head_chunk_size=1, activation_checkpointing=True, offload_checkpoints=True,
@@ -271,7 +283,7 @@ def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: i
                  for f in (2, 4, 8, 16, 32, 64)]
     out, seen = [], set()
     for index, (cl, kn) in enumerate(candidates + scale_out):
-        override = _override_text(cluster, knobs, cl, kn)
+        override = _override_text(cluster, knobs, cl, kn, mode)
         if not override or override in seen:
             continue
         seen.add(override)

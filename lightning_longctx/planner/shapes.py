@@ -333,6 +333,10 @@ class ClusterShape:
                              "node) or null (not budgeted)")
 
 
+# the memory.* key whose checkpoints MemoryKnobs.offload_checkpoints offloads, per mode
+OFFLOAD_CHECKPOINTS_KEYS = {"sft": "offload_activation_checkpoints", "longstraw": "offload_prompt_checkpoints"}
+
+
 @dataclass(frozen=True)
 class MemoryKnobs:
     """A memory budget per rank and the knobs that trade compute for memory (``MemoryConfig`` + runtime).
@@ -376,17 +380,23 @@ class MemoryKnobs:
     prompt_checkpoint_every: int | str = 1
 
     @classmethod
-    def from_config(cls, cfg: Any) -> MemoryKnobs:
+    def from_config(cls, cfg: Any, mode: str = "sft") -> MemoryKnobs:
+        """The knobs of a ``memory`` node (or dict). ``offload_checkpoints`` is what ``mode`` checkpoints: for
+        ``sft`` the model's activation checkpoints (``offload_activation_checkpoints``), for ``longstraw`` the
+        prompt's layer checkpoints (``offload_prompt_checkpoints``); a node's ``offload_checkpoints`` (the one
+        key before 0.2, or a dict's) wins when set."""
         def opt_int(name):
             value = config_value(cfg, name, None)
             return None if value is None else int(value)
 
+        offload = config_value(cfg, "offload_checkpoints")  # the one key before 0.2 (or a dict's): wins when set
         precision = check_precision(config_value(cfg, "precision", "bf16-mixed"), config_value(cfg, "dtype", None))
         return cls(
             budget_gib=float(config_value(cfg, "budget_gib", 80.0)), precision=precision,
             head_chunk_size=opt_int("head_chunk_size"),
             activation_checkpointing=bool(config_value(cfg, "activation_checkpointing", False)),
-            offload_checkpoints=bool(config_value(cfg, "offload_checkpoints", False)),
+            offload_checkpoints=bool(offload if offload is not None
+                                     else config_value(cfg, OFFLOAD_CHECKPOINTS_KEYS[mode], False)),
             offload_prompt_cache=bool(config_value(cfg, "offload_prompt_cache", False)),
             mlp_chunk_size=opt_int("mlp_chunk_size"), logits_chunk_size=opt_int("logits_chunk_size"),
             # memory.planned_attention_backend (Hydra; memory.attention_backend before 0.2) or a dict's key
@@ -458,6 +468,7 @@ __all__ = [
     "MLP_DENSE",
     "MLP_SPARSE",
     "MODES",
+    "OFFLOAD_CHECKPOINTS_KEYS",
     "PRECISIONS",
     "SHARDINGS",
     "ClusterShape",
