@@ -164,9 +164,9 @@ def _assert_ep_grads(model, want, world, label):
 
 def longstraw_checks(rank, world):
     """``longstraw_step(loss=LossOptions(prompt_grad="full"))`` with expert parallelism == full autograd over
-    cat(P, r_i)
-    (float64, 1e-8): MLA + MoE (random and skewed routing), Qwen3.5-MoE, and (2 ranks) FSDP2 with the experts'
-    2-D shards; the global grad norm == the one process' norm; greedy ``sample`` == greedy full forwards."""
+    cat(P, r_i) (float64, 1e-8): MLA + MoE (random and skewed routing), Qwen3.5-MoE, and (2 ranks) FSDP2 with
+    the experts' 2-D shards; the global grad norm == the one process' norm; greedy ``sample`` == greedy full
+    forwards."""
     from lightning_longctx.longstraw import longstraw_step, sample
     from lightning_longctx.parallel.expert_parallel import global_grad_norm
     from test_longstraw import MAX_LEN, make_group, reference

@@ -22,6 +22,7 @@ from lightning_longctx.longstraw import (
     StepMemory,
     group_advantages,
     longstraw_step,
+    prefill_for_step,
     sample,
     score,
 )
@@ -277,6 +278,33 @@ def test_sampling_respects_eos():
     first = sample(model, prompt, 1, max_new_tokens=5, temperature=0.0)[0]
     stopped = sample(model, prompt, 1, max_new_tokens=5, temperature=0.0, eos_token_id=int(first[1]))[0]
     assert stopped.tolist() == first[:2].tolist()
+
+
+def test_the_flat_keywords_of_0_1_still_work_with_a_warning_until_0_3():
+    """``longstraw_step(beta=..., logits_chunk_size=...)`` folds 0.1's keywords into the option objects (over a
+    given object's values) with a FutureWarning naming the replacement: the same loss and bitwise the same
+    gradients as the options form. ``prefill_for_step`` likewise; an unknown keyword is a TypeError."""
+    model = tiny_model()
+    prompt, responses, advantages = make_group(3)
+    old, ref = policy_inputs(model, prompt, responses, perturb=0.3)
+    want = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
+                          loss=LossOptions(beta=0.05, clip_eps=(0.1, 0.3)),
+                          memory=StepMemory(logits_chunk_size=4, measure_memory=False))
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    replacement = r"pass loss=LossOptions\(beta=\.\.\.\), memory=StepMemory\(logits_chunk_size=\.\.\.\)"
+    with pytest.warns(FutureWarning, match=r"longstraw_step\(beta=\.\.\., logits_chunk_size=\.\.\.\) is deprecated and "
+                      r"will be removed in 0\.3; " + replacement):
+        got = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
+                             loss=LossOptions(clip_eps=(0.1, 0.3)), memory=StepMemory(measure_memory=False),
+                             beta=0.05, logits_chunk_size=4)
+    assert got.loss == want.loss and got.kl == want.kl and got.clip_fraction == want.clip_fraction
+    assert all(torch.equal(p.grad, want_grads[n]) for n, p in model.named_parameters())
+    with pytest.warns(FutureWarning, match=r"groups=StepGroups\(sp_group=\.\.\.\)"):
+        state = prefill_for_step(model, prompt, prompt_grad="none", group=None)
+    assert not state.checkpoints  # the detached step's prefill: no checkpoints for a grouped backward
+    with pytest.raises(TypeError, match=r"longstraw_step\(\) got unexpected keyword arguments \['betta'\]"):
+        longstraw_step(model, prompt, responses, advantages, betta=0.05)
 
 
 OPTION_CLASSES = {"loss": LossOptions, "memory": StepMemory, "groups": StepGroups}

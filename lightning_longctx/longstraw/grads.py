@@ -106,8 +106,14 @@ class StagedGradSink:
 class GroupGradients:
     """Collects one group step's parameter gradients in ``dtype``; see the module docstring.
 
-    Use as a context manager around the step's backwards, then call :meth:`finish`.
+    Use as a context manager around the step's backwards, then call :meth:`finish`. The step's reduction for
+    replicated parameters; :class:`~.grad_sync.FsdpGradients` (the same interface) is FSDP2's: ``loss_scale``
+    and :meth:`last_backward` are then no-ops here (each backward's loss as it is; nothing is deferred) and
+    ``layer_grad_sync`` is None.
     """
+
+    loss_scale = 1.0
+    layer_grad_sync = None
 
     def __init__(self, params: list[torch.Tensor], dtype: torch.dtype) -> None:
         self.params = params
@@ -128,6 +134,9 @@ class GroupGradients:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+    def last_backward(self) -> None:
+        """Nothing to switch before the step's last backward (the reduction is :meth:`finish`'s)."""
 
     def _hook(self, index: int):
         return move_grad_into(self._buffers, index, self.dtype)

@@ -17,8 +17,11 @@ concern, each validated when it is made (``ValueError`` / ``TypeError`` naming t
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -188,6 +191,43 @@ class StepGroups:
         _optional_bool("defer_grad_sync", self.defer_grad_sync)
 
 
+OPTION_CLASSES = {"loss": LossOptions, "memory": StepMemory, "groups": StepGroups}
+# 0.1's flat keywords of longstraw_step / prefill_for_step -> (option, field): accepted until 0.3, with a warning
+DEPRECATED_KEYWORDS = {
+    **{name: ("loss", name) for name in ("loss_type", "prompt_grad", "beta", "clip_eps", "max_response_length",
+                                         "temperature")},
+    **{name: ("memory", name) for name in ("logits_chunk_size", "offload_checkpoints", "offload_prompt_cache",
+                                           "state_segment", "keep_attention_output", "replay_checkpointing",
+                                           "measure_memory")},
+    "group": ("groups", "sp_group"), "dp_group": ("groups", "dp_group"),
+    "accumulate_dtype": ("groups", "accumulate_dtype"), "defer_grad_sync": ("groups", "defer_grad_sync"),
+}
+
+
+def fold_deprecated_keywords(function: str, options: dict[str, Any], keywords: dict[str, Any]) -> dict[str, Any]:
+    """``options`` (``loss`` / ``memory`` / ``groups``: an option object or None) with 0.1's flat ``keywords``
+    folded into them (over a given object's values), and a :class:`FutureWarning` naming the replacement;
+    ``TypeError`` for a keyword 0.1 did not have either. Removed in 0.3."""
+    if not keywords:
+        return options
+    unknown = sorted(set(keywords) - set(DEPRECATED_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}")
+    fields: dict[str, dict[str, Any]] = {}
+    for name, value in keywords.items():
+        option, field = DEPRECATED_KEYWORDS[name]
+        fields.setdefault(option, {})[field] = value
+    replacement = ", ".join(f"{option}={OPTION_CLASSES[option].__name__}({', '.join(f'{f}=...' for f in values)})"
+                            for option, values in fields.items())
+    warnings.warn(f"{function}({', '.join(f'{k}=...' for k in keywords)}) is deprecated and will be removed in 0.3; "
+                  f"pass {replacement}", FutureWarning, stacklevel=3)
+    folded = dict(options)
+    for option, values in fields.items():
+        given = folded[option]
+        folded[option] = OPTION_CLASSES[option](**values) if given is None else dataclasses.replace(given, **values)
+    return folded
+
+
 def check_logits_chunk_size(logits_chunk_size) -> None:
     """``logits_chunk_size`` is a positive int (tokens per lm_head chunk) or None."""
     if logits_chunk_size is not None and (isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int)
@@ -213,5 +253,6 @@ def check_keep_attention_output(keep) -> None:
         raise ValueError(f"keep_attention_output={keep!r}; choose one of {KEEP_ATTENTION_OUTPUT}")
 
 
-__all__ = ["KEEP_ATTENTION_OUTPUT", "PROMPT_GRADS", "LossOptions", "StepGroups", "StepMemory",
-           "check_checkpoint_every", "check_keep_attention_output", "check_logits_chunk_size", "check_temperature"]
+__all__ = ["DEPRECATED_KEYWORDS", "KEEP_ATTENTION_OUTPUT", "OPTION_CLASSES", "PROMPT_GRADS", "LossOptions",
+           "StepGroups", "StepMemory", "check_checkpoint_every", "check_keep_attention_output",
+           "check_logits_chunk_size", "check_temperature", "fold_deprecated_keywords"]

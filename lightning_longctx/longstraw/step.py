@@ -45,10 +45,11 @@ from ..ops.step_phase import mark, phase, progress_marker
 from ..ops.tracker import track_memory
 from ..parallel import group_size, set_sequence_parallel_group
 from .checks import check_group_agrees, validate_group
-from .grad_sync import fsdp_sharded, reshard, set_grad_sync, set_layer_grad_sync, small_trainable_state
+from .grad_sync import FsdpGradients, fsdp_sharded
 from .grads import GroupGradients, accumulation_dtype
 from .losses import policy_token_terms, response_weights
 from .options import (
+    OPTION_CLASSES,
     LossOptions,
     StepGroups,
     StepMemory,
@@ -56,6 +57,7 @@ from .options import (
     check_keep_attention_output,
     check_logits_chunk_size,
     check_temperature,
+    fold_deprecated_keywords,
 )
 from .prefix import (
     PromptState,
@@ -110,7 +112,7 @@ def _needs_grouped_backward(model, prompt_grad: str) -> bool:
 
 def prefill_for_step(
     model, prompt_ids: torch.Tensor, *, loss: LossOptions | None = None, memory: StepMemory | None = None,
-    groups: StepGroups | None = None, progress: Callable[[str], None] | None = None,
+    groups: StepGroups | None = None, progress: Callable[[str], None] | None = None, **deprecated_keywords,
 ) -> PromptState:
     """The prompt's state as :func:`longstraw_step` with the same options prefills it (checkpoints and cache
     gradients when the grouped backward runs), to prefill once for ``sample``, ``score`` and the step::
@@ -125,8 +127,9 @@ def prefill_for_step(
     prompt_grad``, ``memory``'s prefill knobs (``offload_checkpoints``, ``offload_prompt_cache``,
     ``state_segment``, ``keep_attention_output``, ``prompt_checkpoint_every``), ``groups.sp_group`` and
     ``groups.accumulate_dtype``.
+    ``deprecated_keywords``: 0.1's flat keywords, as :func:`longstraw_step`'s.
     """
-    loss, memory, groups = _options(loss, memory, groups)
+    loss, memory, groups = _options("prefill_for_step", loss, memory, groups, deprecated_keywords)
     validate_group(model, prompt_ids, [prompt_ids[-1:]])  # the prompt's checks
     keep = memory.keep_attention_output
     if keep is None:
@@ -152,18 +155,15 @@ def _memory_knob(model, name: str, default):
     return getattr(getattr(model, "memory", None), name, default)
 
 
-def _options(loss, memory, groups) -> tuple[LossOptions, StepMemory, StepGroups]:
-    """The three option objects, each of its class (None: its defaults); their values were checked when they
-    were made."""
-    out = []
-    for name, value, kind in (("loss", loss, LossOptions), ("memory", memory, StepMemory),
-                              ("groups", groups, StepGroups)):
-        if value is None:
-            value = kind()
-        elif not isinstance(value, kind):
-            raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
-        out.append(value)
-    return tuple(out)
+def _options(function: str, loss, memory, groups, deprecated_keywords) -> tuple[LossOptions, StepMemory, StepGroups]:
+    """The three option objects, each of its class (None: its defaults; 0.1's flat keywords folded in, with a
+    warning); their values were checked when they were made."""
+    given = {"loss": loss, "memory": memory, "groups": groups}
+    for name, kind in OPTION_CLASSES.items():
+        if given[name] is not None and not isinstance(given[name], kind):
+            raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(given[name]).__name__}")
+    folded = fold_deprecated_keywords(function, given, deprecated_keywords)
+    return tuple(kind() if folded[name] is None else folded[name] for name, kind in OPTION_CLASSES.items())
 
 
 def longstraw_step(
@@ -179,6 +179,7 @@ def longstraw_step(
     ref_logprobs: Sequence[torch.Tensor] | None = None,
     prompt_state: PromptState | None = None,
     progress: Callable[[str], None] | None = None,
+    **deprecated_keywords,
 ) -> StepOutput:
     """Accumulate into ``param.grad`` the exact gradient of the group loss for one prompt and G responses.
 
@@ -201,10 +202,13 @@ def longstraw_step(
             parameters changed since it was prefilled (after an optimizer step: prefill again). None = prefill
             here. Its prefill is then outside ``peak_bytes`` and ``seconds``.
         progress: ``progress(message)`` after each prefill layer, branch and grouped-backward layer.
+        deprecated_keywords: 0.1's flat keywords (``beta=``, ``group=``, ``state_segment=``, ...), folded into
+            the option objects with a ``FutureWarning`` naming the replacement, until 0.3
+            (:data:`~.options.DEPRECATED_KEYWORDS`); any other keyword is a ``TypeError``.
     Returns:
         :class:`StepOutput`. Raises ValueError on bad input before touching the model.
     """
-    loss, memory, groups = _options(loss, memory, groups)
+    loss, memory, groups = _options("longstraw_step", loss, memory, groups, deprecated_keywords)
     validate_group(model, prompt_ids, responses, advantages, loss=loss, old_logprobs=old_logprobs,
                    ref_logprobs=ref_logprobs)
     if prompt_state is not None and not isinstance(prompt_state, PromptState):
@@ -223,24 +227,16 @@ def longstraw_step(
     full = _needs_grouped_backward(model, loss.prompt_grad)
     if prompt_state is not None:
         check_prompt_state(prompt_state, model, prompt_ids, group, for_backward=full)
-    sharded = fsdp_sharded(model)
-    if sharded:
-        # FSDP2 reduce-scatters every backward as a plain sum over all dp x sp ranks into the sharded fp32 .grad
-        # (MixedPrecisionPolicy reduce_dtype): scaling each rank's loss by 1/dp makes that the SP sum of the
-        # DP mean. The gradients are then final when the step returns; no reduction of our own.
-        grad_scale = 1.0 / group_size(dp_group)
-        step_grads = contextlib.nullcontext()
-        defer = small_trainable_state(model, params) if groups.defer_grad_sync is None else groups.defer_grad_sync
-        set_grad_sync(model, not defer)
-    else:
-        grad_scale = 1.0
-        step_grads = GroupGradients(params, grad_dtype)  # this step's grads are summed over SP alone, then added
+    if fsdp_sharded(model):  # FSDP2's reduce-scatters, each rank's loss scaled by 1 / dp (:mod:`.grad_sync`)
+        reduction = FsdpGradients(model, params, dp_group, groups.defer_grad_sync)
+    else:  # this step's grads summed in grad_dtype, over SP, averaged over DP, then added to .grad (:mod:`.grads`)
+        reduction = GroupGradients(params, grad_dtype)
 
     start = time.perf_counter()
     totals = torch.zeros(4, dtype=torch.float64, device=prompt_ids.device)  # loss, KL, clipped, entropy sums
     logprobs_out = []
     tracker = track_memory(prompt_ids.device, reset_peak=False) if memory.measure_memory else contextlib.nullcontext()
-    with tracker as measured, step_grads, phase("replay"):
+    with tracker as measured, reduction, phase("replay"):
         state = prompt_state
         if state is None:
             state = prefill_for_step(model, prompt_ids, loss=loss, memory=memory, groups=groups, progress=progress)
@@ -259,9 +255,9 @@ def longstraw_step(
             )
             # masked sums, not boolean indexing: no host sync per branch
             loss_l = weights[i] * torch.where(valid, terms.loss, 0).sum()
-            if sharded and not full and i == len(responses) - 1:
-                set_grad_sync(model, True)  # the step's last backward reduce-scatters what was deferred
-            (loss_l * grad_scale if sharded else loss_l).backward()
+            if not full and i == len(responses) - 1:
+                reduction.last_backward()
+            (loss_l if reduction.loss_scale == 1.0 else loss_l * reduction.loss_scale).backward()
             stats = torch.stack([loss_l.detach(), torch.where(valid, terms.kl, 0).sum(),
                                  torch.where(valid, terms.clipped.to(logp_l.dtype), 0).sum(),
                                  torch.where(valid, entropy_l, 0).sum()])
@@ -273,17 +269,13 @@ def longstraw_step(
             if progress is not None:
                 progress(f"replay branch {i + 1}/{len(responses)}")
         if full:
-            if sharded:
-                set_grad_sync(model, True)  # each layer's one grouped backward reduce-scatters its summed grads
+            reduction.last_backward()  # FSDP2: each layer's one grouped backward reduce-scatters its summed grads
             with prompt_weights(model), phase("grouped backward"):  # on_prompt=False adapters: the prompt on the base
                 grouped_backward(model, state, progress=progress_marker(progress),
-                                 layer_grad_sync=set_layer_grad_sync if sharded and defer else None)
+                                 layer_grad_sync=reduction.layer_grad_sync)
         del state, prompt_state
-    if not sharded:
-        with phase("gradient reduction"):  # accumulate_dtype: sum over SP, mean over DP, one collective per bucket
-            step_grads.finish(group, dp_group)
-    else:  # FSDP2's root keeps its gathered parameters after a forward no backward reaches (frozen embedding)
-        reshard(model)
+    with phase("gradient reduction"):
+        reduction.finish(group, dp_group)
     tokens = sum(lengths)
     loss_total, kl_sum, clipped, entropy_sum = totals.tolist()  # the step's one host sync for the statistics
     return StepOutput(
