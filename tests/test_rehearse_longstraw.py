@@ -107,3 +107,26 @@ def test_shortened_rollouts_keep_full_length_responses_and_the_rollout_peak(kind
     assert short_peak == pytest.approx(full_peak, rel=0.01)
     with pytest.raises(ValueError, match="decode_steps=0"):
         sample(model, prompt, 3, max_new_tokens=6, decode_steps=0)
+
+
+def test_moe_experts_rehearse_the_grouped_path_in_bf16_only():
+    """MoE layers: the rehearsal switches ``experts.backend`` to the grouped GEMM (what ``auto`` takes in bf16 on
+    the GPU presets; the per-expert loop reads token counts on the host) and refuses other precisions, naming
+    them, before any step work."""
+    import torch
+
+    from lightning_longctx.app import build_model
+    from lightning_longctx.models.moe import Experts
+    from lightning_longctx.rehearse import compose
+    from lightning_longctx.rehearse.run import grouped_experts
+
+    with torch.device("meta"):
+        model = build_model(compose(["model=tiny_mla_moe", "task=needle_grpo"]))
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.backend == "auto" for m in experts)
+    with pytest.raises(NotImplementedError, match="precision='32-true' with MoE layers"):
+        grouped_experts(model, "32-true")
+    note = grouped_experts(model, "bf16-mixed")
+    assert all(m.backend == "grouped" for m in experts) and f"{len(experts)} expert layers" in note
+    with torch.device("meta"):
+        assert grouped_experts(build_model(compose(["model=tiny"])), "32-true") is None  # no MoE: nothing to do
