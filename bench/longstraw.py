@@ -226,7 +226,6 @@ def print_prefill(result, lengths):
     print("  whole prefill() s: " + ", ".join(f"{k}: {v:.3f}" for k, v in result["prefill_s"].items()))
 
 
-@torch.no_grad()
 def segment_bench(model, prompt, responses, advantages, args) -> dict:
     """The exact step at ``prompt_checkpoint_every`` 1 and k (the same prompt, G, model), best of
     ``step_repeats``, and one no-grad prompt forward (a prefill keeping nothing for a backward)."""
@@ -270,6 +269,7 @@ def print_segments(r: dict) -> None:
           f"{r['extra_over_expected']:.2f}x")
 
 
+@torch.no_grad()
 def prompt_cache_bytes_per_token(model, prompt) -> int:
     """Bytes of the prefill's per-layer state (K/V, recurrent state, latent) per cached prompt token."""
     state = prefill(model, prompt, None, keep_checkpoints=False, cache_requires_grad=False)
