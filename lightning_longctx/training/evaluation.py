@@ -4,8 +4,9 @@ rate under ``val/``.
 :class:`RolloutEvaluation` is a Lightning callback (``longctx-train`` adds it when ``task.eval_every_n_steps``
 is set, with ``task.eval_data`` built like ``task.data``). After every ``every_n_steps``-th optimizer step, and
 once more when training ends (unless that step was just evaluated), every rank runs the module's
-:meth:`~lightning_longctx.LongStrawModule.rollout_rewards` on its share of the held-out prompts (batch ``i``
-goes to data-parallel rank ``i % dp``; the SP ranks of a group take the same prompts): ``samples`` sampled
+:meth:`~lightning_longctx.LongStrawModule.rollout_rewards` on its share of the held-out prompts (prompt ``i``
+goes to data-parallel rank ``i % dp``; the SP ranks of a group take the same prompts; a rank with one prompt
+fewer repeats the first one uncounted, so that every rank runs as many rollouts): ``samples`` sampled
 responses per prompt (the module's temperature / top-p / top-k, from a generator seeded by ``seed`` and the
 step, so an evaluation is repeatable and leaves the training sampler untouched) and, with ``greedy``, one
 greedy response. Sums are all-reduced over every rank (the SP ranks but the first contribute zeros), and
@@ -47,6 +48,25 @@ def _batches(data: Any) -> Iterable[dict]:
 
         return data.val_dataloader() if is_overridden("val_dataloader", data) else data.train_dataloader()
     return data
+
+
+def _rows(batch: dict) -> list[tuple[torch.Tensor, dict]]:
+    """``(prompt_ids [S], its fields)`` of each prompt of a batch."""
+    prompts = batch["prompt_ids"]
+    prompts = [prompts] if torch.is_tensor(prompts) and prompts.dim() == 1 else list(prompts)
+    extra = {k: v for k, v in batch.items() if k not in _NOT_FIELDS}
+    return [(prompt, {k: v[i] for k, v in extra.items()}) for i, prompt in enumerate(prompts)]
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    """Free the parameters FSDP2 left unsharded after the rollouts' forwards (its root keeps them after a
+    forward, until the backward a rollout never runs), as a training step's backward would: else the next
+    state dict (a checkpoint) finds them unsharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
 
 
 class _Sums:
@@ -131,22 +151,21 @@ class RolloutEvaluation(Callback):
         names = pl_module.reward_names()
         sampled, greedy = _Sums(names), _Sums(names)
         generator = torch.Generator(pl_module.device).manual_seed(self.seed + 7919 * (step + 1))
-        for index, batch in enumerate(_batches(self.data)):
-            if index % dp != dp_rank:
-                continue
-            prompts = batch["prompt_ids"]
-            prompts = [prompts] if torch.is_tensor(prompts) and prompts.dim() == 1 else list(prompts)
-            extra = {k: v for k, v in batch.items() if k not in _NOT_FIELDS}
-            for i, prompt in enumerate(prompts):
-                prompt = prompt.to(pl_module.device)
-                fields = {k: v[i] for k, v in extra.items()}
-                for count, is_greedy, sums in ((self.samples, False, sampled), (int(self.greedy), True, greedy)):
-                    if count == 0:
-                        continue
-                    rewards, parts = pl_module.rollout_rewards(prompt, fields, count, greedy=is_greedy,
-                                                               generator=generator)
-                    if parts is not None:  # the SP group's first rank: counted once per SP group
-                        sums.add(rewards, parts, self.pass_threshold)
+        rows = [(prompt, fields) for batch in _batches(self.data) for prompt, fields in _rows(batch)]
+        share = -(-len(rows) // dp)  # every dp rank runs as many rollouts: FSDP2's all-gathers pair up across them
+        for slot in range(share):
+            index = dp_rank + slot * dp
+            counted = index < len(rows)  # past the end: a repeat of the first prompt, run but not counted
+            prompt, fields = rows[index if counted else 0]
+            prompt = prompt.to(pl_module.device)
+            for count, is_greedy, sums in ((self.samples, False, sampled), (int(self.greedy), True, greedy)):
+                if count == 0:
+                    continue
+                rewards, parts = pl_module.rollout_rewards(prompt, fields, count, greedy=is_greedy,
+                                                           generator=generator)
+                if counted and parts is not None:  # the SP group's first rank: counted once per SP group
+                    sums.add(rewards, parts, self.pass_threshold)
+        _reshard(pl_module)
         total = torch.cat([sampled.values, greedy.values]).to(pl_module.device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)
