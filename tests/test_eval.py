@@ -154,16 +154,16 @@ def test_longctx_train_builds_the_evaluation_from_the_task_keys(hf_dir, files):
 
 def test_two_dp_ranks_under_fsdp_share_an_uneven_heldout_set_and_checkpoint_after(tmp_path, hf_dir, files):
     """3 held-out prompts on dp=2: rank 1 runs one repeat (FSDP2's all-gathers must pair up across the ranks),
-    not counted; the model (left unsharded by the rollouts' forwards) is resharded, so a checkpoint follows."""
+    not counted; the checkpoint after the evaluation at the end is written."""
     from distributed import run_distributed
     from eval_workers import evaluate_then_checkpoint
 
     runs = run_distributed(evaluate_then_checkpoint, 2, str(hf_dir), str(files[0]), str(files[1]),
-                           str(tmp_path / "after_eval.ckpt"), timeout=300.0, init_group=False)
-    # one training group, then one evaluation (step 1 = the end) of 2 slots per rank (ceil(3 / 2))
-    assert [len(r["calls"]) for r in runs] == [1 + 2, 1 + 2]
+                           str(tmp_path / "checkpoints"), timeout=300.0, init_group=False)
+    # a training group per step (3), and two evaluations (step 2, the end at 3) of 2 slots per rank (ceil(3 / 2))
+    assert [len(r["calls"]) for r in runs] == [3 + 2 * 2, 3 + 2 * 2]
     lengths = [len(json.loads(line)["prompt"]) for line in files[1].read_text().splitlines()]
     for run in runs:
         assert run["val"]["val/reward_mean"] == pytest.approx(sum(lengths) / 3)  # each prompt once
         assert run["val"]["val/pass_rate"] == 1.0
-    assert (tmp_path / "after_eval.ckpt").exists()
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
