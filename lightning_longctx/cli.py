@@ -42,7 +42,14 @@ from .app import (
     trainer_kwargs,
 )
 from .config_checks import apply_renamed_keys, check_schema_keys
-from .config_plan import check_plan, explicit_model_fields, longstraw_choices, model_shape, plan_request
+from .config_plan import (
+    check_plan,
+    expert_parallel_choice,
+    explicit_model_fields,
+    longstraw_choices,
+    model_shape,
+    plan_request,
+)
 from .export import ExportError, export_checkpoint
 from .planner import (
     GIB,
@@ -206,7 +213,8 @@ def run_train(cfg: DictConfig) -> Any:
     cluster = cfg.cluster
     strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
                                sharding=cluster.sharding, process_group_backend=cluster.process_group_backend,
-                               timeout=timeout, on_nonfinite=cfg.on_nonfinite)
+                               timeout=timeout, on_nonfinite=cfg.on_nonfinite,
+                               expert_parallel=expert_parallel_choice(cfg))
     trainer = pl.Trainer(
         strategy=strategy, accelerator=cluster.accelerator, devices=cluster.devices, num_nodes=cluster.num_nodes,
         precision=precision, logger=loggers, **kwargs,

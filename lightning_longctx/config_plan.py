@@ -6,12 +6,14 @@ budget check, and the LongStraw choices the built model takes from it; one place
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from omegaconf import DictConfig
 
 from .config_checks import ConfigError
 from .planner import ClusterShape, MemoryKnobs, ModelShape, Plan, check_budget
+from .planner.budget import choose_expert_parallel, expert_parallel_knobs
 from .planner.longstraw import (
     choose_keep_attention_output,
     choose_prompt_checkpoint_every,
@@ -75,6 +77,31 @@ def check_plan(cfg: DictConfig, model: ModelShape | None = None) -> Plan:
     return check_budget(model or model_shape(cfg), cfg.cluster, cfg.memory, **plan_request(cfg))
 
 
+def expert_parallel_choice(cfg: DictConfig, model: ModelShape | None = None,
+                           knobs: MemoryKnobs | None = None) -> bool:
+    """Whether the run shards the routed experts over the SP group: ``memory.expert_parallel`` ``on`` / ``off``,
+    or with ``auto`` (the default) the planner's choice at the task's context
+    (:func:`~.planner.budget.choose_expert_parallel`: on when that plan fits where the other does not, or fits
+    in less memory). A model without routed experts: off, without planning."""
+    knobs = knobs or MemoryKnobs.from_config(cfg.memory, cfg.task.mode)
+    if knobs.expert_parallel == "off":
+        return False
+    model = model or model_shape(cfg)
+    if knobs.expert_parallel == "auto" and not model.n_routed_experts:
+        return False
+    return choose_expert_parallel(model, ClusterShape.from_config(cfg.cluster), knobs, **plan_request(cfg))
+
+
+def resolved_knobs(cfg: DictConfig, model: ModelShape, knobs: MemoryKnobs) -> MemoryKnobs:
+    """``knobs`` with ``expert_parallel=auto`` decided (:func:`expert_parallel_choice`), so the other choices are
+    planned with the experts as they will be held."""
+    if knobs.expert_parallel != "auto":
+        return knobs
+    on = expert_parallel_choice(cfg, model, knobs)
+    return expert_parallel_knobs(model, ClusterShape.from_config(cfg.cluster),
+                                 replace(knobs, expert_parallel="on" if on else "off"))
+
+
 def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
                        knobs: MemoryKnobs | None = None) -> dict[str, Any]:
     """What a LongStraw step of ``cfg`` runs with, as the planner chooses it at the task's prompt, G and response
@@ -96,12 +123,16 @@ def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
     if keep != "auto" and not offloaded and every != "auto":
         return {"keep_attention_output": keep, "rollout_prompt_cache": None, "prompt_checkpoint_every": int(every)}
     request = plan_request(cfg, mode="longstraw")
-    args = (model or model_shape(cfg), ClusterShape.from_config(cfg.cluster),
-            knobs or MemoryKnobs.from_config(cfg.memory, "longstraw"), request["seq_len"], request["group_size"],
-            request["response_len"], request["prompt_grad"])
+    model = model or model_shape(cfg)
+    cluster = ClusterShape.from_config(cfg.cluster)
+    knobs = resolved_knobs(cfg, model, knobs or MemoryKnobs.from_config(cfg.memory, "longstraw"))
+    knobs = expert_parallel_knobs(model, cluster, knobs)
+    args = (model, cluster, knobs, request["seq_len"], request["group_size"], request["response_len"],
+            request["prompt_grad"])
     return {"keep_attention_output": choose_keep_attention_output(*args) if keep == "auto" else keep,
             "rollout_prompt_cache": choose_rollout_prompt_cache(*args) if offloaded else None,
             "prompt_checkpoint_every": choose_prompt_checkpoint_every(*args) if every == "auto" else int(every)}
 
 
-__all__ = ["check_plan", "explicit_model_fields", "longstraw_choices", "model_shape", "plan_request"]
+__all__ = ["check_plan", "expert_parallel_choice", "explicit_model_fields", "longstraw_choices", "model_shape",
+           "plan_request", "resolved_knobs"]

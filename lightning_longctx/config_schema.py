@@ -217,6 +217,8 @@ class MemoryBudgetConf:
     keep_attention_output: str = "auto"  # LongStraw: the prompt's attention outputs kept for the grouped backward
     host_reserve_gib: float = 0.0  # host memory per rank the planner leaves for what it does not count
     prompt_checkpoint_every: Any = 1  # LongStraw: prompt layers per checkpointed segment (int >= 1) or "auto"
+    # MoE models: the routed experts sharded over the SP group (auto: where the plan is better with it), on, off
+    expert_parallel: str = "auto"
 
 
 @dataclass

@@ -87,12 +87,17 @@ def sft_peak(rank, world, seq, knobs, fields):
     import torch.distributed as dist
 
     from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+    from lightning_longctx.models.moe import enable_expert_parallel
     from lightning_longctx.ops import track_memory
     from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch
 
     torch.manual_seed(0)
+    knobs = dict(knobs)
+    expert_parallel = knobs.pop("expert_parallel", "off") == "on"
     model = DecoderLM(DecoderConfig(**fields), MemoryConfig(**knobs))
     set_sequence_parallel_group(model, dist.group.WORLD if world > 1 else None)
+    if expert_parallel:
+        enable_expert_parallel(model, dist.group.WORLD)
     ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(1))
     batch = shard_batch(ids, sp_rank=rank, sp_size=world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -112,9 +117,14 @@ def longstraw_peak(rank, world, seq, knobs, fields):
 
     from lightning_longctx.longstraw import longstraw_step
     from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+    from lightning_longctx.models.moe import enable_expert_parallel
 
     torch.manual_seed(0)
+    knobs = dict(knobs)
+    expert_parallel = knobs.pop("expert_parallel", "off") == "on"
     model = DecoderLM(DecoderConfig(**fields), MemoryConfig(**knobs))
+    if expert_parallel:
+        enable_expert_parallel(model, dist.group.WORLD)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 64, (seq,), generator=gen)
     responses = [torch.randint(0, 64, (8,), generator=gen) for _ in range(4)]

@@ -132,6 +132,9 @@ CASES = [  # (mode, processes, tokens, MemoryConfig knobs)
     ("longstraw", 1, 4096, {}),
     ("longstraw", 1, 4096, dict(CPU_PRESET, mlp_chunk_size=512)),
     ("longstraw", 2, 8192, dict(CPU_PRESET, mlp_chunk_size=512)),
+    # expert parallelism over the 2 ranks: half the routed experts each, the dispatch's row buffers
+    ("sft", 2, 8192, dict(CPU_PRESET, expert_parallel="on")),
+    ("longstraw", 2, 8192, dict(CPU_PRESET, mlp_chunk_size=512, expert_parallel="on")),
 ]
 
 

@@ -78,6 +78,7 @@ class Plan:
     host_pinned_bytes: int = 0
     host_budget_bytes: int | None = None
     prompt_checkpoint_every: int = 1
+    expert_parallel: bool = False  # the routed experts sharded over the SP group (memory.expert_parallel)
 
     @property
     def reserve_bytes(self) -> int:
@@ -114,6 +115,9 @@ class Plan:
         lines.append("  phases (persistent + transients alive together; * = peak):")
         lines += [f"  {'* ' if name == self.peak_phase else '  '}{name:<24}{value / scale:>12.3f}"
                   for name, value in self.phases.items()]
+        if self.expert_parallel:
+            lines.append(f"  expert parallelism: each rank holds 1/{self.sp} of every MoE layer's routed experts "
+                         "(the tokens travel to them by all-to-all; memory.expert_parallel)")
         if self.host_breakdown:
             lines.append("  host memory (per rank, bytes of the tensors):")
             lines += [f"    {name:<24}{value / scale:>12.3f}" for name, value in self.host_breakdown.items() if value]
@@ -150,6 +154,11 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
     cluster = cluster_cfg if isinstance(cluster_cfg, ClusterShape) else ClusterShape.from_config(cluster_cfg)
     knobs = memory_cfg if isinstance(memory_cfg, MemoryKnobs) else MemoryKnobs.from_config(memory_cfg, mode)
     cluster.validate()
+    if knobs.expert_parallel == "auto":  # the better of the two plans (see choose_expert_parallel)
+        options = dict(seq_len=seq_len, mode=mode, group_size=group_size, response_len=response_len,
+                       prompt_grad=prompt_grad, param_sharding=param_sharding)
+        return _better_expert_parallel_plan(model, cluster, knobs, options)
+    knobs = expert_parallel_knobs(model, cluster, knobs)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {MODES}")
     if knobs.attention_backend not in PLANNED_ATTENTION_BACKENDS:
@@ -202,7 +211,39 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
                 peak_phase=peak_phase, total_bytes=phases[peak_phase] + reserve,
                 budget_bytes=int(knobs.budget_gib * GIB), host_bytes=sum(host.values()), notes=notes,
                 precision=knobs.precision, host_breakdown=host, host_pinned_bytes=sum(blocks.values()),
-                host_budget_bytes=host_budget_bytes(cluster, knobs), prompt_checkpoint_every=every)
+                host_budget_bytes=host_budget_bytes(cluster, knobs), prompt_checkpoint_every=every,
+                expert_parallel=knobs.expert_parallel_size > 1)
+
+
+def expert_parallel_knobs(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs) -> MemoryKnobs:
+    """``knobs`` with ``expert_parallel`` ``on`` / ``off`` resolved into ``expert_parallel_size`` (the SP group's
+    size, or 1). ``on`` for a model that cannot run it raises naming the numbers."""
+    if knobs.expert_parallel != "on":
+        return replace(knobs, expert_parallel_size=1)
+    model.check_expert_parallel(cluster.sp)
+    return replace(knobs, expert_parallel_size=cluster.sp)
+
+
+def expert_parallel_possible(model: ModelShape, cluster: ClusterShape) -> bool:
+    """Routed experts that divide over more than one SP rank."""
+    return bool(model.n_routed_experts) and cluster.sp > 1 and model.n_routed_experts % cluster.sp == 0
+
+
+def _better_expert_parallel_plan(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, options) -> Plan:
+    """``memory.expert_parallel=auto``: the plan with expert parallelism when it fits where the other does not,
+    or fits both ways in less memory (its peak with the reserve); else the plan without. A model without routed
+    experts that divide over the SP group plans without."""
+    off = plan(model, cluster, replace(knobs, expert_parallel="off"), **options)
+    if not expert_parallel_possible(model, cluster):
+        return off
+    on = plan(model, cluster, replace(knobs, expert_parallel="on"), **options)
+    return on if (on.fits, -on.total_bytes) > (off.fits, -off.total_bytes) else off
+
+
+def choose_expert_parallel(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, **plan_options) -> bool:
+    """What ``memory.expert_parallel`` runs as at the planned length (``plan_options``: :func:`plan`'s keywords):
+    ``on`` / ``off`` as set, ``auto`` as :func:`plan` chooses."""
+    return plan(model_cfg, cluster_cfg, memory_cfg, **plan_options).expert_parallel
 
 
 def max_context(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, mode: str = "sft", granularity: int = 1024,
@@ -331,4 +372,6 @@ def check_budget(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: 
     )
 
 
-__all__ = ["Plan", "PlanError", "check_budget", "max_context", "plan", "suggestions"]
+__all__ = ["Plan", "PlanError", "check_budget", "choose_expert_parallel", "expert_parallel_knobs",
+           "expert_parallel_possible",
+           "max_context", "plan", "suggestions"]

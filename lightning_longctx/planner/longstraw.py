@@ -253,8 +253,9 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     # FSDP2's buffers (:func:`.phases.static_bytes`): the prefill gathers layers only (no gradient yet); in the
     # grouped backward a layer's reduce-scatter input exists only once its backward (activations freed) is done
     sharded = static["fsdp_buffers"] > 0
-    gathered = 2 * model.largest_layer_parameters() * b if sharded else 0
-    reduce_input = model.largest_layer_parameters() * knobs.param_bytes if sharded and not model.lora_r else 0
+    layer = model.largest_layer_parameters(knobs.expert_parallel_size)  # EP: only the local experts are gathered
+    gathered = 2 * layer * b if sharded else 0
+    reduce_input = layer * knobs.param_bytes if sharded and not model.lora_r else 0
     nograd = base - static["grads"] - (static["fsdp_buffers"] - gathered)  # gradients are None until a backward
     prefill_cost = _per_layer(prefill_layer, [(k, model.is_sparse(i), i == last) for i, k in
                                               enumerate(model.layer_types)])

@@ -169,11 +169,22 @@ def moe_token_saved(model: ModelShape, knobs: MemoryKnobs) -> int:
     return router + pairs + 4 * model.shared_width * b + gated
 
 
+def expert_dispatch_bytes(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
+    """Expert parallelism's extra rows beside the local path's, ``tokens`` tokens (tile): the sent rows and the
+    received ones, then the outputs before and after the return exchange, two ``[N k, E]`` buffers alive together
+    at each exchange (``2 k E b`` per token; the received count is the sent one under balanced routing: a
+    skewed router receives more on its busiest rank). 0 without expert parallelism."""
+    if knobs.expert_parallel_size == 1 or not model.n_routed_experts:
+        return 0
+    return tokens * 2 * model.num_experts_per_tok * model.hidden_size * knobs.dtype_bytes
+
+
 def moe_nograd_bytes(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
     """A MoE block's no-grad forward over ``tokens`` tokens (or one tile): the scores and choice ``2 X a``, the
     gathered pairs ``k (2E + 3 I_m) b`` (input, gate/up, product, output) and the shared SwiGLU ``3 I_s b``."""
     b, e, k, i = knobs.dtype_bytes, model.hidden_size, model.num_experts_per_tok, model.moe_intermediate_size
-    return tokens * (2 * (model.n_routed_experts or 0) * A + k * (2 * e + 3 * i) * b + 3 * model.shared_width * b
+    return expert_dispatch_bytes(model, knobs, tokens) + tokens * (
+        2 * (model.n_routed_experts or 0) * A + k * (2 * e + 3 * i) * b + 3 * model.shared_width * b
                      + e * b)
 
 
@@ -191,9 +202,11 @@ def moe_backward_bytes(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> in
     # expert it runs; the grouped matmul (CUDA) writes the weight gradient itself (``grads`` / ``fsdp_buffers``)
     # LoRA: the experts are frozen (no weight gradient at all; the adapters on the shared experts are small)
     frozen = model.lora_r is not None
-    weights = model.expert_parameters() * b if knobs.attention_backend == "eager" and not frozen else 0
+    weights = model.expert_parameters() // knobs.expert_parallel_size * b \
+        if knobs.attention_backend == "eager" and not frozen else 0
+    dispatch = expert_dispatch_bytes(model, knobs, 1)  # per token: the gradients' exchange, as the forward's
     chunk = knobs.mlp_chunk_size
-    per_token = max(2 * k * e, 2 * model.shared_width) * b
+    per_token = max(2 * k * e, 2 * model.shared_width) * b + dispatch
     if chunk is None or chunk >= tokens:
         return tokens * per_token + weights
     tile = chunk * (moe_token_saved(model, knobs) + per_token) + weights
@@ -220,6 +233,7 @@ __all__ = [
     "mla_token_saved",
     "mla_weight_rows",
     "mlp_token_saved",
+    "expert_dispatch_bytes",
     "moe_backward_bytes",
     "moe_nograd_bytes",
     "moe_token_saved",

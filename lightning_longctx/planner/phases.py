@@ -145,12 +145,22 @@ def static_bytes(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs) -
     base_dtype = b if model.lora_r else pb
     grads = trainable or n
     world = cluster.world if states_sharded(cluster) else 1
-    shard = lambda count: math.ceil(count / world)  # noqa: E731 - elements per rank
-    static = {"params": shard(n) * base_dtype + shard(trainable) * pb, "grads": shard(grads) * pb,
-              "optimizer": knobs.optimizer_states * shard(grads) * pb, "fsdp_buffers": 0}
+    # expert parallelism: each rank holds X / P of the routed experts (FSDP-sharded further over dp, so under
+    # FSDP they are 1 / world either way; replicas hold 1 / P of them)
+    ep = knobs.expert_parallel_size
+    experts = model.sparse_layers * model.expert_parameters() if ep > 1 and world == 1 else 0
+
+    def shard(count: int, routed: int = 0) -> int:  # elements per rank
+        return math.ceil((count - routed) / world) + routed // ep
+
+    grads_routed = 0 if trainable else experts  # LoRA: the experts are frozen, only the adapters train
+    static = {"params": shard(n, experts) * base_dtype + shard(trainable) * pb,
+              "grads": shard(grads, grads_routed) * pb,
+              "optimizer": knobs.optimizer_states * shard(grads, grads_routed) * pb, "fsdp_buffers": 0}
     if world > 1:  # FSDP2 reduces no gradient of a frozen parameter: LoRA's one-layer buffers are its gathered base
-        layer_grads = 0 if model.lora_r else model.largest_layer_parameters() * (b + pb)
-        static["fsdp_buffers"] = model.largest_layer_parameters() * 2 * b + layer_grads
+        layer = model.largest_layer_parameters(knobs.expert_parallel_size)  # EP: the local experts only
+        layer_grads = 0 if model.lora_r else layer * (b + pb)
+        static["fsdp_buffers"] = layer * 2 * b + layer_grads
     return static
 
 

@@ -29,6 +29,7 @@ MODES = ("sft", "longstraw")
 SHARDINGS = ("fsdp", "replicate")
 LAYER_KINDS = (FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION)
 KEEP_ATTENTION_OUTPUT = ("auto", "off", "device", "host")  # MemoryKnobs.keep_attention_output
+EXPERT_PARALLEL = ("auto", "on", "off")  # MemoryKnobs.expert_parallel
 
 
 def check_precision(precision: Any, legacy_dtype: Any = None) -> str:
@@ -280,8 +281,30 @@ class ModelShape(MLAMoEShape):
         embed = self.vocab_size * e * (1 if self.tie_word_embeddings else 2) + e
         return embed + sum(self.layer_parameters(i) for i in range(self.num_hidden_layers))
 
-    def largest_layer_parameters(self) -> int:
-        return max(self.layer_parameters(i) for i in range(self.num_hidden_layers))
+    def largest_layer_parameters(self, expert_parallel_size: int = 1) -> int:
+        """The most parameters one layer's FSDP2 all-gather unshards: with expert parallelism over ``P`` ranks a
+        MoE layer's routed experts are gathered over the data-parallel replicas only, ``X / P`` of them."""
+        def gathered(i: int) -> int:
+            experts = self.expert_parameters() if self.is_sparse(i) else 0
+            return self.layer_parameters(i) - experts + experts // expert_parallel_size
+
+        return max(gathered(i) for i in range(self.num_hidden_layers))
+
+    def check_expert_parallel(self, sp: int) -> None:
+        """Expert parallelism over ``sp`` ranks needs routed experts divisible by ``sp`` (the runtime's rule,
+        :meth:`lightning_longctx.models.moe.Experts.shard_experts`)."""
+        if not self.n_routed_experts or sp < 2 or self.n_routed_experts % sp:
+            raise ValueError(f"memory.expert_parallel=on needs a mixture-of-experts model whose n_routed_experts "
+                             f"({self.n_routed_experts}) divides by sp={sp} (> 1); set memory.expert_parallel=off "
+                             "or auto")
+
+
+def _expert_parallel_setting(value: Any) -> str:
+    """``memory.expert_parallel`` as one of :data:`EXPERT_PARALLEL` (YAML's ``true`` / ``false`` read as on / off)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    text = str(value).lower()  # a str-typed config field turns YAML's true into "True"
+    return {"true": "on", "false": "off"}.get(text, text)
 
 
 @dataclass(frozen=True)
@@ -378,6 +401,8 @@ class MemoryKnobs:
     expandable_segments: bool | None = None
     host_reserve_gib: float = 0.0
     prompt_checkpoint_every: int | str = 1
+    expert_parallel: str = "off"
+    expert_parallel_size: int = 1  # resolved: P when expert parallelism runs over the SP group (``.budget``)
 
     @classmethod
     def from_config(cls, cfg: Any, mode: str = "sft") -> MemoryKnobs:
@@ -409,6 +434,7 @@ class MemoryKnobs:
             else bool(config_value(cfg, "expandable_segments")),
             host_reserve_gib=float(config_value(cfg, "host_reserve_gib", 0.0)),
             prompt_checkpoint_every=_checkpoint_every(config_value(cfg, "prompt_checkpoint_every", 1)),
+            expert_parallel=_expert_parallel_setting(config_value(cfg, "expert_parallel", "off")),
         )
 
     def __post_init__(self) -> None:
@@ -426,6 +452,8 @@ class MemoryKnobs:
         if self.keep_attention_output not in KEEP_ATTENTION_OUTPUT:
             raise ValueError(f"memory.keep_attention_output={self.keep_attention_output!r} must be one of "
                              f"{list(KEEP_ATTENTION_OUTPUT)}")
+        if self.expert_parallel not in EXPERT_PARALLEL:
+            raise ValueError(f"memory.expert_parallel={self.expert_parallel!r} must be one of {list(EXPERT_PARALLEL)}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -471,6 +499,7 @@ __all__ = [
     "OFFLOAD_CHECKPOINTS_KEYS",
     "PRECISIONS",
     "SHARDINGS",
+    "EXPERT_PARALLEL",
     "ClusterShape",
     "MemoryKnobs",
     "ModelShape",

@@ -94,7 +94,7 @@ class UlyssesMixin:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(sp_size={self._requested_sp_size}, head_chunk_size={self.head_chunk_size}, "
-                f"sharding={self.sharding!r}, expert_parallel={getattr(self, 'expert_parallel', False)}) "
+                f"sharding={self.sharding!r}, expert_parallel={self.expert_parallel}) "
                 f"{self._namespace_hint}")
 
     # ------------------------------------------------------------------------------------------------ layout
@@ -169,7 +169,7 @@ class UlyssesMixin:
         return parallelize(module, roots, sp_group=self._sp_group, sp_size=sp, sharding=self.sharding,
                            head_chunk_size=self.head_chunk_size, device_type=self.root_device.type,
                            precision=precision,
-                           expert_mesh=self._device_mesh if getattr(self, "expert_parallel", False) else None)
+                           expert_mesh=self._device_mesh if self.expert_parallel else None)
 
     def _sync_replicas(self, module: nn.Module) -> None:
         if self.sharding == "replicate":

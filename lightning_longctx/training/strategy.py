@@ -48,6 +48,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from ..models.moe import enable_expert_parallel
 from ..ops.step_phase import phase
 from ..safe_load import load_resume_checkpoint
 from .common import UlyssesMixin
@@ -170,6 +171,8 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         self.model_to_device()
         if self._replicas_of_a_self_sharding_module():
             broadcast_replicas(self.model)
+            if self.expert_parallel:  # after the broadcast: each SP rank then keeps its slice of equal experts
+                enable_expert_parallel(self.lightning_module, self._sp_group)
         else:
             self._sync_replicas(self.model)
         self.barrier()
