@@ -65,7 +65,9 @@ def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
     """
     knobs = {k: cfg.memory[k] for k in ("head_chunk_size", "activation_checkpointing", "mlp_chunk_size",
                                         "logits_chunk_size")}
-    knobs["offload_checkpoints"] = cfg.memory.offload_activation_checkpoints
+    # a 0.1 run's saved config (longctx-export reads it) names the one key before the split
+    knobs["offload_checkpoints"] = cfg.memory.get("offload_activation_checkpoints",
+                                                  cfg.memory.get("offload_checkpoints", False))
     if cfg.task.mode == "longstraw":
         chosen = longstraw_choices(cfg)
         knobs["keep_attention_output"] = chosen["keep_attention_output"]

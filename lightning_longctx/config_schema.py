@@ -426,10 +426,13 @@ def prompts_per_rank(prompts_per_step: int | None, devices: int, num_nodes: int,
     ${cluster.sp_size}}`` (the tasks' ``data.batch_size``). Raises ValueError naming the numbers when the dp ranks
     cannot share them evenly (every dp rank must run as many groups: each group's gradient is averaged over them
     by a collective)."""
-    world = devices * num_nodes
-    dp = max(1, world // (sp_size or devices))
     if prompts_per_step is None:
         return 1
+    world = devices * num_nodes
+    if world < 1 or (sp_size is not None and sp_size < 1):  # the cluster's own check names these values
+        raise ValueError(f"cluster.devices={devices} x cluster.num_nodes={num_nodes} (sp_size={sp_size}) must be "
+                         ">= 1 each to split task.prompts_per_step over the data-parallel ranks")
+    dp = max(1, world // (sp_size or devices))
     if isinstance(prompts_per_step, bool) or not isinstance(prompts_per_step, int) or prompts_per_step < 1:
         raise ValueError(f"task.prompts_per_step={prompts_per_step!r} must be an int >= 1 (or null: one per "
                          "data-parallel rank)")
