@@ -58,9 +58,14 @@ def global_grad_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
     count once. ``torch.nn.utils.get_total_norm`` alone cannot mix DTensors of different meshes. One group:
     exactly ``get_total_norm`` (bitwise what ``clip_grad_norm_`` computes). Collectives: one per mesh and EP
     group, so every rank must call it with the same parameters."""
+    groups = _by_mesh(params)
     norms = []
-    for key, group_params in _by_mesh(params).items():
+    for key, group_params in groups.items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group_params], norm_type=2.0)
+        if len(groups) == 1 and not isinstance(key, dist.ProcessGroup):
+            # one mesh: exactly clip_grad_norm_'s norm (a DTensor stays one, so clipping scales the shards by a
+            # DTensor coefficient as clip_grad_norm_ does, without a plain-tensor operand's extra gradient copy)
+            return norm
         if hasattr(norm, "full_tensor"):  # a DTensor (Partial over its mesh): the reduction over the mesh
             norm = norm.full_tensor()
         if isinstance(key, dist.ProcessGroup):
