@@ -6,8 +6,6 @@ checkpoint of ``examples/text_grpo``."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,22 +14,7 @@ from lightning_longctx.tasks.text_data import TextPromptData
 from lightning_longctx.tasks.text_grpo import TextGRPOModule
 from lightning_longctx.training.completions import CompletionLog, markdown_table
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "text_grpo"
-sys.path.insert(0, str(EXAMPLE))
-import make_data  # noqa: E402
-import make_model  # noqa: E402
-
-pytestmark = pytest.mark.usefixtures("leave_no_process_group")  # tests/conftest.py
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    return make_model.make_model(tmp_path_factory.mktemp("hf") / "tiny_qwen3")
-
-
-@pytest.fixture(scope="module")
-def qa_jsonl(tmp_path_factory) -> Path:
-    return make_data.write_jsonl(tmp_path_factory.mktemp("qa") / "train.jsonl", make_data.make_rows(6, 40))
+pytestmark = pytest.mark.usefixtures("leave_no_process_group")  # tests/conftest.py (also hf_dir, qa_jsonl)
 
 
 def test_completion_log_is_bounded_and_escapes_the_table():

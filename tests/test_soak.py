@@ -159,9 +159,9 @@ def test_longstraw_module_soak_keeps_its_state_bounded(tmp_path, monkeypatch):
     from lightning_longctx.models import DecoderConfig, DecoderLM
     from lightning_longctx.ops import track_memory
     from lightning_longctx.tasks.needle import NeedleGRPO, NeedleHaystack, collate_prompt_groups
-    from lightning_longctx.training import longstraw_module
+    from lightning_longctx.training import rewards
 
-    monkeypatch.setattr(longstraw_module, "REWARD_HISTORY", 16)  # reached early in the run
+    monkeypatch.setattr(rewards, "REWARD_HISTORY", 16)  # reached early in the run
     torch.manual_seed(0)
     config = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16)

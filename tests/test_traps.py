@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,22 +16,7 @@ from lightning_longctx import cli
 from lightning_longctx.config_checks import ConfigError
 from traps_workers import prompt_order
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "text_grpo"
-sys.path.insert(0, str(EXAMPLE))
-import make_data  # noqa: E402
-import make_model  # noqa: E402
-
-pytestmark = pytest.mark.usefixtures("leave_no_process_group")  # tests/conftest.py
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    return make_model.make_model(tmp_path_factory.mktemp("hf") / "tiny_qwen3")
-
-
-@pytest.fixture(scope="module")
-def qa_jsonl(tmp_path_factory) -> Path:
-    return make_data.write_jsonl(tmp_path_factory.mktemp("qa") / "train.jsonl", make_data.make_rows(6, 20))
+pytestmark = pytest.mark.usefixtures("leave_no_process_group")  # tests/conftest.py (also hf_dir, qa_jsonl)
 
 
 def _compose(*overrides: str):
