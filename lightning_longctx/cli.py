@@ -44,6 +44,7 @@ from .app import (
 from .config_checks import apply_renamed_keys, check_schema_keys
 from .config_plan import (
     check_plan,
+    demo_default_groups,
     expert_parallel_choice,
     explicit_model_fields,
     longstraw_choices,
@@ -92,9 +93,10 @@ def _is_rank_zero() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ planning
-def format_plan(cfg: DictConfig) -> str:
-    """What ``longctx-plan`` prints: where the model's shape comes from (the preset, or ``model.pretrained``'s
-    config.json), the layout, the plan at the task's context, and the longest contexts."""
+def format_plan(cfg: DictConfig, overrides: list[str] | None = None) -> str:
+    """What ``longctx-plan`` prints: first, when ``task=`` / ``cluster=`` are not chosen (``overrides``; None =
+    the Hydra run's), that the plan is the CPU demo's; then where the model's shape comes from (the preset, or
+    ``model.pretrained``'s config.json), the layout, the plan at the task's context, and the longest contexts."""
     apply_renamed_keys(cfg)  # memory.attention_backend -> memory.planned_attention_backend (with a warning)
     check_schema_keys(cfg)  # a key added with + that the schema does not have: named, not ignored
     model, knobs = model_shape(cfg), MemoryKnobs.from_config(cfg.memory, cfg.task.mode)
@@ -106,7 +108,11 @@ def format_plan(cfg: DictConfig) -> str:
     knob_names = ("head_chunk_size", "activation_checkpointing", "offload_activation_checkpoints",
                   "offload_prompt_checkpoints", "mlp_chunk_size",
                   "logits_chunk_size", "planned_attention_backend", "keep_attention_output")
+    demo = demo_default_groups(overrides)
     lines = [
+        *([f"NOTE: planned on the CPU demo defaults ({', '.join(f'{g}={c}' for g, c in demo.items())}: no "
+           f"{' / '.join(f'{g}=' for g in demo)} given); for your run choose them, e.g. longctx-plan "
+           "model=llama3_8b cluster=node_8gpu memory=h100_80g task=long_sft task.seq_len=1048576"] if demo else []),
         f"model: {describe_model(cfg.model, model)}",  # the preset, or model.pretrained's config.json
         f"  {model.num_parameters() / 1e9:.2f}B parameters, KV {kv_token / 1024:g} KiB/token in {knobs.compute_dtype}"
         + (f" ({kv_token:,} bytes/token: {model.mla_layers} MLA layers x {model.latent_width}-wide latent x "

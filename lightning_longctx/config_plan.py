@@ -37,27 +37,47 @@ def plan_request(cfg: DictConfig, *, mode: str | None = None, seq_len: int | Non
     return request
 
 
-def explicit_model_fields(overrides: list[str] | None = None) -> tuple[str, ...]:
-    """The ``model`` fields the command line sets (``overrides``; None = this Hydra run's, none outside one):
-    ``model.<field>=...`` gives ``<field>``, ``model=<preset>`` gives :data:`~.memory.shapes.PRESET`."""
+def _parsed_overrides(overrides: list[str] | None) -> list[Any]:
+    """``overrides`` parsed by Hydra (None = this Hydra run's command line; outside one: none)."""
     if overrides is None:
         from hydra.core.hydra_config import HydraConfig
 
         if not HydraConfig.initialized():
-            return ()
+            return []
         overrides = list(HydraConfig.get().overrides.task)
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    return [o for o in OverridesParser.create().parse_overrides(overrides) if not o.is_delete()]
+
+
+def explicit_model_fields(overrides: list[str] | None = None) -> tuple[str, ...]:
+    """The ``model`` fields the command line sets (``overrides``; None = this Hydra run's, none outside one):
+    ``model.<field>=...`` gives ``<field>``, ``model=<preset>`` gives :data:`~.memory.shapes.PRESET`."""
     names = []
-    for override in OverridesParser.create().parse_overrides(overrides):
+    for override in _parsed_overrides(overrides):
         key = override.key_or_group
-        if override.is_delete() or override.package not in (None, "", "model"):
+        if override.package not in (None, "", "model"):
             continue
         if key == "model":
             names.append(PRESET)
         elif key.startswith("model."):
             names.append(key.split(".")[1])
     return tuple(names)
+
+
+DEMO_DEFAULTS = {"cluster": "cpu_2proc", "task": "needle_grpo"}  # conf/config.yaml: the CPU demo's choices
+
+
+def demo_default_groups(overrides: list[str] | None = None) -> dict[str, str]:
+    """The groups of :data:`DEMO_DEFAULTS` the command line does not choose (``overrides``; None = this Hydra
+    run's, none known outside one), with the demo's choice: a plan of them is the demo's, not the user's run."""
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return {}
+    chosen = {o.key_or_group for o in _parsed_overrides(overrides)}
+    return {group: choice for group, choice in DEMO_DEFAULTS.items() if group not in chosen}
 
 
 def model_shape(cfg: DictConfig, overrides: list[str] | None = None) -> ModelShape:
@@ -134,5 +154,6 @@ def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
             "prompt_checkpoint_every": choose_prompt_checkpoint_every(*args) if every == "auto" else int(every)}
 
 
-__all__ = ["check_plan", "expert_parallel_choice", "explicit_model_fields", "longstraw_choices", "model_shape",
+__all__ = ["DEMO_DEFAULTS", "check_plan", "demo_default_groups", "expert_parallel_choice", "explicit_model_fields",
+           "longstraw_choices", "model_shape",
            "plan_request", "resolved_knobs"]

@@ -275,32 +275,24 @@ def _hf_model():
     ))
 
 
-def _hf_loss(model, input_ids, shift_labels, position_ids=None, num_items_in_batch=None):
-    """HF logits -> local CE sum / the global batch's valid count (the strategy's ``num_items_in_batch``)."""
-    from torch.nn import functional as F
-
-    logits = model(input_ids=input_ids, position_ids=position_ids).logits
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), shift_labels.flatten(), ignore_index=IGNORE,
-                               reduction="sum")
-    count = (shift_labels != IGNORE).sum() if num_items_in_batch is None else num_items_in_batch
-    return loss_sum / count
-
-
-def hf_check(world: int) -> tuple[float, float]:
-    """A transformers Llama in a LightningModule: the strategy installs Ulysses into it; 3 steps == one process."""
+def hf_check(world: int) -> tuple[float, float, float]:
+    """A transformers Llama in the LightningModule a user writes for one device (``self.model(**batch).loss``):
+    the strategy installs Ulysses into it and the batch lets transformers' own loss run on each slice; step-1
+    gradients, 3 steps and the step-1 loss == transformers' one-process ``model(input_ids, labels=...).loss``."""
     import lightning.pytorch as L
     from torch.utils.data import DataLoader
 
-    from lightning_longctx.parallel import shift_labels
     from lightning_longctx.training import UlyssesStrategy
 
     model = _hf_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for step in range(3):
         batch = rank_batches(1, 4, step, shuffle=True)[0]
-        _hf_loss(model, batch["input_ids"], shift_labels(batch["labels"])).backward()
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
         if step == 0:
             grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            loss0 = loss.item()
         opt.step()
         opt.zero_grad()
     want = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -311,8 +303,7 @@ def hf_check(world: int) -> tuple[float, float]:
             self.model = _hf_model()
 
         def training_step(self, batch, batch_idx):
-            return _hf_loss(self.model, batch["input_ids"], batch["shift_labels"], batch["position_ids"],
-                            batch["num_items_in_batch"])
+            return self.model(**batch).loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
@@ -321,7 +312,7 @@ def hf_check(world: int) -> tuple[float, float]:
     L.Trainer(strategy=UlyssesStrategy(head_chunk_size=1), accelerator="cpu", devices=world, max_steps=3,
               logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               callbacks=[probe]).fit(module, DataLoader(dataset(), batch_size=4))
-    return max_error(probe.grads, grads0), max_error(full_params(module, "model."), want)
+    return max_error(probe.grads, grads0), max_error(full_params(module, "model."), want), abs(probe.loss - loss0)
 
 
 def _errors(world: int) -> dict[str, str]:

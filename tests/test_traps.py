@@ -89,3 +89,83 @@ def test_a_long_straw_subclass_under_text_grpo_is_refused_naming_the_text_base(t
                                           r"TextGRPOModule"):
         cli.check_config(cfg)
     sys.modules.pop("my_grpo_trap", None)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+
+
+def test_a_transformers_loss_without_the_strategy_batch_names_the_recipe():
+    """The strategy's loss_function for transformers models (tests/strategy_workers.py ``hf_check``: exact at
+    dp1 x sp2): labels alone (shifted inside a rank's slice, a per-rank mean) or a loss other than
+    ForCausalLMLoss raise naming the recipe instead of training on a silently different loss."""
+    from lightning_longctx.integrations.hf import install_sequence_parallel_loss
+    from lightning_longctx.parallel import shard_batch
+
+    model = _tiny_llama()
+    ids = torch.randint(1, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids, labels=ids).loss
+    install_sequence_parallel_loss(model)
+    assert install_sequence_parallel_loss(model) is model.loss_function  # idempotent
+    shard = shard_batch(ids, sp_rank=0, sp_size=1)
+    got = model(**shard, labels=shard["shift_labels"]).loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM's loss got no \['shift_labels', 'num_items_in_batch'\]"
+                                         r".*cross_entropy\(out\.logits"):
+        model(input_ids=ids, labels=ids)
+
+    other = _tiny_llama()
+    other.loss_function = torch.nn.functional.mse_loss
+    install_sequence_parallel_loss(other)
+    with pytest.raises(ValueError, match=r"computes its loss with mse_loss, not transformers' ForCausalLMLoss"):
+        other(**shard, labels=shard["shift_labels"])
+
+
+OVER_BUDGET = {  # each over its budget as configured
+    "weights_alone": ("model=llama3_8b", "cluster=node_8gpu", "memory=h100_80g", "task=long_sft",
+                      "task.seq_len=65536", "memory.budget_gib=12"),
+    "longstraw_lora": ("model=qwen3_8b", "cluster=node_8gpu", "memory=h100_80g", "task.seq_len=4194304",
+                       "model.lora.r=16"),
+    "sft_8m": ("model=llama3_8b", "cluster=node_8gpu", "memory=h100_80g", "task=long_sft", "task.seq_len=8388608"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVER_BUDGET))
+def test_over_budget_suggestions_are_feasible(case):
+    """Every suggestion, applied to the config as a Hydra override, plans within the budget; none asks a node for
+    more devices than it has (cluster.devices=16 on an 8-GPU node) or a context of <= 0 tokens; LoRA and
+    prefix-frozen LoRA are proposed where they fit."""
+    from lightning_longctx.config_plan import check_plan, model_shape, plan_request
+    from lightning_longctx.planner import PlanError, plan
+    from lightning_longctx.planner.budget import suggestions
+
+    overrides = OVER_BUDGET[case]
+    cfg = _compose(*overrides)
+    fixes = [text for text, _ in suggestions(model_shape(cfg), cfg.cluster, cfg.memory, **plan_request(cfg))]
+    assert fixes, case
+    for fix in fixes:
+        assert "cluster.devices=" not in fix, fix
+        fixed = _compose(*overrides, *fix.split())
+        assert plan(model_shape(fixed), fixed.cluster, fixed.memory, **plan_request(fixed)).fits, fix
+    with pytest.raises(PlanError) as err:
+        check_plan(cfg)
+    message = str(err.value)
+    assert "<= 0 tokens" not in message and "cluster.devices=" not in message, message
+    if case == "weights_alone":
+        assert "model.lora.r=16" in fixes and "no context fits as is (not even 1,024 tokens" in message, message
+    if case == "longstraw_lora":
+        assert "model.lora.on_prompt=false" in fixes, fixes
+
+
+def test_a_plan_on_the_demo_defaults_says_so_first():
+    from lightning_longctx.cli import format_plan
+
+    first = format_plan(_compose(), overrides=[]).splitlines()[0]
+    assert first.startswith("NOTE: planned on the CPU demo defaults (cluster=cpu_2proc, task=needle_grpo: no "
+                            "cluster= / task= given)"), first
+    chosen = ["cluster=cpu_2proc", "task=long_sft"]
+    assert format_plan(_compose(*chosen), overrides=chosen).startswith("model: preset tiny")

@@ -1,6 +1,8 @@
 """Ulysses sequence parallelism for any transformers causal LM, through its attention-function registry.
 
-Main API: :func:`install_ulysses` (and :func:`uninstall_ulysses` / the returned handle's ``remove()``).
+Main API: :func:`install_ulysses` (and :func:`uninstall_ulysses` / the returned handle's ``remove()``);
+:func:`install_sequence_parallel_loss` (the Ulysses strategies call it) makes ``model(**batch).loss`` the
+strategy's loss, or a clear error.
 
 How it works (as DeepSpeed ALST's ``UlyssesSPAttentionHF.register_with_transformers``): the entry the model
 already uses in ``transformers.AttentionInterface`` (its ``config._attn_implementation``, e.g. ``"sdpa"``)
@@ -14,7 +16,9 @@ Contract under SP (what the caller must do; see ``parallel.shard_batch``):
 - ``input_ids`` is this rank's contiguous slice ``[batch, s_l]``, every rank the same ``s_l``;
 - ``position_ids`` are the slice's GLOBAL positions (RoPE runs before the all-to-all, inside the model);
 - the loss is computed from ``shift_labels`` shifted before sharding, as local sum / global valid count
-  (``models.sp_token_mean``); transformers' own ``labels=`` loss would be a per-rank mean.
+  (``models.sp_token_mean``); transformers' own ``labels=`` loss alone would shift inside each rank's slice and
+  take a per-rank mean. Its ``ForCausalLMLoss`` is right when given the strategy's ``shift_labels`` and
+  ``num_items_in_batch`` (it then ignores ``labels``): :func:`install_sequence_parallel_loss` checks it got them.
 
 transformers hands attention functions ``query [batch, heads, s_l, head_dim]`` and ``key/value
 [batch, kv_heads, s_l, head_dim]``; Ulysses attends causally over the GLOBAL sequence, so the
@@ -26,6 +30,9 @@ sinks, no attention dropout, no non-causal (encoder) attention. These raise wher
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -188,3 +195,60 @@ def uninstall_ulysses(model: nn.Module) -> None:
     handle = _HANDLES.get(id(model))
     if handle is not None:
         handle.remove()
+
+
+LOSS_RECIPE = (
+    "compute the loss from the logits in training_step: out = model(input_ids=batch['input_ids'], "
+    "position_ids=batch['position_ids']); loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), "
+    "batch['shift_labels'].flatten(), reduction='sum') / batch['num_items_in_batch'] (this rank's share of the "
+    "global token mean; the strategy sums the gradients over the ranks)"
+)
+
+
+class SequenceParallelLoss:
+    """A transformers model's ``loss_function`` under the Ulysses strategies: its own ``ForCausalLMLoss``,
+    called only with what makes it exact on a slice of the sequence.
+
+    Each rank holds ``logits [batch, seq_local, vocab]``; the strategy's batch carries ``shift_labels
+    [batch, seq_local]`` (shifted before sharding, so a slice's last target is the next rank's first token),
+    ``num_items_in_batch`` (the valid targets of the whole global batch, over every dp x sp rank) and ``labels``
+    (only so that the model's forward computes a loss at all; ``ForCausalLMLoss`` ignores it when given
+    ``shift_labels``). ``sum / num_items_in_batch`` on every rank, gradients summed over the ranks: the global
+    token mean. A model whose forward does not pass them on (no ``**kwargs`` to its loss), or whose loss is not
+    ``ForCausalLMLoss``, gets a ``ValueError`` naming the recipe instead of a loss that is silently per-rank.
+    """
+
+    def __init__(self, model_name: str, original: Any, causal_lm: bool) -> None:
+        self.model_name, self.original, self.causal_lm = model_name, original, causal_lm
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int,
+                 num_items_in_batch: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+        if not self.causal_lm:
+            name = getattr(self.original, "__name__", type(self.original).__name__)
+            raise ValueError(f"{self.model_name} computes its loss with {name}, not transformers' ForCausalLMLoss, "
+                             f"so it cannot be made exact on one rank's slice of the sequence: {LOSS_RECIPE}")
+        if shift_labels is None or num_items_in_batch is None:
+            missing = [n for n, v in (("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch))
+                       if v is None]
+            raise ValueError(
+                f"{self.model_name}'s loss got no {missing} under the Ulysses strategy: labels alone would be "
+                "shifted inside this rank's slice and averaged per rank. Call model(**batch) with the strategy's "
+                f"batch (a model whose forward does not pass them on to its loss_function cannot), or {LOSS_RECIPE}"
+            )
+        # contiguous: a rank's shard is a narrow view of the padded batch, and ForCausalLMLoss calls .view(-1)
+        return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                             shift_labels=shift_labels.contiguous(), **kwargs)
+
+
+def install_sequence_parallel_loss(model: nn.Module) -> SequenceParallelLoss:
+    """Set ``model.loss_function`` (transformers' per-instance override) to a :class:`SequenceParallelLoss`
+    around the model's own loss; idempotent. Returns it."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    current = model.loss_function
+    if isinstance(current, SequenceParallelLoss):
+        return current
+    loss = SequenceParallelLoss(type(model).__name__, current, causal_lm=current is LOSS_MAPPING["ForCausalLM"])
+    model.loss_function = loss
+    return loss

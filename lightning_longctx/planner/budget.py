@@ -268,18 +268,25 @@ def max_context(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, mode: str 
     return lo * granularity
 
 
-def _override_text(cluster: ClusterShape, knobs: MemoryKnobs, new_cluster: ClusterShape, new_knobs: MemoryKnobs,
-                   mode: str) -> str:
-    """Hydra overrides that turn (cluster, knobs) into (new_cluster, new_knobs), e.g. ``memory.head_chunk_size=1``
-    (``offload_checkpoints``: the ``memory.*`` key of ``mode``'s checkpoints, :data:`OFFLOAD_CHECKPOINTS_KEYS`)."""
+LORA_RANK = 16  # the rank a LoRA suggestion plans (model.lora.r)
+
+
+def _override_text(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, new_model: ModelShape,
+                   new_cluster: ClusterShape, new_knobs: MemoryKnobs, mode: str) -> str:
+    """Hydra overrides that turn (model, cluster, knobs) into the new ones, e.g. ``memory.head_chunk_size=1``
+    (``offload_checkpoints``: the ``memory.*`` key of ``mode``'s checkpoints, :data:`OFFLOAD_CHECKPOINTS_KEYS`;
+    LoRA: ``model.lora.r`` / ``model.lora.on_prompt``)."""
     def fmt(value):
         return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
-    parts = [f"cluster.{f}={fmt(getattr(new_cluster, f))}" for f in ("devices", "num_nodes", "sp_size", "sharding")
-             if getattr(new_cluster, f) != getattr(cluster, f)]
+    parts = [f"model.lora.{key}={fmt(getattr(new_model, f))}" for f, key in (("lora_r", "r"),
+                                                                             ("lora_on_prompt", "on_prompt"))
+             if getattr(new_model, f) != getattr(model, f)]
+    parts += [f"cluster.{f}={fmt(getattr(new_cluster, f))}" for f in ("num_nodes", "sp_size", "sharding")
+              if getattr(new_cluster, f) != getattr(cluster, f)]
     keys = {"offload_checkpoints": OFFLOAD_CHECKPOINTS_KEYS[mode]}
     fields = ("head_chunk_size", "activation_checkpointing", "offload_checkpoints", "offload_prompt_cache",
-              "mlp_chunk_size", "logits_chunk_size", "prompt_checkpoint_every")
+              "mlp_chunk_size", "logits_chunk_size", "prompt_checkpoint_every", "expert_parallel")
     parts += [f"memory.{keys.get(f, f)}={fmt(getattr(new_knobs, f))}" for f in fields
               if getattr(new_knobs, f) != getattr(knobs, f)]
     return " ".join(parts)
@@ -291,9 +298,11 @@ def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: i
 
     Tries, one at a time: ``memory.head_chunk_size=1``, activation checkpointing, offloading (LongStraw: also
     the prompt cache, and segment checkpoints of the prompt; over the host budget: the offloads off), a tiled
-    MLP, chunked logits, all memory knobs together, twice the devices / nodes (SP over more ranks), FSDP
-    sharding; then all knobs with SP over 2, 4, ... 64 times the nodes (only the
-    smallest that fits).
+    MLP, chunked logits, expert parallelism (a mixture of experts whose experts divide over the SP group), LoRA
+    (``model.lora.r``; LongStraw: prefix-frozen adapters, ``model.lora.on_prompt=false``), all memory knobs
+    together, FSDP sharding, twice the nodes (SP over their ranks); then all knobs with SP over 4, 8, ... 64
+    times the nodes (only the smallest that fits). Scale-out adds whole nodes: ``cluster.devices`` is taken as
+    what a node has, never raised. Every suggestion is re-planned and listed only if it fits.
     """
     model = ModelShape.from_config(model_cfg) if not isinstance(model_cfg, ModelShape) else model_cfg
     cluster = cluster_cfg if isinstance(cluster_cfg, ClusterShape) else ClusterShape.from_config(cluster_cfg)
@@ -303,33 +312,38 @@ def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: i
     all_knobs = replace(knobs, head_chunk_size=1, activation_checkpointing=True, offload_checkpoints=True,
                         prompt_checkpoint_every=segments, offload_prompt_cache=knobs.offload_prompt_cache or longstraw,
                         mlp_chunk_size=knobs.mlp_chunk_size or 8192, logits_chunk_size=knobs.logits_chunk_size or 8192)
-    candidates = [
-        (cluster, replace(knobs, head_chunk_size=1)),
-        (cluster, replace(knobs, activation_checkpointing=True)),
-        (cluster, replace(knobs, activation_checkpointing=True, offload_checkpoints=True)),
-        *([(cluster, replace(knobs, offload_prompt_cache=True)),
-           (cluster, replace(knobs, prompt_checkpoint_every="auto"))] if longstraw else []),
+    lora = model if model.lora_r else replace(model, lora_r=LORA_RANK)
+    prefix_frozen = replace(lora, lora_on_prompt=False)
+    model_changes = [lora, *([prefix_frozen] if longstraw else [])]
+    knob_changes = [
+        replace(knobs, head_chunk_size=1),
+        replace(knobs, activation_checkpointing=True),
+        replace(knobs, activation_checkpointing=True, offload_checkpoints=True),
+        *([replace(knobs, offload_prompt_cache=True), replace(knobs, prompt_checkpoint_every="auto")]
+          if longstraw else []),
         # over the host budget: keep on the device what fits there instead
-        *([(cluster, replace(knobs, offload_prompt_cache=False))] if knobs.offload_prompt_cache else []),
-        *([(cluster, replace(knobs, offload_checkpoints=False))] if knobs.offload_checkpoints else []),
-        (cluster, replace(knobs, mlp_chunk_size=knobs.mlp_chunk_size or 8192)),
-        (cluster, replace(knobs, logits_chunk_size=knobs.logits_chunk_size or 8192)),
-        (cluster, all_knobs),
-        (replace(cluster, devices=2 * cluster.devices, sp_size=None if cluster.sp_size is None else 2 * cluster.sp),
-         knobs),
-        (replace(cluster, num_nodes=2 * cluster.num_nodes, sp_size=2 * cluster.sp), knobs),
-        (replace(cluster, sharding="fsdp"), knobs),
+        *([replace(knobs, offload_prompt_cache=False)] if knobs.offload_prompt_cache else []),
+        *([replace(knobs, offload_checkpoints=False)] if knobs.offload_checkpoints else []),
+        replace(knobs, mlp_chunk_size=knobs.mlp_chunk_size or 8192),
+        replace(knobs, logits_chunk_size=knobs.logits_chunk_size or 8192),
+        *([replace(knobs, expert_parallel="on")] if knobs.expert_parallel == "off" else []),
+        all_knobs,
     ]
-    scale_out = [(replace(cluster, num_nodes=cluster.num_nodes * f, sp_size=cluster.sp * f), all_knobs)
+    candidates = [(model, cluster, kn) for kn in knob_changes] + [(m, cluster, knobs) for m in model_changes] + [
+        (model, replace(cluster, sharding="fsdp"), knobs),
+        (model, replace(cluster, num_nodes=2 * cluster.num_nodes, sp_size=2 * cluster.sp), knobs),
+        (model, replace(cluster, num_nodes=2 * cluster.num_nodes), knobs),  # more dp: states sharded further
+    ]
+    scale_out = [(model, replace(cluster, num_nodes=cluster.num_nodes * f, sp_size=cluster.sp * f), all_knobs)
                  for f in (2, 4, 8, 16, 32, 64)]
     out, seen = [], set()
-    for index, (cl, kn) in enumerate(candidates + scale_out):
-        override = _override_text(cluster, knobs, cl, kn, mode)
+    for index, (md, cl, kn) in enumerate(candidates + scale_out):
+        override = _override_text(model, cluster, knobs, md, cl, kn, mode)
         if not override or override in seen:
             continue
         seen.add(override)
         try:
-            p = plan(model, cl, kn, seq_len=seq_len, mode=mode, **kwargs)
+            p = plan(md, cl, kn, seq_len=seq_len, mode=mode, **kwargs)
         except ValueError:
             continue  # e.g. heads not divisible by the larger SP group
         if p.fits:
@@ -339,27 +353,34 @@ def suggestions(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: i
     return sorted(out, key=lambda item: (len(item[0].split()), item[1]))
 
 
+def _shorten(longest: int, granularity: int = 1024) -> str:
+    """The 'shorten the context' advice: the longest that fits, or that none does."""
+    if longest > 0:
+        return f"or shorten the context to <= {longest:,} tokens"
+    return f"no context fits as is (not even {granularity:,} tokens: what does not grow with it is over the budget)"
+
+
 def check_budget(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mode: str = "sft",
                  **kwargs) -> Plan:
     """:func:`plan`, raising :class:`PlanError` with what to change when it does not fit.
 
     The message names the peak, its phase and the runtime reserve's terms (:mod:`.reserve`), and the budget,
     e.g. ``plan needs 97.3 GiB per rank > budget 80 GiB (...): set
-    memory.head_chunk_size=1 or cluster.devices=16 ...``, and the largest context that fits as is.
+    memory.head_chunk_size=1 or cluster.num_nodes=2 ...``, and the largest context that fits as is.
     """
     p = plan(model_cfg, cluster_cfg, memory_cfg, seq_len=seq_len, mode=mode, **kwargs)
     if p.fits:
         return p
     fixes = suggestions(model_cfg, cluster_cfg, memory_cfg, seq_len=seq_len, mode=mode, **kwargs)
     longest = max_context(model_cfg, cluster_cfg, memory_cfg, mode=mode, **kwargs)
-    what = " or ".join(f"set {o} ({g:.1f} GiB)" for o, g in fixes[:4]) or "no knob or scale-out up to 64x fits"
+    what = " or ".join(f"set {o} ({g:.1f} GiB)" for o, g in fixes[:4]) or "no knob, LoRA or scale-out up to 64x fits"
     if p.device_fits:  # over the host budget only
         parts = ", ".join(f"{name} {value / GIB:.2f}" for name, value in p.host_breakdown.items() if value)
         raise PlanError(
             f"plan needs {p.host_pinned_bytes / GIB:.1f} GiB of pinned host memory per rank > host budget "
             f"{p.host_budget_bytes / GIB:.1f} GiB (cluster.host_memory_gib / cluster.devices - "
-            f"memory.host_reserve_gib; {p.mode}, {seq_len:,} tokens; {parts} GiB of tensors): {what}; or shorten "
-            f"the context to <= {longest:,} tokens, or set cluster.host_memory_gib to the node's memory if it has "
+            f"memory.host_reserve_gib; {p.mode}, {seq_len:,} tokens; {parts} GiB of tensors): {what}; "
+            f"{_shorten(longest)}, or set cluster.host_memory_gib to the node's memory if it has "
             "more. Run longctx-plan with the same overrides for the breakdown."
         )
     reserve = ", ".join(f"{name} {p.breakdown[name] / GIB:.2f}" for name in RESERVE_TERMS if p.breakdown.get(name))
@@ -367,7 +388,7 @@ def check_budget(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: 
         f"plan needs {p.total_gib:.1f} GiB per rank > budget {p.budget_bytes / GIB:.1f} GiB "
         f"({p.mode}, {seq_len:,} tokens, peak in {p.peak_phase} {p.phases[p.peak_phase] / GIB:.2f} GiB + runtime "
         f"reserve {p.reserve_bytes / GIB:.2f} GiB{f' ({reserve})' if reserve else ''}): {what}; "
-        f"or shorten the context to <= {longest:,} tokens. Run longctx-plan with the same overrides for the "
+        f"{_shorten(longest)}. Run longctx-plan with the same overrides for the "
         "breakdown."
     )
 

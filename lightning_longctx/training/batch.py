@@ -11,15 +11,18 @@ Out, each ``[batch, s_pad / sp_size]`` with ``s_pad`` = ``s`` rounded up to a mu
 
     input_ids, shift_labels (pre-shifted, -100 where no loss), position_ids (global)
 
+(and, for a module holding a transformers model, ``labels``: the same tensor as ``shift_labels``, since a
+transformers causal LM computes a loss only when given ``labels``, and its ``ForCausalLMLoss`` then uses
+``shift_labels``; :func:`lightning_longctx.integrations.hf.install_sequence_parallel_loss` checks that it does)
 and ``num_items_in_batch`` (0-dim int64): the valid targets of the GLOBAL batch, every sample of every DP
 rank (transformers' name for the loss normaliser). A loss of ``local sum / num_items_in_batch`` on every
 rank, with gradients summed over all ``dp x sp`` ranks, is the global token mean: exactly one device
 training on the concatenated global batch, also when DP ranks hold different numbers of valid tokens.
 
-so that ``model(**batch)`` works for :class:`lightning_longctx.models.DecoderLM` (and for a module written
-for one device, whose batches carry ``labels``). Other entries of the dict pass through untouched unless they
-look like a sequence (a tensor shaped like ``input_ids``), which is an error: there is no safe way to guess
-how to shard it.
+so that ``model(**batch).loss`` works for :class:`lightning_longctx.models.DecoderLM` and for transformers causal
+LMs (a module written for one device, whose batches carry ``labels``). Other entries of the dict pass through
+untouched unless they look like a sequence (a tensor shaped like ``input_ids``), which is an error: there is no
+safe way to guess how to shard it.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def _check_right_padding(mask: torch.Tensor) -> None:
 
 def shard_sequence_batch(
     batch: Any, *, sp_rank: int, sp_size: int, sp_group: dist.ProcessGroup | None = None,
-    dp_group: dist.ProcessGroup | None = None, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX
+    dp_group: dist.ProcessGroup | None = None, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX,
+    labels_for_transformers: bool = False,
 ) -> dict[str, Any]:
     """This SP rank's shard of a dict batch of full sequences (see the module docstring).
 
@@ -64,9 +68,11 @@ def shard_sequence_batch(
             device, no host sync); None = no data parallelism.
         pad_token_id: the input id written into the padding up to a multiple of ``sp_size`` (never attended
             by a real token under the causal mask, never in the loss).
+        labels_for_transformers: also give ``labels`` (= ``shift_labels``): the module holds a transformers
+            model, which computes its loss only when ``labels`` is given.
     Returns:
-        ``{"input_ids", "shift_labels", "position_ids"}`` shards, ``num_items_in_batch`` and the batch's
-        non-sequence entries.
+        ``{"input_ids", "shift_labels", "position_ids"}`` shards (and ``labels``), ``num_items_in_batch`` and
+        the batch's non-sequence entries.
     Raises:
         TypeError: if ``batch`` is not a mapping with tensor ``input_ids``.
         ValueError: for a sequence entry of the wrong shape, an unknown sequence-shaped entry, entries the
@@ -112,6 +118,8 @@ def shard_sequence_batch(
         check_group_shapes(shard["input_ids"], sp_group, "input_ids shards")
     if group_size(dp_group) > 1:
         dist.all_reduce(shard["num_items_in_batch"], group=dp_group)
+    if labels_for_transformers:
+        shard["labels"] = shard["shift_labels"]
     return {**shard, **rest}
 
 

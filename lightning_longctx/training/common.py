@@ -21,7 +21,7 @@ from ..parallel import build_dp_sp_mesh, check_sp_size
 from ..parallel.collective_guard import collective_guard
 from .batch import shard_sequence_batch
 from .nonfinite import NonfiniteGuard
-from .parallelize import SHARDING_MODES, broadcast_replicas, parallelize
+from .parallelize import SHARDING_MODES, broadcast_replicas, parallelize, pretrained_models
 
 
 def _check_args(sp_size: int | None, head_chunk_size: int | None, sharding: str) -> None:
@@ -82,6 +82,7 @@ class UlyssesMixin:
         self._sp_group: dist.ProcessGroup | None = None
         self._sp_rank = 0
         self._layout: tuple[int, int] | None = None
+        self._batch_labels_for_transformers = False  # set by _parallelize: the module holds a transformers model
 
     def _lightning_arguments(self) -> dict[str, Any]:
         """Further arguments of the Lightning base class (Fabric's needs ``parallelize_fn``)."""
@@ -149,7 +150,7 @@ class UlyssesMixin:
         with ``num_items_in_batch`` = the valid tokens of the global batch (summed over dp)."""
         dp_group = self.device_mesh.get_group("dp") if self.dp_size > 1 else None
         return shard_sequence_batch(batch, sp_rank=self._sp_rank, sp_size=self.sp_size, sp_group=self._sp_group,
-                                    dp_group=dp_group)
+                                    dp_group=dp_group, labels_for_transformers=self._batch_labels_for_transformers)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The global batch's token-mean loss from this rank's share, detached, for logging: each rank's
@@ -166,6 +167,7 @@ class UlyssesMixin:
         # e.g. "bf16-mixed" -> FSDP2's MixedPrecisionPolicy (Trainer strategies: precision_plugin; Fabric: precision)
         plugin = getattr(self, "precision_plugin", None) or getattr(self, "precision", None)
         precision = getattr(plugin, "precision", None)
+        self._batch_labels_for_transformers = bool(pretrained_models(module))
         return parallelize(module, roots, sp_group=self._sp_group, sp_size=sp, sharding=self.sharding,
                            head_chunk_size=self.head_chunk_size, device_type=self.root_device.type,
                            precision=precision,

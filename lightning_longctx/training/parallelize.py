@@ -5,7 +5,9 @@ Order (:func:`parallelize`), everything checked before the first collective:
 1. :func:`check_attention_heads`: every attention shape the model declares must split over ``sp_size``.
 2. :func:`wire_sequence_parallel`: transformers models get :func:`lightning_longctx.integrations.hf.
    install_ulysses`; every module declaring ``sp_group`` (``DecoderLM``, its attention, installed HF
-   attention) gets the SP group, and ``head_chunk_size`` when one is given.
+   attention) gets the SP group, and ``head_chunk_size`` when one is given. transformers models also get
+   :func:`~lightning_longctx.integrations.hf.install_sequence_parallel_loss`, so ``model(**batch).loss`` is
+   their share of the global token mean (or a clear error), at any ``sp_size``.
 3. With expert parallelism (``expert_mesh``, the strategy's ``("dp", "sp")`` mesh):
    :func:`~lightning_longctx.models.moe.enable_expert_parallel` keeps each SP rank's slice of every MoE
    layer's routed experts, and :func:`shard_experts_2d` makes them DTensors ``Shard(0)`` over ``sp`` and
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..integrations.hf import install_sequence_parallel_loss, install_ulysses, uninstall_ulysses
 from ..models.gated_deltanet import GatedDeltaNet, check_linear_layout
 from ..models.moe import Experts, enable_expert_parallel
 from ..parallel import broadcast_coalesced, set_sequence_parallel_group
@@ -113,14 +116,11 @@ def wire_sequence_parallel(module: nn.Module, group: dist.ProcessGroup | None, s
         ValueError: if ``sp_size > 1`` and no module declares ``sp_group``: attention would silently see only
             this rank's slice of the sequence.
     """
-    if sp_size > 1:
-        hf_models = pretrained_models(module)
-        if hf_models:
-            from ..integrations.hf import install_ulysses, uninstall_ulysses  # transformers: an optional extra
-
-            for model in hf_models:
-                uninstall_ulysses(model)  # no-op unless a previous run installed it
-                install_ulysses(model, group, head_chunk_size=head_chunk_size)
+    for model in pretrained_models(module):
+        install_sequence_parallel_loss(model)
+        if sp_size > 1:
+            uninstall_ulysses(model)  # no-op unless a previous run installed it
+            install_ulysses(model, group, head_chunk_size=head_chunk_size)
     count = set_sequence_parallel_group(module, group)
     if sp_size > 1 and count == 0:
         raise ValueError(
