@@ -357,7 +357,8 @@ def _shorten(longest: int, granularity: int = 1024) -> str:
     """The 'shorten the context' advice: the longest that fits, or that none does."""
     if longest > 0:
         return f"or shorten the context to <= {longest:,} tokens"
-    return f"no context fits as is (not even {granularity:,} tokens: what does not grow with it is over the budget)"
+    return (f"no context fits as is (not even {granularity:,} tokens: what does not grow with it is over the "
+            "budget; is memory.budget_gib the device's memory?)")
 
 
 def check_budget(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mode: str = "sft",
