@@ -83,7 +83,7 @@ def reference(model, prompt, responses, advantages, *, loss_type, old=None, ref=
         else:
             loss = loss + per_token.sum() / (g * MAX_LEN)
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss.item(), grads
 

@@ -29,13 +29,20 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
+from ..models.dsa import DSAState
 from ..models.fused_attention import PromptPass
 from ..models.gated_deltanet import LinearState
 from ..models.lora import adapters_disabled, lora_on_prompt
 from ..models.lora_attach import adapters_from_position
 from ..models.mla import MLAState
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
-from .latent import mla_layer_backward
+from .latent import (
+    PromptSelections,
+    check_prompt_segments,
+    dsa_arguments,
+    mla_layer_backward,
+    prefill_dsa_arguments,
+)
 from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
 from .offload import HostStager, to_host
 from .options import check_checkpoint_every, check_keep_attention_output
@@ -78,6 +85,8 @@ def prefill(
     ``on_prompt=False`` adapters are disabled here (:func:`prompt_weights`)."""
     check_keep_attention_output(keep_attention_output)
     check_checkpoint_every(checkpoint_every)
+    if keep_checkpoints and checkpoint_every > 1:
+        check_prompt_segments(model.layers, checkpoint_every)
     world = group_size(group)
     cached = world * ((prompt_ids.numel() - 1) // world)
     every = state_segment if keep_checkpoints else None
@@ -91,6 +100,7 @@ def prefill(
     with torch.no_grad(), prompt_weights(model):
         hidden = model.embed(ids)
         last = len(model.layers) - 1
+        selections = {}  # DSA: the prompt's top-k of the last full layer, for the shared layers above it
         for index, layer in enumerate(model.layers):
             if keep_checkpoints:  # a segment's first layer keeps its input; the others' are rebuilt from it
                 kept_input = index % checkpoint_every == 0
@@ -101,7 +111,8 @@ def prefill(
                 prompt_pass = PromptPass(keep=_keeper(kept, keep_attention_output == "host"))
             if index < last:
                 hidden, cache = layer(hidden, pos, return_state=True, state_every=every,
-                                      **({} if kept is None else {"prefix_state": prompt_pass}))
+                                      **({} if kept is None else {"prefix_state": prompt_pass}),
+                                      **prefill_dsa_arguments(layer, selections))
             else:  # nothing reads the last layer's output at prompt positions: only its state
                 cache = layer.prompt_state(hidden, pos, state_every=every)
             state.add_cache(cache, cache_requires_grad, offload=offload_checkpoints)
@@ -211,15 +222,17 @@ def branch_logprobs(model, state: PromptState, branch: Branch, *, logits_chunk_s
     the gradients are identical. The prompt cache the layer reads is not copied by it (the state holds it)."""
     hidden = model.embed(branch.input_ids)
     pos = branch.position_ids
+    selections = {}  # DSA: this branch's top-k by layer (over [prompt | branch]; a recomputation reads them again)
     with response_adapters(model, state):
         for index, layer in enumerate(model.layers):
             cache = state.replay_cache(index)
+            dsa = dsa_arguments(layer, selections)
             if checkpoint_layers and torch.is_grad_enabled():
                 # the mask is fixed now: the recomputation runs in the backward, outside response_adapters
                 mask = {"lora_mask": layer.adapter_mask(pos)} if hasattr(layer, "adapter_mask") else {}
-                hidden = checkpoint(layer, hidden, pos, prefix_state=cache, use_reentrant=False, **mask)
+                hidden = checkpoint(layer, hidden, pos, prefix_state=cache, use_reentrant=False, **mask, **dsa)
             else:
-                hidden = layer(hidden, pos, prefix_state=cache)
+                hidden = layer(hidden, pos, prefix_state=cache, **dsa)
     scaled = {} if temperature == 1.0 else {"temperature": temperature}
     return model.token_logprobs(hidden[0], branch.targets[0], chunk_size=logits_chunk_size, return_entropy=entropy,
                                 **scaled)
@@ -254,11 +267,14 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
     grad_hidden = None
     layers = list(model.layers)
     every = state.checkpoint_every
+    selections = PromptSelections(layers, state.checkpoints, pos)  # DSA: the prompt's own top-k per full layer
     for start in reversed(range(0, len(layers), every)):
         segment = range(start, min(start + every, len(layers)))
-        _segment_inputs(layers, state, segment, pos, ids.device)
+        _segment_inputs(layers, state, segment, pos, ids.device, selections)
         for index in reversed(segment):
-            grad_hidden = _layer_backward(layers[index], index, state, pos, grad_hidden, layer_grad_sync)
+            grad_hidden = _layer_backward(layers[index], index, state, pos, grad_hidden, layer_grad_sync,
+                                          selections.for_layer(index))
+            selections.release(index)
             if progress is not None:
                 progress(f"grouped backward layer {index + 1}/{len(layers)}")
     if grad_hidden is not None:
@@ -267,24 +283,27 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
             torch.autograd.backward(embedded, grad_hidden)
 
 
-def _segment_inputs(layers, state: PromptState, segment: range, pos, device) -> None:
+def _segment_inputs(layers, state: PromptState, segment: range, pos, device, selections: PromptSelections) -> None:
     """Rebuild the inputs of ``segment``'s layers after its first into ``state.checkpoints``: the segment's
     forward from its checkpoint without autograd (each layer's plain forward: the same kernels, head stages
     and MLP tiles as the prefill's), each output kept where the prefill keeps checkpoints (the host when
-    offloaded). The segment's last layer is not run: its output is the input of the segment above, done."""
+    offloaded). The segment's last layer is not run: its output is the input of the segment above, done. DSA
+    layers take ``selections``' (their full layers' selections stay there for their backward)."""
     if len(segment) == 1:
         return
     hidden = state.checkpoints[segment.start].to(device, non_blocking=True)
     with torch.no_grad():
         for index in segment[:-1]:
-            hidden = layers[index](hidden, pos)
+            dsa = selections.for_layer(index)
+            hidden = layers[index](hidden, pos, **({} if dsa is None else {"dsa_indices": dsa}))
             state.checkpoints[index + 1] = to_host(hidden) if state.offload_checkpoints else hidden
 
 
-def _layer_backward(layer, index: int, state: PromptState, pos, grad_hidden, layer_grad_sync):
+def _layer_backward(layer, index: int, state: PromptState, pos, grad_hidden, layer_grad_sync, dsa_indices=None):
     """Back-propagate prompt layer ``index`` from its input ``state.checkpoints[index]`` (``[1, s_l, E]``), its
     summed state gradients and ``grad_hidden`` (its output's gradient; None for the top layer, whose prompt
-    outputs nothing reads); drop what it held of the prompt state; return its input's gradient."""
+    outputs nothing reads); drop what it held of the prompt state; return its input's gradient.
+    ``dsa_indices``: a DSA layer's prompt selections (:class:`.latent.PromptSelections`)."""
     device = pos.device
     hidden_in = state.checkpoints[index].to(device, non_blocking=True).detach().requires_grad_()
     cache_grads = state.device_cache_grads(index, hidden_in.device)
@@ -295,8 +314,8 @@ def _layer_backward(layer, index: int, state: PromptState, pos, grad_hidden, lay
             last = lambda layer=layer: layer_grad_sync(layer, True)  # noqa: E731
         grad_in = linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads,
                                         state.caches[index].boundaries, state.state_segment, last)
-    elif isinstance(state.caches[index], MLAState):  # the latent's summed gradient (:mod:`.latent`)
-        grad_in = mla_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads[0])
+    elif isinstance(state.caches[index], (MLAState, DSAState)):  # the latent's summed gradient (:mod:`.latent`)
+        grad_in = mla_layer_backward(layer, hidden_in, pos, grad_hidden, cache_grads[0], dsa_indices)
     else:
         kept = state.attention_outputs[index] if index < len(state.attention_outputs) else None
         if kept is not None:

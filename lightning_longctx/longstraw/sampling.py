@@ -53,6 +53,7 @@ from ..models.decode import new_decode_cache
 from ..ops.transfers import host_list
 from ..parallel import group_size, set_sequence_parallel_group
 from .checks import check_ranks_agree
+from .latent import dsa_arguments
 from .prefix import PromptState, check_prompt_state, prefill, prompt_weights
 
 StepHook = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -178,8 +179,10 @@ def _step(model, state: PromptState, kept: list | None, caches, token_ids, start
     b, t = token_ids.shape
     positions = torch.arange(start, start + t, device=token_ids.device).expand(b, t)
     hidden = model.embed(token_ids)
+    selections = {}  # DSA: this step's top-k by layer (IndexShare's shared layers read their source's)
     for index, layer in enumerate(model.layers):
-        hidden = layer.decode_step(hidden, positions, caches[index], _prompt_kv(model, state, kept, index))
+        hidden = layer.decode_step(hidden, positions, caches[index], _prompt_kv(model, state, kept, index),
+                                   **dsa_arguments(layer, selections))
     return model.head_logits(hidden[:, -1])
 
 

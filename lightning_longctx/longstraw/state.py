@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..models.dsa import DSAState
 from ..models.fused_attention import PrefixCache
 from ..models.gated_deltanet import LinearState
 from ..models.mla import MLAState
@@ -16,7 +17,8 @@ from .grads import CacheGradSink, StagedGradSink, move_grad_into
 from .latent import latent_grad, latent_leaf
 from .offload import HostStager, to_host
 
-_LEAF_STATES = (LinearState, MLAState)  # kept as leaves on the device (not a PrefixCache with a sink)
+_LATENT_STATES = (MLAState, DSAState)  # a latent leaf (:mod:`.latent`; DSA: with the index keys, graph-free)
+_LEAF_STATES = (LinearState, *_LATENT_STATES)  # kept as leaves on the device (not a PrefixCache with a sink)
 
 
 @dataclass
@@ -27,7 +29,10 @@ class PromptState:
     (head-sharded under SP): attention ``(keys, values)``, each ``[1, S', kv_cache_heads, head_dim]`` in the
     compute dtype, graph-free; Gated DeltaNet a :class:`~lightning_longctx.models.LinearState` (recurrent state
     ``[1, Hv/P, Dk, Dv]`` in fp32, conv tail ``[1, K-1, C_l]``, and for the grouped backward the states every
-    ``state_segment`` tokens, graph-free, possibly on the host). When the prompt gradient is wanted, every
+    ``state_segment`` tokens, graph-free, possibly on the host); MLA an :class:`~lightning_longctx.models.mla.
+    MLAState` (the latent ``[1, S'/P, R + r]``, a leaf, sequence-sharded); DSA a :class:`~lightning_longctx.
+    models.dsa.DSAState` (the same latent leaf and, on a full layer, the graph-free index keys ``[1, S'/P, D_I]``:
+    no gradient reaches the indexer, :mod:`.latent`). When the prompt gradient is wanted, every
     branch's backward accumulates into one gradient buffer per layer and tensor in ``grad_dtype`` (fp32 by
     default, so the sum over the G branches never rounds at bf16 precision; :meth:`cache_grad` reads it):
     attention K/V through :meth:`replay_cache`'s sink, which the fused attention's backward adds each stage's
@@ -65,7 +70,7 @@ class PromptState:
         ``boundaries`` stay graph-free, on the host with ``offload``)."""
         layer = len(self.caches)
         self.cache_requires_grad = requires_grad
-        if isinstance(cache, MLAState):  # the latent, sequence-sharded, on the device (:mod:`.latent`)
+        if isinstance(cache, _LATENT_STATES):  # the latent, sequence-sharded, on the device (:mod:`.latent`)
             self.caches.append(latent_leaf(self, layer, cache, requires_grad))
             return
         if not isinstance(cache, LinearState):
@@ -87,7 +92,7 @@ class PromptState:
         """The gradient summed over the group so far of layer ``layer``'s state tensor ``which`` (attention:
         0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail); on the host when offloaded
         (its copies landed: this waits for them)."""
-        if isinstance(self.caches[layer], MLAState):
+        if isinstance(self.caches[layer], _LATENT_STATES):
             return latent_grad(self, layer, which)
         if (layer, which) in self.grads:
             if self.stager is not None:

@@ -45,8 +45,9 @@ from .lora import fold_stage_lora
 @dataclass
 class AttentionDecodeCache:
     """The rows' own K/V of one attention layer, this rank's heads: ``keys, values [B, capacity, n_r, d]``
-    (allocated at the first append), the first ``length`` positions filled (equal for every row: the rows
-    advance in lockstep)."""
+    (allocated at the first append; a DSA layer keeps its latents ``[B, capacity, 1, R + r]`` and index keys
+    ``[B, capacity, 1, D_I]`` there, :mod:`.dsa_decode`), the first ``length`` positions filled (equal for
+    every row: the rows advance in lockstep)."""
 
     capacity: int
     keys: torch.Tensor | None = None
@@ -59,8 +60,8 @@ class AttentionDecodeCache:
         if self.length + t > self.capacity:
             raise ValueError(f"decode cache full: {self.length} + {t} tokens > capacity {self.capacity}")
         if self.keys is None:
-            shape = (k.shape[0], self.capacity, *k.shape[2:])
-            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+            self.keys = k.new_empty(k.shape[0], self.capacity, *k.shape[2:])
+            self.values = v.new_empty(v.shape[0], self.capacity, *v.shape[2:])
         self.keys[:, self.length:self.length + t] = k
         self.values[:, self.length:self.length + t] = v
         self.length += t

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..ops.sparse_attention import sparse_latent_attention, streaming_topk
 from ..parallel import group_rank
@@ -67,6 +68,10 @@ class DSAIndexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         # the selection's tiles (memory only): [b, query_block, H_I, key_block] float32 scores at a time
         self.query_block, self.key_block = 256, 2048
+        # no gradient ever reaches the indexer (its selection is piecewise constant; transformers runs it under
+        # no_grad), so it is not trainable: an optimizer must not decay it, and a step reducing every trainable
+        # gradient over ranks must not turn its missing gradient into zeros
+        self.requires_grad_(False)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first ``r`` dims of ``x [b, s, h, D_I]`` (``[rope | pass]``), the model's variant."""
@@ -74,10 +79,23 @@ class DSAIndexer(nn.Module):
         rot = rope_interleaved(rot, cos, sin) if self.rope_interleave else apply_rope(rot, cos, sin)
         return torch.cat((rot, rest), dim=-1)
 
+    @torch.no_grad()
     def keys(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Index keys ``[b, s_l, D_I]`` float32 of the normed layer input ``hidden [b, s_l, E]``."""
+        """Index keys ``[b, s_l, D_I]`` of the normed layer input ``hidden [b, s_l, E]``, in the projection's
+        dtype (scored in float32: :meth:`select` upcasts, so a bf16 prompt state keeps them at 2 bytes)."""
         k = self.k_norm(self.wk(hidden)).unsqueeze(2)
-        return self._rope(k, cos, sin).squeeze(2).float()
+        return self._rope(k, cos, sin).squeeze(2)
+
+    @torch.no_grad()
+    def queries(self, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index queries ``[b, s_l, H_I, D_I]`` (roped) and head weights ``[b, s_l, H_I]``
+        (``weights_proj(hidden) H_I^-1/2``), float32, of ``hidden [b, s_l, E]`` and ``q_resid [b, s_l, q_lora]``."""
+        b, s_l, _ = hidden.shape
+        q = self.wq_b(q_resid).view(b, s_l, self.n_heads, self.head_dim)
+        w = self.weights_proj.weight
+        weights = F.linear(hidden.to(w.dtype), w).float() * self.n_heads**-0.5
+        return self._rope(q, cos, sin).float(), weights
 
     @torch.no_grad()
     def select(self, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -89,16 +107,13 @@ class DSAIndexer(nn.Module):
         ``group``: the SP group (keys gathered over it); ``prefix_keys [b, S'/P, D_I]``: this rank's shard of
         the index keys of earlier tokens (a prompt), which come first: key indices ``[0, S')`` are the prompt's,
         then this call's tokens'."""
-        b, s_l, _ = hidden.shape
-        q = self.wq_b(q_resid).view(b, s_l, self.n_heads, self.head_dim)
-        q = self._rope(q, cos, sin).float()
-        keys = gather_sequence(keys, group)  # [b, s, D_I]: every rank's keys in rank order (no graph)
+        s_l = hidden.shape[1]
+        q, weights = self.queries(hidden, q_resid, cos, sin)
+        keys = gather_sequence(keys, group).float()  # [b, s, D_I]: every rank's keys in rank order (no graph)
         start = group_rank(group) * s_l
         if prefix_keys is not None:
-            prefix_keys = gather_sequence(prefix_keys.float(), group)
+            prefix_keys = gather_sequence(prefix_keys, group).float()
             keys, start = torch.cat((prefix_keys, keys), dim=1), start + prefix_keys.shape[1]
-        w = self.weights_proj.weight
-        weights = F.linear(hidden.to(w.dtype), w).float() * self.n_heads**-0.5
         query_index = torch.arange(start, start + s_l, device=hidden.device)
         return streaming_topk(q, weights, keys, query_index, self.topk, self.head_dim**-0.5,
                               query_block=self.query_block, key_block=self.key_block)
@@ -106,8 +121,9 @@ class DSAIndexer(nn.Module):
 
 class DSAState(NamedTuple):
     """What later tokens need of a DSA layer: the MLA latent ``[b, s_l, R + r]`` of this rank's tokens and, on a
-    ``"full"`` layer, their index keys ``[b, s_l, D_I]`` float32 (no graph; None on a shared layer), both
-    sequence-sharded under SP."""
+    ``"full"`` layer, their index keys ``[b, s_l, D_I]`` in the compute dtype (no graph: nothing differentiates
+    the selection; None on a shared layer, which reuses its source's selection), both sequence-sharded under
+    SP (:func:`prompt_state_bytes`)."""
 
     latent: torch.Tensor
     index_keys: torch.Tensor | None
@@ -136,7 +152,7 @@ class DSAttention(MLAttention):
         self.indexer = DSAIndexer(config) if self.index_source == layer_index else None
         self.query_block = 256
 
-    def _kv_b_weight(self, lora_mask: torch.Tensor | None) -> torch.Tensor:
+    def kv_b_weight(self, lora_mask: torch.Tensor | None) -> torch.Tensor:
         """``kv_b_proj``'s weight ``[H, n + dv, R]`` (an enabled adapter folded in: ``W + s B A``)."""
         m = self.kv_b_proj
         w = m.weight
@@ -153,50 +169,99 @@ class DSAttention(MLAttention):
                 return_state: bool = False):
         """``hidden [b, s_l, E]`` at global ``position_ids [b, s_l]`` -> ``[b, s_l, E]``.
 
-        ``dsa_indices``: this forward's selections by layer index (a full layer stores its own there, a shared
-        layer reads its source's; None on a full layer: not stored). ``lora_mask [b, s_l]``: as MLA's (not with
-        an adapter on ``kv_b_proj``). ``prefix_state``: the :class:`DSAState` of earlier tokens (this rank's
-        shard, e.g. a prompt): every token selects among them and, causally, the new ones (the selection's key
-        indices count the prefix first); the latent's gradient flows through autograd. ``return_state``: also
-        return this call's :class:`DSAState`."""
+        ``dsa_indices``: this forward's selections by layer index (a full layer stores its own there and, when
+        it is there already, e.g. in an activation checkpoint's recomputation, reuses it; a shared layer reads
+        its source's; None on a full layer: not stored). ``lora_mask [b, s_l]``: as MLA's (not with an adapter
+        on ``kv_b_proj``). ``prefix_state``: the :class:`DSAState` of earlier tokens (this rank's shard, e.g. a
+        prompt): every token selects among them and, causally, the new ones (the selection's key indices count
+        the prefix first); the latent's gradient flows through autograd. ``return_state``: also return this
+        call's :class:`DSAState`."""
         cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
         latent = self.latent(hidden, position_ids, (cos, sin), lora_mask)  # [b, s_l, w]
         q_in = self.query_input(hidden, lora_mask)  # [b, s_l, q_lora]: the indexer's input too
         has_prefix = prefix_state is not None and prefix_state.latent.shape[1] > 0
-        keys = None
-        if self.indexer is not None:
-            with torch.no_grad():
-                keys = self.indexer.keys(hidden, cos, sin)
-            prefix_keys = prefix_state.index_keys if has_prefix else None
-            if has_prefix and prefix_keys is None:
-                raise ValueError(f"DSA layer {self.layer_index} runs its own indexer: its prefix_state needs the "
-                                 "prompt's index_keys")
-            indices = self.indexer.select(hidden, q_in, cos, sin, keys, self.sp_group, prefix_keys)
-            if dsa_indices is not None:
-                dsa_indices[self.layer_index] = indices
-        elif dsa_indices is None or self.index_source not in dsa_indices:
-            raise ValueError(f"DSA layer {self.layer_index} shares layer {self.index_source}'s top-k "
-                             "(indexer_types 'shared'): pass dsa_indices from a forward through that layer")
-        else:
-            indices = dsa_indices[self.index_source]
+        keys = None if self.indexer is None else self.indexer.keys(hidden, cos, sin)
+        indices = self._selection(hidden, q_in, cos, sin, keys, dsa_indices, prefix_state if has_prefix else None)
         b, s_l, _ = hidden.shape
         q = masked_linear(self.q_b_proj, q_in, lora_mask).view(b, s_l, self.num_heads, self.qk_dim)
         q_nope, q_rot = q.split((self.nope, self.rope_dim), dim=-1)
-        w_kv = self._kv_b_weight(lora_mask)
+        w_kv = self.kv_b_weight(lora_mask)
         q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_kv[:, :self.nope])
         q_abs = torch.cat((q_lat, self._rope(q_rot, cos, sin).to(q_lat.dtype)), dim=-1)  # [b, s_l, H, w]
-        full = gather_sequence(latent, self.sp_group)  # [b, s, w]: one all-gather per layer
-        if has_prefix:  # [prompt | these tokens], the order of the selection's key indices
-            full = torch.cat((gather_sequence(prefix_state.latent.to(full.dtype), self.sp_group), full), dim=1)
-        o_lat = sparse_latent_attention(q_abs, full.to(q_abs.dtype), indices, self.scaling, self.kv_lora_rank,
-                                        query_block=self.query_block)
+        prefix = prefix_state.latent if has_prefix else None
+        if prefix is not None and torch.is_grad_enabled():
+            # a replay over a prompt latent: keep only this rank's shards, gather the prompt again in backward,
+            # so no layer holds the gathered [S', w] prompt between its forward and its backward (as MLA)
+            o_lat = checkpoint(self._attend, q_abs, latent, prefix, indices, use_reentrant=False)
+        else:
+            o_lat = self._attend(q_abs, latent, prefix, indices)
         out = torch.einsum("bshr,hvr->bshv", o_lat, w_kv[:, self.nope:])  # [b, s_l, H, dv]
         out = masked_linear(self.o_proj, out.flatten(2), lora_mask)
         return (out, DSAState(latent, keys)) if return_state else out
 
-    def prompt_state(self, *args, **kwargs):
-        raise NotImplementedError("DSA layers have no prompt-only state yet (LongStraw over a DSA model): run "
-                                  "forward(..., return_state=True)")
+    def _selection(self, hidden, q_in, cos, sin, keys, dsa_indices, prefix_state) -> torch.Tensor:
+        """This layer's top-k ``[b, s_l, k]`` (see :meth:`forward`): its indexer's over ``[prefix | these
+        tokens]`` keys, or its source layer's from ``dsa_indices``."""
+        if self.indexer is None:
+            if dsa_indices is None or self.index_source not in dsa_indices:
+                raise ValueError(f"DSA layer {self.layer_index} shares layer {self.index_source}'s top-k "
+                                 "(indexer_types 'shared'): pass dsa_indices from a forward through that layer")
+            return dsa_indices[self.index_source]
+        if dsa_indices is not None and self.layer_index in dsa_indices:  # a recomputation: the same selection
+            return dsa_indices[self.layer_index]
+        prefix_keys = None if prefix_state is None else prefix_state.index_keys
+        if prefix_state is not None and prefix_keys is None:
+            raise ValueError(f"DSA layer {self.layer_index} runs its own indexer: its prefix_state needs the "
+                             "prompt's index_keys")
+        indices = self.indexer.select(hidden, q_in, cos, sin, keys, self.sp_group, prefix_keys)
+        if dsa_indices is not None:
+            dsa_indices[self.layer_index] = indices
+        return indices
+
+    def _attend(self, q_abs: torch.Tensor, latent: torch.Tensor, prefix: torch.Tensor | None,
+                indices: torch.Tensor) -> torch.Tensor:
+        """``sum_j p_j c_kv_j`` ``[b, s_l, H, R]`` of the absorbed queries ``q_abs [b, s_l, H, w]`` over their
+        selected rows of ``[prefix | latent]``, gathered here from this rank's shards ``prefix [b, S'/P, w]``
+        (or None) and ``latent [b, s_l, w]`` (one all-gather each; the backward sums into the owners' rows)."""
+        full = gather_sequence(latent, self.sp_group)  # [b, s, w]
+        if prefix is not None:  # [prompt | these tokens], the order of the selection's key indices
+            full = torch.cat((gather_sequence(prefix.to(full.dtype), self.sp_group), full), dim=1)
+        return sparse_latent_attention(q_abs, full.to(q_abs.dtype), indices, self.scaling, self.kv_lora_rank,
+                                       query_block=self.query_block)
+
+    def prompt_state(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                     lora_mask: torch.Tensor | None = None) -> DSAState:
+        """Only the :class:`DSAState` of ``hidden [b, s_l, E]`` (no selection, no attention; ``lora_mask``: as
+        :meth:`forward`'s): what LongStraw keeps of the prompt's last layer."""
+        cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
+        keys = None if self.indexer is None else self.indexer.keys(hidden, cos, sin)
+        return DSAState(self.latent(hidden, position_ids, (cos, sin), lora_mask), keys)
+
+    @torch.no_grad()
+    def own_selection(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                      lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The top-k ``[b, s_l, k]`` a full layer's forward over ``hidden [b, s_l, E]`` alone selects (no
+        prefix), without attending: LongStraw's grouped backward needs a full layer's prompt selection for the
+        shared layers above it, which it recomputes before that layer."""
+        if self.indexer is None:
+            raise ValueError(f"DSA layer {self.layer_index} is a shared layer: its selection is layer "
+                             f"{self.index_source}'s")
+        cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
+        q_in = self.query_input(hidden, lora_mask)
+        return self.indexer.select(hidden, q_in, cos, sin, self.indexer.keys(hidden, cos, sin), self.sp_group)
 
 
-__all__ = ["DSAIndexer", "DSAState", "DSAttention", "FULL", "SHARED", "index_source"]
+def prompt_state_bytes(config, layer_index: int, prompt_tokens: int, sp: int = 1, dtype_bytes: int = 2) -> int:
+    """Bytes of one DSA layer's prompt state on one of ``sp`` ranks for a prompt of ``prompt_tokens``
+    (LongStraw caches its first ``S' = sp floor((S - 1) / sp)`` tokens): the latent ``S'/sp (R + r)`` and, on a
+    ``"full"`` layer, the index keys ``S'/sp D_I``, both in the compute dtype (``dtype_bytes``). The latent's
+    gradient buffer (when the prompt gradient is wanted) is extra: ``S'/sp (R + r)`` in the accumulation dtype;
+    the index keys have none."""
+    local = (prompt_tokens - 1) // sp
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    if index_source(config.indexer_types, layer_index) == layer_index:
+        width += config.index_head_dim
+    return local * width * dtype_bytes
+
+
+__all__ = ["DSAIndexer", "DSAState", "DSAttention", "FULL", "SHARED", "index_source", "prompt_state_bytes"]

@@ -16,6 +16,7 @@ from .attention import DecoderAttention
 from .config import DSA_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION, DecoderConfig, MemoryConfig
 from .decode import attention_decode, linear_decode
 from .dsa import DSAttention
+from .dsa_decode import dsa_decode
 from .gated_deltanet import GatedDeltaNet
 from .mla import MLAttention
 from .mla_decode import mla_decode
@@ -121,24 +122,31 @@ class DecoderLayer(nn.Module):
         normed = self.input_layernorm(hidden)
         if self.layer_type == LINEAR_ATTENTION:
             return self.linear_attn.core(normed, return_state=True, state_every=state_every)[1]
-        if self.layer_type in (MLA_ATTENTION, DSA_ATTENTION):  # (DSA: refused, no prompt state yet)
+        if self.layer_type in (MLA_ATTENTION, DSA_ATTENTION):
             return self.self_attn.prompt_state(normed, position_ids, self.adapter_mask(position_ids))
         return self.self_attn.key_values(normed, position_ids, lora_mask=self.adapter_mask(position_ids))
 
-    def decode_step(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache, prompt_state=None):
+    def dsa_selection(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """A full DSA layer's own top-k ``[b, s_l, k]`` over ``hidden [b, s_l, E]`` (its layer input), without
+        attending (:meth:`.dsa.DSAttention.own_selection`; LongStraw's grouped backward, for the shared layers
+        above it)."""
+        return self.self_attn.own_selection(self.input_layernorm(hidden), position_ids, self.adapter_mask(position_ids))
+
+    def decode_step(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache, prompt_state=None,
+                    dsa_indices: dict | None = None):
         """One decoding step for ``B`` rows (:mod:`.decode`): ``hidden [B, T, E]`` of the new tokens, the same
         on every SP rank, at global ``position_ids [B, T]`` -> ``[B, T, E]`` (the same on every rank).
 
         ``cache``: the rows' own state (:func:`.decode.new_decode_cache`), advanced in place past these tokens.
         ``prompt_state``: this layer's prompt K/V (attention, head-sharded; MLA: its sequence-sharded latent;
-        read, never written) or None; a
+        DSA: its :class:`~.dsa.DSAState`; read, never written) or None; ``dsa_indices``: DSA layers, this step's
+        selections by layer index (IndexShare: a shared layer reads its source's); a
         Gated DeltaNet layer's prompt state is already the start of ``cache``. One method so FSDP2 can gather
         the layer's parameters around it (``register_fsdp_forward_method``)."""
-        if self.layer_type == DSA_ATTENTION:
-            raise NotImplementedError("decoding a DSA layer (sparse attention over a prompt state) is not "
-                                      "implemented yet")
         normed = self.input_layernorm(hidden)
-        if self.layer_type == LINEAR_ATTENTION:
+        if self.layer_type == DSA_ATTENTION:  # absorbed, over the selected rows of the prompt and the rows' own
+            mixed = dsa_decode(self.self_attn, normed, position_ids, prompt_state, cache, dsa_indices)
+        elif self.layer_type == LINEAR_ATTENTION:
             mixed = linear_decode(self.linear_attn, normed, cache)
         elif self.layer_type == MLA_ATTENTION:  # absorbed, over the sequence-sharded prompt latent
             mixed = mla_decode(self.self_attn, normed, position_ids, prompt_state, cache)

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 NO_KEY = -1  # the index of a padding slot (a query that sees fewer than k keys)
 
 
-def _merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The best ``k`` of candidates ``vals, ids [..., m]`` whose ids ascend along the last dim: score descending,
     ties to the lowest id, returned in ascending id order (so the next merge's candidates ascend too). Every score
     above the ``k``-th best is taken, then the lowest-id ones equal to it until ``k`` (no sort: one ``topk``)."""
@@ -56,15 +56,29 @@ def streaming_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, q
     Args:
         q: index queries ``[b, s, H_I, D_I]`` (roped), float32.
         weights: per-head weights ``[b, s, H_I]`` (``weights_proj(h) H_I^-0.5``), float32.
-        keys: index keys ``[b, T, D_I]`` (normed, roped) of the whole sequence, float32.
+        keys: index keys ``[b, T, D_I]`` (normed, roped) of the whole sequence, float32 (batch 1: shared by
+            every row of ``q``).
         query_index: ``[s]`` each query's index among the keys (causal: key ``j <= i``).
         topk: ``index_topk``; scale: ``D_I^-0.5`` (inside the ReLU, as transformers).
         query_block, key_block: tile sizes (memory only; the result does not depend on them).
     """
+    return streaming_topk_scores(q, weights, keys, query_index, topk, scale, query_block=query_block,
+                                 key_block=key_block)[1].to(torch.int32)
+
+
+@torch.no_grad()
+def streaming_topk_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_index: torch.Tensor,
+                          topk: int, scale: float, *, query_block: int = 256,
+                          key_block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`streaming_topk` with the selected keys' index scores: ``(scores [b, s, k]`` float32, ``-inf`` at
+    the padding, ``ids [b, s, k]`` int64``)``, ids ascending; so candidate sets chosen apart (each rank's keys,
+    a decoded row's own keys) merge into the global selection with :func:`merge_topk` (the k best of a union
+    are among the k best of each part, under the same order)."""
     b, s, _, _ = q.shape
     t = keys.shape[1]
     k = min(topk, t)
-    out = torch.empty(b, s, k, dtype=torch.int32, device=q.device)
+    out_vals = q.new_empty(b, s, k)
+    out_ids = torch.empty(b, s, k, dtype=torch.long, device=q.device)
     key_pos = torch.arange(t, device=q.device)
     for q0 in range(0, s, query_block):
         q1 = min(q0 + query_block, s)
@@ -80,12 +94,14 @@ def streaming_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, q
             visible = key_pos[None, k0:k1] <= qi[:, None]  # [q, kb]
             index.masked_fill_(~visible, float("-inf"))
             block_ids = key_pos[k0:k1].expand(b, q1 - q0, k1 - k0)
-            vals, ids = _merge_topk(torch.cat((vals, index), -1), torch.cat((ids, block_ids), -1), k)
+            vals, ids = merge_topk(torch.cat((vals, index), -1), torch.cat((ids, block_ids), -1), k)
         ids = ids.masked_fill(vals == float("-inf"), NO_KEY)
         if ids.shape[-1] < k:  # fewer keys processed than k (the first queries): pad
-            ids = torch.cat((ids, ids.new_full((b, q1 - q0, k - ids.shape[-1]), NO_KEY)), -1)
-        out[:, q0:q1] = ids.to(torch.int32)
-    return out
+            pad = k - ids.shape[-1]
+            ids = torch.cat((ids, ids.new_full((b, q1 - q0, pad), NO_KEY)), -1)
+            vals = torch.cat((vals, vals.new_full((b, q1 - q0, pad), float("-inf"))), -1)
+        out_vals[:, q0:q1], out_ids[:, q0:q1] = vals, ids
+    return out_vals, out_ids
 
 
 def _attend_block(q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float,
@@ -102,6 +118,21 @@ def _attend_block(q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, 
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.einsum("bchk,bckr->bchr", probs, rows[..., :value_width])
+
+
+def selected_attention(q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float,
+                       value_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries over their own, already gathered key rows, with the log-sum-exp, for merging partial attentions
+    (a decoding step's rows held by different ranks): ``q [b, c, H, w]``, ``rows [b, c, k, w]`` (per query its
+    selected latent rows; the first ``value_width`` dims are the value), ``valid [b, c, k]`` (False: no key) ->
+    ``out [b, c, H, R]`` and ``lse [b, c, H]``, in at least float32. A query without a valid row gets ``out``
+    0 and ``lse`` ``-inf``: a part that weighs nothing in a log-sum-exp merge."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("bchw,bckw->bchk", q, rows).to(acc) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, c, H]
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    return torch.einsum("bchk,bckr->bchr", probs, rows[..., :value_width].to(acc)), lse
 
 
 def sparse_latent_attention(q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float,
@@ -125,4 +156,5 @@ def sparse_latent_attention(q: torch.Tensor, latent: torch.Tensor, indices: torc
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-__all__ = ["NO_KEY", "sparse_latent_attention", "streaming_topk"]
+__all__ = ["NO_KEY", "merge_topk", "selected_attention", "sparse_latent_attention", "streaming_topk",
+           "streaming_topk_scores"]
