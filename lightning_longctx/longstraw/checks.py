@@ -30,11 +30,12 @@ def check_token_tensors(prompt_ids, responses) -> None:
 
 def validate_group(
     model, prompt_ids, responses, advantages=None, *, loss: LossOptions | None = None, old_logprobs=None,
-    ref_logprobs=None,
+    ref_logprobs=None, response_masks=None,
 ) -> None:
     """Every check of :func:`longstraw_step`'s tensors (``loss``: its :class:`~.options.LossOptions`, for
-    Dr.GRPO's ``max_response_length`` against the responses); raises ``ValueError`` (``TypeError`` for a wrong
-    kind of argument) before any work."""
+    Dr.GRPO's ``max_response_length`` against the responses; ``response_masks``: G ``[T_i]`` tensors of 0 / 1,
+    each with at least one 1); raises ``ValueError`` (``TypeError`` for a wrong kind of argument) before any
+    work."""
     if not isinstance(getattr(model, "output_weight", None), torch.Tensor):
         raise TypeError(f"model must be a DecoderLM (or implement its prefix-state API: output_weight, embed, layers, "
                         f"...), got {type(model).__name__}")
@@ -77,8 +78,30 @@ def validate_group(
                 raise ValueError(f"{name}[{i}] has shape {tuple(lp.shape)}, response {i} has {tuple(response.shape)}")
             if not bool(torch.isfinite(lp).all()):
                 raise ValueError(f"{name}[{i}] has non-finite values")
+    if response_masks is not None:
+        check_response_masks(response_masks, responses)
     if loss is not None and loss.loss_type == "seq_mean_token_sum_norm":
         response_weights([r.numel() for r in responses], loss.loss_type, loss.max_response_length)
+
+
+def check_response_masks(response_masks, responses) -> None:
+    """``response_masks``: one ``[T_i]`` tensor per response, of 0 / 1 (bool, integer or floating), at least one
+    token of each response scored (a response of environment tokens only has no loss to normalise by)."""
+    if isinstance(response_masks, torch.Tensor) or len(response_masks) != len(responses):
+        count = "a tensor" if isinstance(response_masks, torch.Tensor) else f"{len(response_masks)} entries"
+        raise ValueError(f"response_masks has {count} for G={len(responses)} responses (one [T_i] mask each)")
+    for i, (mask, response) in enumerate(zip(response_masks, responses)):
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"response_masks[{i}] must be a [T_i] tensor, got {type(mask).__name__}")
+        if mask.shape != response.shape:
+            raise ValueError(f"response_masks[{i}] has shape {tuple(mask.shape)}, response {i} has "
+                             f"{tuple(response.shape)}")
+        values = set(mask.detach().cpu().double().unique().tolist())
+        if not values <= {0.0, 1.0}:
+            raise ValueError(f"response_masks[{i}] holds {sorted(values)}: a mask is 0 (not scored) or 1 (scored)")
+        if 1.0 not in values:
+            raise ValueError(f"response_masks[{i}] masks all {response.numel()} tokens of response {i}: at least "
+                             "one token of a response must be the model's (scored)")
 
 
 def check_ranks_agree(sizes: dict[str, int], group, device: torch.device, call: str) -> None:

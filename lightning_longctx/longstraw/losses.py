@@ -12,6 +12,12 @@ and the group loss is ``sum_i sum_t w_i * loss_t`` with a per-response weight ``
     token_mean               (DAPO)     w_i = 1 / sum_j T_j
     seq_mean_token_mean      (GRPO)     w_i = 1 / (G * T_i)
     seq_mean_token_sum_norm  (Dr.GRPO)  w_i = 1 / (G * L), L = the run's max response length (a constant)
+
+With response masks (multi-turn rollouts: the environment's tokens carry mask 0) the sums run over the unmasked
+tokens only and ``T_i`` is response ``i``'s number of unmasked tokens: ``token_mean`` is the per-token mean over
+every model-written token of the group (DAPO's token-level normalisation, verl's ``loss_agg_mode="token-mean"``
+over its ``response_mask``), ``seq_mean_token_mean`` the mean over responses of each one's mean over its own
+model-written tokens (verl's ``"seq-mean-token-mean"``), Dr.GRPO's ``L`` stays the constant.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class StepOutput:
     kl: float  # mean k3 KL per response token (0 without ref_logprobs)
     clip_fraction: float  # fraction of response tokens where the clipped objective was taken
     entropy: float  # mean per-token entropy of the policy
-    tokens: int  # response tokens in the group
+    tokens: int  # scored response tokens in the group (all of them without response_masks)
     prompt_tokens: int
     peak_bytes: int  # peak live tensor bytes allocated during the step on this rank (0 without measure_memory)
     seconds: float
@@ -102,6 +102,13 @@ def _local_slice(per_token: torch.Tensor, branch) -> torch.Tensor:
     """The entries of a ``[T]`` response vector at this rank's positions (0 where none), without a host sync."""
     keep = branch.response_index >= 0
     return torch.where(keep, per_token[branch.response_index.clamp(min=0)], 0)
+
+
+def _scored_slice(per_token: torch.Tensor, branch, valid: torch.Tensor, logp_l: torch.Tensor) -> torch.Tensor:
+    """A ``[T]`` response vector (old / reference log-probs) at this rank's positions where ``valid`` (the scored
+    tokens), the policy's own detached ``logp_l`` elsewhere: a ratio of 1 and a KL of 0 there, so that whatever
+    an unscored position holds (an environment token's log-prob) cannot reach the loss, even as ``0 * inf``."""
+    return torch.where(valid, _local_slice(per_token.to(logp_l.dtype), branch), logp_l.detach())
 
 
 def _needs_grouped_backward(model, prompt_grad: str) -> bool:
@@ -177,6 +184,7 @@ def longstraw_step(
     groups: StepGroups | None = None,
     old_logprobs: Sequence[torch.Tensor] | None = None,
     ref_logprobs: Sequence[torch.Tensor] | None = None,
+    response_masks: Sequence[torch.Tensor] | None = None,
     prompt_state: PromptState | None = None,
     progress: Callable[[str], None] | None = None,
     **deprecated_keywords,
@@ -196,6 +204,12 @@ def longstraw_step(
         groups: where the gradients are summed (None = one process; :class:`~.options.StepGroups`: the SP and DP groups,
             ``accumulate_dtype``, FSDP2's ``defer_grad_sync``).
         old_logprobs, ref_logprobs: G tensors ``[T_i]`` from :func:`score` (on-policy / no KL when None).
+        response_masks: G tensors ``[T_i]`` of 0 / 1, which response tokens are the model's (1: scored) and
+            which another writer's (0: a multi-turn rollout's environment / tool tokens, :func:`~.sampling.
+            sample_episodes`). A masked token still conditions every later token (it is in ``cat(P, r_i)``) but
+            contributes nothing to the loss, the KL, the clip fraction, the entropy or the token counts:
+            ``T_i`` in the loss weights (:func:`~.losses.response_weights`) is response ``i``'s number of
+            unmasked tokens. None = every token scored.
         prompt_state: the prompt's state from :func:`prefill_for_step` with this step's options, e.g. the one
             :func:`~lightning_longctx.longstraw.sample` and :func:`score` just used (one prefill for the
             rollouts, the old log-probs and the step); consumed by the grouped backward. Refused if the
@@ -210,7 +224,7 @@ def longstraw_step(
     """
     loss, memory, groups = _options("longstraw_step", loss, memory, groups, deprecated_keywords)
     validate_group(model, prompt_ids, responses, advantages, loss=loss, old_logprobs=old_logprobs,
-                   ref_logprobs=ref_logprobs)
+                   ref_logprobs=ref_logprobs, response_masks=response_masks)
     if prompt_state is not None and not isinstance(prompt_state, PromptState):
         raise TypeError(f"prompt_state must be a PromptState from prefill_for_step or None, got "
                         f"{type(prompt_state).__name__}")
@@ -221,7 +235,8 @@ def longstraw_step(
     check_group_agrees(prompt_ids, responses, group)
     set_sequence_parallel_group(model, group)
     lengths = [r.numel() for r in responses]
-    weights = response_weights(lengths, loss.loss_type, loss.max_response_length)
+    scored = lengths if response_masks is None else [int(m.count_nonzero()) for m in response_masks]
+    weights = response_weights(scored, loss.loss_type, loss.max_response_length)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_dtype = accumulation_dtype(params, groups.accumulate_dtype)
     full = _needs_grouped_backward(model, loss.prompt_grad)
@@ -246,11 +261,13 @@ def longstraw_step(
             logp_l, entropy_l = branch_logprobs(model, state, branch, logits_chunk_size=memory.logits_chunk_size,
                                                 entropy=True, temperature=loss.temperature,
                                                 checkpoint_layers=replay_checkpointing)
-            valid = branch.response_index >= 0
+            valid = branch.response_index >= 0  # this rank's positions that predict a scored response token
+            if response_masks is not None:
+                valid = valid & (_local_slice(response_masks[i].to(branch.response_index.device), branch) != 0)
             terms = policy_token_terms(
                 logp_l, advantages[i].to(logp_l.dtype),
-                old_logp=None if old_logprobs is None else _local_slice(old_logprobs[i], branch),
-                ref_logp=None if ref_logprobs is None else _local_slice(ref_logprobs[i], branch),
+                old_logp=None if old_logprobs is None else _scored_slice(old_logprobs[i], branch, valid, logp_l),
+                ref_logp=None if ref_logprobs is None else _scored_slice(ref_logprobs[i], branch, valid, logp_l),
                 beta=loss.beta, clip_eps=loss.clip_eps,
             )
             # masked sums, not boolean indexing: no host sync per branch
@@ -276,7 +293,7 @@ def longstraw_step(
         del state, prompt_state
     with phase("gradient reduction"):
         reduction.finish(group, dp_group)
-    tokens = sum(lengths)
+    tokens = sum(scored)
     loss_total, kl_sum, clipped, entropy_sum = totals.tolist()  # the step's one host sync for the statistics
     return StepOutput(
         loss=loss_total, logprobs=logprobs_out, kl=kl_sum / tokens, clip_fraction=clipped / tokens,
