@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -192,6 +193,7 @@ def sample(
     top_p: float = 1.0, top_k: int | None = 0, eos_token_id: StopIds = None, group=None,
     generator: torch.Generator | None = None, prompt_state: PromptState | None = None,
     on_step: StepHook | None = None, prompt_cache: str | None = None, decode_steps: int | None = None,
+    sync_group=None,
 ) -> list[torch.Tensor]:
     """Sample ``num_responses`` responses to ``prompt_ids``, decoded together over one prefill.
 
@@ -220,6 +222,10 @@ def sample(
             to ``max_new_tokens`` (for ``longctx-rehearse``, whose draws are placeholders: the caches keep their
             full capacity, the responses their full length, and the skipped steps, each like the last one run,
             are not dispatched). None = every step.
+        sync_group: the ranks whose model steps must pair up, every rank running as many as the rank that
+            runs most (FSDP2 shards the parameters over the data-parallel ranks and all-gathers them per layer
+            and step: a rank whose responses stop early would leave the others waiting); one ``[1]``
+            all-reduce per step. None = no pairing (replicated parameters; one process).
     Returns:
         G tensors ``[T_i]`` (``1 <= T_i <= max_new_tokens``), ``prompt_ids``' dtype and device.
     Raises:
@@ -243,6 +249,103 @@ def sample(
         raise TypeError(f"on_step must be callable (step, rows, probs) or None, got {type(on_step).__name__}")
     if prompt_ids.is_floating_point() or prompt_ids.is_complex():
         raise ValueError(f"prompt_ids must hold integer token ids, got {prompt_ids.dtype}")
+    decoded = decode_rows(model, prompt_ids, num_responses, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, group=group, generator=generator,
+                          prompt_state=prompt_state, on_step=on_step, prompt_cache=prompt_cache,
+                          decode_steps=decode_steps, sync_group=sync_group)
+    return decoded.responses
+
+
+@dataclass
+class Turns:
+    """How a multi-turn rollout's turns end and what the environment answers (:func:`decode_rows`).
+
+    ``end_ids``: token ids that end a turn (a tool call's end marker); ``max_turn_tokens``: a turn also ends
+    after that many tokens (None = no limit); ``contexts``: per row the tokens the environment writes before
+    the first turn (may be empty); ``answer(row, turn_tokens) -> (observation_tokens, done)``: called when a
+    turn of ``row`` ends (also the last one, ended by a stop id or the token budget: its observation is then
+    dropped); the observation is appended to that row's response (mask 0) by one step over its tokens."""
+
+    end_ids: frozenset[int]
+    max_turn_tokens: int | None
+    contexts: list[list[int]]
+    answer: Callable[[int, list[int]], tuple[list[int], bool]]
+
+
+@dataclass
+class Decoded:
+    """:func:`decode_rows`' result: per row its response ``[T_i]`` and mask ``[T_i]`` (bool: True where the
+    model drew the token, False where the environment wrote it)."""
+
+    responses: list[torch.Tensor]
+    masks: list[torch.Tensor]
+
+
+@dataclass
+class _Cohort:
+    """Rows of equal response length decoded together: one cache batch per layer, the positions they feed next
+    and the logits ``[n, vocab]`` their next tokens are drawn from."""
+
+    rows: list[int]
+    caches: list
+    position: int
+    logits: torch.Tensor
+
+
+class _LockstepSteps:
+    """Every model step of a rollout, matched across ``sync_group`` (FSDP2's per-layer all-gathers pair up over
+    the data-parallel ranks, whose rollouts decode different numbers of tokens and turns): before each step one
+    ``[1]`` all-reduce (MAX) says whether some rank still has one; a rank with none left runs a one-token step
+    on scratch caches, its output dropped, until every rank is done (:meth:`drain`). ``sync_group`` None (or of
+    one rank): steps run as they come."""
+
+    def __init__(self, model, state: PromptState, kept, sync_group, device: torch.device) -> None:
+        self.model, self.state, self.kept, self.device = model, state, kept, device
+        self.sync_group = sync_group if group_size(sync_group) > 1 else None
+
+    def _others_running(self, mine: bool) -> bool:
+        flag = torch.tensor([1.0 if mine else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.sync_group)
+        return bool(host_list(flag)[0] != 0.0)
+
+    def run(self, caches, token_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """``_step`` of ``token_ids [B, T]`` at positions ``start + [0, T)``: logits ``[B, vocab]``."""
+        if self.sync_group is not None:
+            self._others_running(True)
+        return _step(self.model, self.state, self.kept, caches, token_ids, start)
+
+    def drain(self, dtype: torch.dtype) -> None:
+        """This rank is done: scratch steps while another rank of ``sync_group`` still steps."""
+        if self.sync_group is None:
+            return
+        while self._others_running(False):
+            scratch = [new_decode_cache(layer, 1, self.state.layer_cache(i) if layer.layer_type == "linear_attention"
+                                        else None) for i, layer in enumerate(self.model.layers)]
+            _step(self.model, self.state, self.kept, scratch, torch.zeros(1, 1, dtype=dtype, device=self.device),
+                  self.state.cached_length + self.state.tail_ids.numel())
+
+
+def _taken(caches, rows: list[int], device) -> list:
+    index = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    return [cache.taken(index) for cache in caches]
+
+
+def decode_rows(
+    model, prompt_ids: torch.Tensor, num_responses: int, *, max_new_tokens: int, temperature: float = 1.0,
+    top_p: float = 1.0, top_k: int | None = 0, eos_token_id: StopIds = None, group=None,
+    generator: torch.Generator | None = None, prompt_state: PromptState | None = None,
+    on_step: StepHook | None = None, prompt_cache: str = "device", decode_steps: int | None = None,
+    turns: Turns | None = None, sync_group=None,
+) -> Decoded:
+    """The decoding loop of :func:`sample` (its arguments, checked there) and of multi-turn rollouts
+    (``turns``: :func:`~.episodes.sample_episodes`).
+
+    Rows of equal response length form a cohort, decoded together (one read of the prompt cache per step and
+    cohort); a row whose turn ends and whose observation is appended leaves its cohort for one of its own (rows
+    with observations of equal length share it), so at most ``G`` cohorts exist and a single-turn rollout is
+    one cohort throughout. A response ends at a stop id, when the environment says ``done``, or at
+    ``max_new_tokens`` tokens in all (model and environment tokens; an observation is cut to what is left).
+    ``sync_group``: see :class:`_LockstepSteps` (FSDP2 under data parallelism)."""
     stops = frozenset(stop_token_ids(eos_token_id))
     set_sequence_parallel_group(model, group)
     check_ranks_agree({"prompt": prompt_ids.numel(), "G": num_responses, "max_new_tokens": max_new_tokens}, group,
@@ -254,43 +357,98 @@ def sample(
     kept = None
     if prompt_cache == "device":  # one fetch per layer for the whole rollout (the next layer's in flight)
         kept = [_prompt_kv(model, state, None, i) for i in range(len(model.layers))]
-    # own positions per row: the tail and every drawn token but the last (which is never fed back)
+    steps = _LockstepSteps(model, state, kept, sync_group, device)
+    # own positions per row: the tail and every response token but the last (which is never fed back)
     capacity = tail.numel() + max_new_tokens - 1
     caches = [new_decode_cache(layer, capacity, state.layer_cache(i) if layer.layer_type == "linear_attention"
                                else None) for i, layer in enumerate(model.layers)]
     with prompt_weights(model):  # prompt tokens: on the base weights under prefix-frozen (on_prompt=False) LoRA
-        logits = _step(model, state, kept, caches, tail.view(1, -1), state.cached_length)  # [1, vocab]: all G
+        logits = steps.run(caches, tail.view(1, -1), state.cached_length)  # [1, vocab]: all G
     for cache in caches:
         cache.expand(num_responses)
-    logits = logits.expand(num_responses, -1)
-    rows = list(range(num_responses))  # responses still decoding
     tokens_out: list[list[int]] = [[] for _ in range(num_responses)]
-    for step in range(max_new_tokens):
-        probs = restricted_probs(logits, temperature, top_k, top_p)
+    masks_out: list[list[bool]] = [[] for _ in range(num_responses)]
+    turn: list[list[int]] = [[] for _ in range(num_responses)]  # each row's current turn
+    first = _Cohort(list(range(num_responses)), caches, prompt_ids.numel(), logits.expand(num_responses, -1))
+    cohorts = [first]
+    if turns is not None and any(turns.contexts):  # the environment's first words: fed before the first draw
+        cohorts = _observe(first, [(i, turns.contexts[i][:max_new_tokens - 1], None) for i in first.rows],
+                           tokens_out, masks_out, steps, prompt_ids.dtype, device)
+    while cohorts:
+        cohort = cohorts.pop(0)
+        step = len(tokens_out[cohort.rows[0]])  # the response length, equal for the cohort's rows
+        probs = restricted_probs(cohort.logits, temperature, top_k, top_p)
         drawn = _agree(draw_tokens(probs, temperature, generator), group)  # [n] on the device
         if on_step is not None:
-            on_step(step, torch.tensor(rows), probs)
-        live = []
-        for i, (row, token) in enumerate(zip(rows, host_list(drawn))):  # the step's one host sync
+            on_step(step, torch.tensor(cohort.rows), probs)
+        going, answered = [], []  # (index in the cohort); (row, observation, its drawn token)
+        for i, (row, token) in enumerate(zip(cohort.rows, host_list(drawn))):  # the step's one host sync
             tokens_out[row].append(token)
-            if token not in stops:
-                live.append(i)
-        if step == max_new_tokens - 1 or not live:
-            break
+            masks_out[row].append(True)
+            turn[row].append(token)
+            over = token in stops or len(tokens_out[row]) >= max_new_tokens
+            if turns is not None and (over or token in turns.end_ids or (
+                    turns.max_turn_tokens is not None and len(turn[row]) >= turns.max_turn_tokens)):
+                observation, done = turns.answer(row, turn[row])
+                turn[row] = []
+                if over or done:  # the episode ends (its last turn's observation is dropped)
+                    continue
+                if observation:
+                    room = max_new_tokens - len(tokens_out[row])  # >= 1
+                    if room > 1:  # cut so that the model can answer it with at least one token
+                        answered.append((row, list(observation)[:room - 1], token))
+                    continue  # else no room for the observation and a reply: the episode ends, truncated
+            if not over:
+                going.append(i)
         if decode_steps is not None and step + 1 >= decode_steps:  # the rest repeats the last drawn token
-            for i in live:  # the rows still decoding (their last token is no stop id)
-                tokens_out[rows[i]] += tokens_out[rows[i]][-1:] * (max_new_tokens - step - 1)
-            break
-        if len(live) < len(rows):  # drop finished rows (identically on every rank: the tokens agree)
-            rows = [rows[i] for i in live]
-            keep = torch.tensor(live, dtype=torch.long).to(device, non_blocking=True)
-            drawn = drawn[keep]
-            for cache in caches:
-                cache.select(keep)
-        token_ids = drawn.to(prompt_ids.dtype).view(-1, 1)
-        logits = _step(model, state, kept, caches, token_ids, prompt_ids.numel() + step)
-    return [torch.tensor(t, dtype=prompt_ids.dtype, device=device) for t in tokens_out]
+            for i in going:
+                row = cohort.rows[i]
+                tokens_out[row] += tokens_out[row][-1:] * (max_new_tokens - step - 1)
+                masks_out[row] += [True] * (max_new_tokens - step - 1)
+            going = []
+        if answered:  # observations: new cohorts, one step over [drawn token, observation...] each
+            cohorts += _observe(cohort, answered, tokens_out, masks_out, steps, prompt_ids.dtype, device)
+        if going:
+            if len(going) < len(cohort.rows):  # drop the rows that left (identically on every rank)
+                keep = torch.tensor(going, dtype=torch.long).to(device, non_blocking=True)
+                drawn = drawn[keep]
+                for cache in cohort.caches:
+                    cache.select(keep)
+                cohort.rows = [cohort.rows[i] for i in going]
+            cohort.logits = steps.run(cohort.caches, drawn.to(prompt_ids.dtype).view(-1, 1), cohort.position)
+            cohort.position += 1
+            cohorts.append(cohort)
+    steps.drain(prompt_ids.dtype)
+    return Decoded([torch.tensor(t, dtype=prompt_ids.dtype, device=device) for t in tokens_out],
+                   [torch.tensor(m, dtype=torch.bool, device=device) for m in masks_out])
 
 
-__all__ = ["PROMPT_CACHE", "StopIds", "check_sampling_options", "draw_tokens", "restricted_probs", "sample",
-           "stop_token_ids", "validate_sampling"]
+def _observe(cohort: _Cohort, answered: list[tuple[int, list[int], int | None]], tokens_out, masks_out,
+             steps: _LockstepSteps, dtype: torch.dtype, device) -> list[_Cohort]:
+    """Rows of ``cohort`` that get an observation (``(row, observation tokens, the drawn token not yet fed or
+    None)``): appended to their responses (mask 0), then one step over ``[drawn token, observation]`` per
+    group of rows with observations of equal length (their caches copied out of ``cohort``'s). Rows with an
+    empty observation and nothing to feed keep ``cohort``'s logits."""
+    index = {row: i for i, row in enumerate(cohort.rows)}
+    by_length: dict[int, list[tuple[int, list[int]]]] = {}
+    for row, observation, token in answered:
+        tokens_out[row] += observation
+        masks_out[row] += [False] * len(observation)
+        fed = ([] if token is None else [token]) + observation
+        by_length.setdefault(len(fed), []).append((row, fed))
+    out = []
+    for length, members in by_length.items():
+        rows = [row for row, _ in members]
+        at = [index[row] for row in rows]
+        if length == 0:  # nothing written and nothing drawn yet: these rows draw from the cohort's logits
+            keep = torch.tensor(at, dtype=torch.long).to(device, non_blocking=True)
+            out.append(_Cohort(rows, _taken(cohort.caches, at, device), cohort.position, cohort.logits[keep]))
+            continue
+        caches = _taken(cohort.caches, at, device)
+        fed = torch.tensor([f for _, f in members], dtype=dtype).to(device, non_blocking=True)  # [n, length]
+        out.append(_Cohort(rows, caches, cohort.position + length, steps.run(caches, fed, cohort.position)))
+    return out
+
+
+__all__ = ["PROMPT_CACHE", "Decoded", "StopIds", "Turns", "check_sampling_options", "decode_rows", "draw_tokens",
+           "restricted_probs", "sample", "stop_token_ids", "validate_sampling"]

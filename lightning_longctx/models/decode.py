@@ -47,7 +47,8 @@ class AttentionDecodeCache:
     """The rows' own K/V of one attention layer, this rank's heads: ``keys, values [B, capacity, n_r, d]``
     (allocated at the first append; a DSA layer keeps its latents ``[B, capacity, 1, R + r]`` and index keys
     ``[B, capacity, 1, D_I]`` there, :mod:`.dsa_decode`), the first ``length`` positions filled (equal for
-    every row: the rows advance in lockstep)."""
+    every row: the rows of one cache advance in lockstep; rows whose lengths part, e.g. after a multi-turn
+    rollout's observation, go to caches of their own, :meth:`taken`)."""
 
     capacity: int
     keys: torch.Tensor | None = None
@@ -79,6 +80,13 @@ class AttentionDecodeCache:
         if self.keys is not None:
             self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
 
+    def taken(self, rows: torch.Tensor) -> AttentionDecodeCache:
+        """A new cache of copies of the rows ``rows [B']`` (this one unchanged)."""
+        if self.keys is None:
+            return AttentionDecodeCache(self.capacity, length=self.length)
+        return AttentionDecodeCache(self.capacity, self.keys.index_select(0, rows), self.values.index_select(0, rows),
+                                    self.length)
+
 
 @dataclass
 class LinearDecodeCache:
@@ -97,6 +105,11 @@ class LinearDecodeCache:
     def select(self, rows: torch.Tensor) -> None:
         self.recurrent, self.conv_tail = (None if t is None else t.index_select(0, rows)
                                           for t in (self.recurrent, self.conv_tail))
+
+    def taken(self, rows: torch.Tensor) -> LinearDecodeCache:
+        """A new cache of copies of the rows ``rows [B']`` (this one unchanged)."""
+        return LinearDecodeCache(*(None if t is None else t.index_select(0, rows)
+                                   for t in (self.recurrent, self.conv_tail)))
 
 
 def new_decode_cache(layer, capacity: int, prompt_state=None):
@@ -180,16 +193,20 @@ def shared_prefix_attention(q, k_prefix, v_prefix, groups: int, backend: str = "
 
 
 def own_attention(q, keys, values, groups: int, backend: str = "auto"):
-    """Each row's queries over its own cache ``keys, values [B, L, n_r, d]`` (the new tokens included, last).
+    """Each row's queries over its own cache ``keys, values [B, L, n_r, d]`` (the ``T`` new tokens included,
+    last).
 
     One new token (``T = 1``) sees its whole cache: the ``gl`` query heads per K/V head are stacked as
-    ``[B, gl, n_r, d]`` for a non-causal call. Several (``T = L``: the prompt tail into an empty cache) are
-    causal among themselves. Returns ``out [B, T, Hl, d]`` and ``lse [B, Hl, T]``."""
+    ``[B, gl, n_r, d]`` for a non-causal call. Several (the prompt tail, or a multi-turn rollout's observation
+    appended in one step) are causal among themselves and see the ``L - T`` earlier entries whole: the two
+    calls merged by log-sum-exp. Returns ``out [B, T, Hl, d]`` and ``lse [B, Hl, T]``."""
     b, t, hl, d = q.shape
     if t > 1:
-        if keys.shape[1] != t:
-            raise ValueError(f"a {t}-token decode step needs an empty row cache, it holds {keys.shape[1] - t}")
-        return attention_forward(q, keys, values, causal=True, backend=backend)
+        out, lse = attention_forward(q, keys[:, -t:], values[:, -t:], causal=True, backend=backend)
+        if keys.shape[1] > t:
+            out_old, lse_old = attention_forward(q, keys[:, :-t], values[:, :-t], causal=False, backend=backend)
+            out, lse = merge_attention_outputs(out_old, lse_old, out, lse)
+        return out, lse
     n = hl // groups
     out, lse = attention_forward(q.view(b, n, groups, d).transpose(1, 2), keys, values, causal=False,
                                  backend=backend)  # [B, gl, n_r, d], lse [B, n_r, gl]

@@ -79,13 +79,18 @@ def _over_latent(q: torch.Tensor, latent: torch.Tensor, scale: float, backend: s
 
 
 def _over_own(q: torch.Tensor, keys: torch.Tensor, scale: float, backend: str):
-    """Each row's queries over its own latents ``keys [B, L, 1, w]`` (the new tokens last): one token sees them
-    all; ``T = L`` tokens (the prompt tail) are causal among themselves."""
+    """Each row's queries over its own latents ``keys [B, L, 1, w]`` (the ``T`` new tokens last): one token sees
+    them all; several (the prompt tail, a multi-turn observation) are causal among themselves and see the
+    ``L - T`` earlier latents whole (the two calls merged by log-sum-exp)."""
     b, t, h, w = q.shape
     if t > 1:
-        if keys.shape[1] != t:
-            raise ValueError(f"a {t}-token decode step needs an empty row cache, it holds {keys.shape[1] - t}")
-        return attention_forward(q, keys, keys, causal=True, softmax_scale=scale, backend=backend)
+        out, lse = attention_forward(q, keys[:, -t:], keys[:, -t:], causal=True, softmax_scale=scale,
+                                     backend=backend)
+        if keys.shape[1] > t:
+            old = keys[:, :-t]
+            out_old, lse_old = attention_forward(q, old, old, causal=False, softmax_scale=scale, backend=backend)
+            out, lse = merge_attention_outputs(out_old, lse_old, out, lse)
+        return out, lse
     out, lse = attention_forward(q.view(b, h, 1, w), keys, keys, causal=False, softmax_scale=scale,
                                  backend=backend)  # the H heads as the query sequence of the one latent head
     return out.view(b, 1, h, w), lse.reshape(b, h, 1)
