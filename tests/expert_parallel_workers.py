@@ -12,6 +12,8 @@ checkpointing, and decoding (rows the same on every rank: local experts + a sum 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -107,8 +109,12 @@ def _moe_sft_config():
     return mla_config()
 
 
+CLIP_NORM = 0.05  # Trainer(gradient_clip_val=...) in the EP strategy runs: below the step-1 norm, so it clips
+
+
 def trainer_checks(rank, world, ckpt_dir):
-    """Three SGD-with-momentum steps under ``UlyssesStrategy(expert_parallel=True)`` (FSDP2: the experts
+    """Three SGD-with-momentum steps under ``UlyssesStrategy(expert_parallel=True)``, clipped by
+    ``gradient_clip_val`` (the norm over both meshes, :mod:`lightning_longctx.parallel.grad_norm`) (FSDP2: the experts
     DTensors over sp, FSDP-sharded over dp) == one process (float64): step-1 gradients and the parameters after
     3 steps, the experts compared whole (``full_tensor``); world 2 = dp1 x sp2, world 4 = dp2 x sp2 (the experts'
     gradients summed over the dp replicas). World 2 also saves at step 2 and resumes: bitwise the uninterrupted
@@ -130,18 +136,19 @@ def trainer_checks(rank, world, ckpt_dir):
 
     cfg = _moe_sft_config()
     dp, batch = (1, 4) if world == 2 else (2, 2)
-    grads0, loss0, final = reference_run([(dp, batch)] * 3, shuffle=True, cfg=cfg, dtype=torch.float64)
-    out = {}
+    grads0, loss0, final = reference_run([(dp, batch)] * 3, shuffle=True, cfg=cfg, dtype=torch.float64,
+                                         clip_norm=CLIP_NORM)
+    out = {"norm0": float(torch.nn.utils.get_total_norm(list(grads0.values())))}
     saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, filename="{step}")
     layout = Layout()
     callbacks = [layout, saver] if world == 2 else [layout]
     params, probe = fit(UlyssesStrategy(sp_size=2, expert_parallel=True), world, batch, cfg=cfg,
-                        dtype=torch.float64, callbacks=callbacks)
+                        dtype=torch.float64, callbacks=callbacks, gradient_clip_val=CLIP_NORM)
     out["fit"] = (max_error(probe.grads, grads0), max_error(params, final), abs(probe.loss - loss0))
     out["layout"] = layout.seen
     if world == 2:
         resumed, _ = fit(UlyssesStrategy(sp_size=2, expert_parallel=True), world, batch, cfg=cfg,
-                         dtype=torch.float64, ckpt_path=f"{ckpt_dir}/step=2.ckpt")
+                         dtype=torch.float64, ckpt_path=f"{ckpt_dir}/step=2.ckpt", gradient_clip_val=CLIP_NORM)
         out["resume_bitwise"] = bitwise_equal(resumed, params)
     return out
 
@@ -168,7 +175,7 @@ def longstraw_checks(rank, world):
     the experts' 2-D shards; the global grad norm == the one process' norm; greedy ``sample`` == greedy full
     forwards."""
     from lightning_longctx.longstraw import longstraw_step, sample
-    from lightning_longctx.parallel.expert_parallel import global_grad_norm
+    from lightning_longctx.parallel.grad_norm import global_grad_norm
     from test_longstraw import MAX_LEN, make_group, reference
     from test_longstraw_mla import _greedy_by_full_forward
 
@@ -186,8 +193,10 @@ def longstraw_checks(rank, world):
                              memory=StepMemory(state_segment=64), groups=StepGroups(sp_group=group))
         assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (case, out.loss, want_loss)
         _assert_ep_grads(model, want, world, f"EP LongStraw case {case} rank {rank}")
-        want_norm = torch.nn.utils.get_total_norm(list(want.values()))
-        assert_close_rel(global_grad_norm(list(model.parameters())), want_norm, 1e-10, f"EP grad norm case {case}")
+        for norm_type in (2.0, 3.0, math.inf):  # plain expert shards: norm ** p summed (max for inf) over EP
+            want_norm = torch.nn.utils.get_total_norm(list(want.values()), norm_type)
+            assert_close_rel(global_grad_norm(list(model.parameters()), norm_type), want_norm, 1e-10,
+                             f"EP {norm_type}-norm case {case}")
     if world == 2:
         _longstraw_fsdp(rank, world)
     prompt, _, _ = make_group(1, prompt_len=21, seed=3)
@@ -202,7 +211,7 @@ def longstraw_checks(rank, world):
 def _longstraw_fsdp(rank, world):
     from lightning_longctx.longstraw import longstraw_step
     from lightning_longctx.parallel import build_dp_sp_mesh
-    from lightning_longctx.parallel.expert_parallel import clip_grads_by_mesh_, global_grad_norm
+    from lightning_longctx.parallel.grad_norm import clip_grad_value_, clip_grads_by_mesh_, global_grad_norm
     from lightning_longctx.training.parallelize import (
         fsdp_mesh,
         mixed_precision_policy,
@@ -229,4 +238,11 @@ def _longstraw_fsdp(rank, world):
     # clipping to half the norm scales every gradient by torch's coefficient, the DTensors of both meshes included
     clip_grads_by_mesh_(list(model.parameters()), float(norm) / 2, norm)
     coef = float(norm) / 2 / (float(norm) + 1e-6)  # clip_grads_with_norm_'s max_norm / (total_norm + 1e-6)
-    _assert_ep_grads(model, {n: w * coef for n, w in want.items()}, world, f"EP FSDP2 clipped rank {rank}")
+    clipped = {n: w * coef for n, w in want.items()}
+    _assert_ep_grads(model, clipped, world, f"EP FSDP2 clipped rank {rank}")
+    # the max norm and clipping by value over both meshes (Trainer(gradient_clip_algorithm="value"))
+    largest = torch.nn.utils.get_total_norm(list(clipped.values()), math.inf)
+    assert_close_rel(global_grad_norm(list(model.parameters()), math.inf), largest, 1e-10, "EP FSDP2 inf-norm")
+    cap = float(largest) / 3
+    clip_grad_value_(list(model.parameters()), cap)
+    _assert_ep_grads(model, {n: w.clamp(-cap, cap) for n, w in clipped.items()}, world, f"EP FSDP2 value-clipped {rank}")

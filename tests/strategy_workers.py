@@ -90,12 +90,16 @@ def rank_batches(dp: int, batch_size: int, step: int, shuffle: bool) -> list[dic
     return out
 
 
-def reference_run(layouts: list[tuple[int, int]], *, shuffle: bool, lr: float = LR, cfg=None, dtype=torch.float32):
+def reference_run(layouts: list[tuple[int, int]], *, shuffle: bool, lr: float = LR, cfg=None, dtype=torch.float32,
+                  clip_norm: float | None = None, clip_value: float | None = None):
     """One process, no distribution: ``len(layouts)`` SGD steps; step k concatenates what the DP ranks read
     under ``layouts[k] = (dp, batch_size)`` into one batch and optimises its token mean (the global token mean:
     DP ranks hold different numbers of valid tokens, so this differs from the mean of per-rank means).
 
-    Returns ``(step-0 grads by name, step-0 loss, final params by name)``.
+    ``clip_norm`` / ``clip_value``: gradients clipped before each step as ``Trainer(gradient_clip_val=...)``
+    does (``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on the one process' full gradients).
+
+    Returns ``(step-0 grads by name before clipping, step-0 loss, final params by name)``.
     """
     model = make_model(cfg, dtype)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
@@ -108,6 +112,10 @@ def reference_run(layouts: list[tuple[int, int]], *, shuffle: bool, lr: float = 
         if step == 0:
             grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             loss0 = loss.item()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
         opt.step()
         opt.zero_grad()
     return grads0, loss0, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -182,7 +190,7 @@ def _probe():
 
 
 def fit(strategy, world: int, batch_size: int, *, max_steps: int = 3, ckpt_path=None, callbacks=(), cfg=None,
-        data=None, lr: float = LR, dtype=torch.float32):
+        data=None, lr: float = LR, dtype=torch.float32, gradient_clip_val=None, gradient_clip_algorithm=None):
     import lightning.pytorch as L
     from torch.utils.data import DataLoader
 
@@ -191,7 +199,8 @@ def fit(strategy, world: int, batch_size: int, *, max_steps: int = 3, ckpt_path=
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=max_steps, logger=False,
         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[probe, *callbacks],
+        callbacks=[probe, *callbacks], gradient_clip_val=gradient_clip_val,
+        gradient_clip_algorithm=gradient_clip_algorithm,
     )
     trainer.fit(module, DataLoader(data or dataset(), batch_size=batch_size), ckpt_path=ckpt_path)
     return full_params(module, "model."), probe

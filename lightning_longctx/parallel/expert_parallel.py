@@ -18,8 +18,6 @@ taken from ``ctx`` (no second count exchange, no second host sync).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 
@@ -31,58 +29,13 @@ EXPERT_GROUP_ATTR = "expert_parallel_group"  # on a plain parameter that holds o
 def mark_expert_shard(param: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Record on ``param`` that it holds this rank's experts of an EP ``group``: its gradient is complete
     here (the exchange brought every rank's tokens), so a reduction over the group must skip it, and a norm
-    must sum its square over the group (:func:`expert_shard_group`, :func:`global_grad_norm`)."""
+    must sum its square over the group (:func:`expert_shard_group`, :func:`~.grad_norm.global_grad_norm`)."""
     setattr(param, EXPERT_GROUP_ATTR, group)
 
 
 def expert_shard_group(param: torch.Tensor) -> dist.ProcessGroup | None:
     """The EP group ``param`` is a shard over (:func:`mark_expert_shard`), None for any other parameter."""
     return getattr(param, EXPERT_GROUP_ATTR, None)
-
-
-def _by_mesh(params: Sequence[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
-    """``params`` with a gradient, grouped by where their gradient's norm must be reduced: a DTensor gradient's
-    mesh, a plain expert shard's EP group, or None (a plain replicated gradient)."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = p.grad.device_mesh if hasattr(p.grad, "device_mesh") else expert_shard_group(p)
-            groups.setdefault(key, []).append(p)
-    return groups
-
-
-def global_grad_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of the gradients of ``params`` as one device would see the whole model: DTensor gradients
-    (FSDP2 shards, the experts' 2-D shards) grouped by mesh, each group's norm reduced over its mesh; plain
-    expert shards (:func:`mark_expert_shard`) sum their square over their EP group; plain replicated gradients
-    count once. ``torch.nn.utils.get_total_norm`` alone cannot mix DTensors of different meshes. One group:
-    exactly ``get_total_norm`` (bitwise what ``clip_grad_norm_`` computes). Collectives: one per mesh and EP
-    group, so every rank must call it with the same parameters."""
-    groups = _by_mesh(params)
-    norms = []
-    for key, group_params in groups.items():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group_params], norm_type=2.0)
-        if len(groups) == 1 and not isinstance(key, dist.ProcessGroup):
-            # one mesh: exactly clip_grad_norm_'s norm (a DTensor stays one, so clipping scales the shards by a
-            # DTensor coefficient as clip_grad_norm_ does, without a plain-tensor operand's extra gradient copy)
-            return norm
-        if hasattr(norm, "full_tensor"):  # a DTensor (Partial over its mesh): the reduction over the mesh
-            norm = norm.full_tensor()
-        if isinstance(key, dist.ProcessGroup):
-            square = norm.double() ** 2
-            dist.all_reduce(square, group=key)
-            norm = square.sqrt().to(norm.dtype)
-        norms.append(norm)
-    if len(norms) <= 1:
-        return norms[0] if norms else torch.zeros(())
-    return torch.stack([n.double().to(norms[0].device) ** 2 for n in norms]).sum().sqrt().to(norms[0].dtype)
-
-
-def clip_grads_by_mesh_(params: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale the gradients of ``params`` by ``min(1, max_norm / total_norm)`` (``torch.nn.utils.
-    clip_grads_with_norm_``, called once per mesh / EP group as :func:`global_grad_norm` grouped them)."""
-    for group_params in _by_mesh(params).values():
-        torch.nn.utils.clip_grads_with_norm_(group_params, max_norm, total_norm)
 
 
 def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -129,5 +82,5 @@ class ExchangeRows(torch.autograd.Function):
         return exchange_rows(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-__all__ = ["EXPERT_GROUP_ATTR", "ExchangeRows", "clip_grads_by_mesh_", "exchange_counts", "exchange_rows",
-           "expert_shard_group", "global_grad_norm", "mark_expert_shard"]
+__all__ = ["EXPERT_GROUP_ATTR", "ExchangeRows", "exchange_counts", "exchange_rows", "expert_shard_group",
+           "mark_expert_shard"]

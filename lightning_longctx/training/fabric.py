@@ -5,6 +5,8 @@
   ``fabric.setup_optimizers``): FSDP2 replaces the parameters.
 - ``setup_dataloaders`` gives a distributed sampler over dp and yields this rank's shards of dict batches of
   full sequences (:mod:`.batch`), so the loop is ``loss = model(**batch).loss; fabric.backward(loss)``.
+- ``fabric.clip_gradients(model, optimizer, max_norm=... | clip_val=...)`` sees the whole model, expert-parallel
+  gradients included (:mod:`lightning_longctx.parallel.grad_norm`).
 - ``fabric.save`` / ``fabric.load`` write and read distributed checkpoints (any dp x sp layout on reload).
 - ``timeout``: every collective's limit, the mesh's SP / DP subgroups included (the loop is yours: wrap it in
   ``lightning_longctx.parallel.collective_guard.collective_guard`` to get the phase-naming errors the Trainer strategy
@@ -21,10 +23,12 @@ from typing import Any
 
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from lightning.fabric.utilities.init import _materialize_distributed_module
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from ..ops.step_phase import phase
+from ..parallel.grad_norm import clip_grad_norm_, clip_grad_value_
 from ..safe_load import load_resume_checkpoint
 from .batch import ShardingLoader
 from .common import UlyssesMixin
@@ -79,6 +83,17 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
                 if not self.nonfinite.finite(self._guarded_module, None, step, device=self.root_device):
                     return None
         return super().optimizer_step(optimizer, **kwargs)
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
+                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """``fabric.clip_gradients(model, optimizer, max_norm=...)`` over every mesh (expert-parallel and FSDP2
+        gradients together, :func:`~lightning_longctx.parallel.grad_norm.clip_grad_norm_`)."""
+        self.precision.unscale_gradients(optimizer)
+        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.precision.unscale_gradients(optimizer)
+        clip_grad_value_(self.precision.main_params(optimizer), clip_val)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None):
         module = self.setup_module(module)

@@ -75,7 +75,7 @@ from ..models.lora import prompt_frozen
 from ..ops.step_phase import phase
 from ..ops.tracker import reset_device_peak
 from ..parallel import group_size
-from ..parallel.expert_parallel import clip_grads_by_mesh_, global_grad_norm
+from ..parallel.grad_norm import clip_grads_by_mesh_, global_grad_norm
 from .rewards import GroupRewards
 from .schedule import check_lr_schedule, lr_factor
 
@@ -292,7 +292,7 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         """The global L2 norm of the step's (final) gradients before clipping; clips them to ``max_grad_norm``
         when set. Replicated gradients are the same full gradients on every rank; FSDP2 shards and
         expert-parallel shards are summed over their meshes / EP group
-        (:func:`~lightning_longctx.parallel.expert_parallel.global_grad_norm`)."""
+        (:func:`~lightning_longctx.parallel.grad_norm.global_grad_norm`)."""
         params = self._trainable_parameters()
         if not any(p.grad is not None for p in params):
             return 0.0

@@ -49,6 +49,7 @@ from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..models.moe import enable_expert_parallel
+from ..parallel.grad_norm import clip_grad_norm_, clip_grad_value_
 from ..ops.step_phase import phase
 from ..safe_load import load_resume_checkpoint
 from .common import UlyssesMixin
@@ -57,6 +58,7 @@ from .parallelize import broadcast_replicas, check_attention_heads, register_pre
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     import torch
+    from lightning.pytorch.plugins.precision import Precision
 
 
 class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
@@ -179,6 +181,7 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        clip_across_meshes(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -237,6 +240,16 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         """A LightningModule with ``handles_sequence_parallel = True`` gets the mesh (``self.device_mesh``,
         dims ``"dp"``/``"sp"``) and the dp sampler only: no batch sharding, no FSDP, no gradient reduction."""
         return bool(getattr(self.lightning_module, "handles_sequence_parallel", False))
+
+
+def clip_across_meshes(plugin: Precision) -> None:
+    """Make the precision plugin's clipping (``Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)``)
+    see the whole model: Lightning's plugins call ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``,
+    which cannot mix the meshes of expert-parallel and FSDP2 gradients (:mod:`~lightning_longctx.parallel.
+    grad_norm`; with one mesh the two are the same functions). Lightning's Trainer has no strategy hook for
+    clipping, and the strategy owns this plugin instance, so its two clipping methods are replaced on it."""
+    plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+    plugin.clip_grad_by_value = lambda optimizer, clip_val: clip_grad_value_(plugin.main_params(optimizer), clip_val)
 
 
 class _SkipStep(Exception):
