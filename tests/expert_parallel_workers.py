@@ -245,4 +245,4 @@ def _longstraw_fsdp(rank, world):
     assert_close_rel(global_grad_norm(list(model.parameters()), math.inf), largest, 1e-10, "EP FSDP2 inf-norm")
     cap = float(largest) / 3
     clip_grad_value_(list(model.parameters()), cap)
-    _assert_ep_grads(model, {n: w.clamp(-cap, cap) for n, w in clipped.items()}, world, f"EP FSDP2 value-clipped {rank}")
+    _assert_ep_grads(model, {n: w.clamp(-cap, cap) for n, w in clipped.items()}, world, f"EP value-clipped {rank}")

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from lightning.fabric.utilities.init import _materialize_distributed_module
-import torch
 from torch import nn
 from torch.optim import Optimizer
 

@@ -49,8 +49,8 @@ from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..models.moe import enable_expert_parallel
-from ..parallel.grad_norm import clip_grad_norm_, clip_grad_value_
 from ..ops.step_phase import phase
+from ..parallel.grad_norm import clip_grad_norm_, clip_grad_value_
 from ..safe_load import load_resume_checkpoint
 from .common import UlyssesMixin
 from .parallelize import broadcast_replicas, check_attention_heads, register_prefix_state_methods
