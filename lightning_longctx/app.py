@@ -225,6 +225,49 @@ def route_lightning_deprecations() -> None:
     warnings.showwarning = showwarning
 
 
+LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")  # each may carry a console handler
+
+
+class WarningsOnly(logging.Filter):
+    """A console handler's filter on ranks other than 0: warnings and errors only (the rank's INFO lines, the
+    same as rank 0's, stay in its own log file, Hydra's ``<run dir>/train_ddp_process_<rank>.log``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+def route_console_logging(rank_zero: bool) -> None:
+    """Console lines once, under Hydra's logging (``longctx-train``; a no-op while the root logger has no
+    handlers). Two things printed them twice:
+
+    - Lightning's loggers (:data:`LIGHTNING_LOGGERS`) carry console handlers of their own: ``lightning`` always
+      (``INFO: ...`` on stderr, and it propagates to the root, whose Hydra console handler printed the line
+      again), ``lightning.pytorch`` / ``lightning.fabric`` when imported before Hydra configured logging. They
+      are dropped: every record goes through the root's handlers once (one format, and into the run's log file);
+    - every rank Lightning starts writes to the same console, each rank > 0 what rank 0 writes (``Seed set to
+      0``, ``Initializing distributed``, ...): its console handlers let only warnings and errors through
+      (:class:`WarningsOnly`).
+
+    Imports Lightning (its loggers' handlers exist from then on). Idempotent."""
+    import lightning  # noqa: F401
+
+    root = logging.getLogger()
+    if not root.handlers:
+        return
+    for name in LIGHTNING_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:  # Lightning's own (not a FileHandler of the user's)
+                logger.removeHandler(handler)
+        logger.propagate = True
+    if rank_zero:
+        return
+    for handler in root.handlers:
+        console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if console and not any(isinstance(f, WarningsOnly) for f in handler.filters):
+            handler.addFilter(WarningsOnly())
+
+
 def parameters_digest(module) -> tuple[str, str]:
     """``(sha256 of this rank's parameters, sha256 over every rank's digest in rank order)``: FSDP2 shards are
     hashed where they are (no gather), so the second is the same on every rank and names the whole model state
@@ -347,5 +390,6 @@ def build_callbacks(cfg: DictConfig, user: list[Any], trainer_args: dict[str, An
 __all__ = ["ConfigError", "build_callbacks", "build_evaluation", "build_loggers", "build_model", "build_task",
            "check_config",
            "check_targets", "check_task", "check_trainer_keys", "checkpoint_dir", "decoder_config", "importable_cwd",
-           "locate", "model_memory_knobs", "parameters_digest", "route_lightning_deprecations", "run_dir",
+           "locate", "model_memory_knobs", "parameters_digest", "route_console_logging",
+           "route_lightning_deprecations", "run_dir",
            "summary_callback", "trainer_kwargs"]

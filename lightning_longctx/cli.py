@@ -36,6 +36,7 @@ from .app import (
     importable_cwd,
     model_memory_knobs,
     parameters_digest,
+    route_console_logging,
     route_lightning_deprecations,
     run_dir,
     summary_callback,
@@ -316,6 +317,7 @@ def fail_cleanly(err: Exception) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def _train(cfg: DictConfig) -> None:
+    route_console_logging(_is_rank_zero())  # Hydra configured logging just now: each console line once
     check_launch(cfg)
     try:
         run_train(cfg)

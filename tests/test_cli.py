@@ -139,6 +139,10 @@ def test_two_step_cpu_run_writes_tensorboard_loss_and_reward(tmp_path, model):
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "longctx-train summary" in out.stdout and "TensorBoard logdir" in out.stdout, out.stdout
+    # console lines once (app.route_console_logging): not again through Lightning's own handler, not per rank
+    for line in ("memory plan:", "Seed set to", "GPU available:", "Initializing distributed", "`Trainer.fit` stopped"):
+        assert text.count(line) == 1, f"{line!r} printed {text.count(line)} times:\n{text[-4000:]}"
+    assert "[rank: 1] Seed set to 0" in (tmp_path / "train_ddp_process_1.log").read_text()  # kept in rank 1's log
     events = sorted((tmp_path / "tb").rglob("events.out.tfevents.*"))
     assert events, f"no TensorBoard event file under {tmp_path / 'tb'}"
     tags = set()
