@@ -153,7 +153,8 @@ def _phase_name() -> str:
 
 
 def _phase_peak_tracker():
-    """The project's live-tensor tracker with the peak per marked phase (``tracker.peaks``), read after every op."""
+    """The project's live-tensor tracker with the peak per marked phase (``tracker.peaks``), read after every op
+    (plus a registered op's declared peak transient: ops/registered.py)."""
     from lightning_longctx.ops.tracker import MemoryTracker
 
     class PhasePeaks(MemoryTracker):
@@ -164,7 +165,7 @@ def _phase_peak_tracker():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             name = _phase_name()
-            self.peaks[name] = max(self.peaks.get(name, 0), self.current_bytes)
+            self.peaks[name] = max(self.peaks.get(name, 0), self.current_bytes + self.last_transient_bytes)
             return out
 
     return PhasePeaks()

@@ -28,9 +28,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 
 from . import gated_delta_cuda
+from .registered import cached_transient, reduced_length
+from .tracker import declare_transient, tracking_memory
 
 GATED_DELTA_BACKENDS = ("auto", "torch", "fla")
 _L2NORM_EPS = 1e-6
@@ -114,67 +117,180 @@ def _group_bounds(tokens: int, span: int) -> list[tuple[int, int]]:
     return [(start, min(start + span, tokens)) for start in range(0, tokens, span)]
 
 
-class _GatedDeltaScan(torch.autograd.Function):
-    """Chunked scan whose backward recomputes one group of chunks at a time (see the module docstring)."""
+# ------------------------------------------------------------------------------------ the registered ops
+# The two loops over groups of chunks, each one op (one dispatch per call: see .registered). The forward runs
+# without a graph and returns, beside the output and the final state, the (detached) boundary states and, when
+# a backward will need them (keep_starts), the state at the start of every group; the backward walks the
+# groups in reverse and differentiates one group at a time (torch.func.vjp: an op's kernel runs below autograd)
+# from its saved start state, seeded with that group's output gradient and the carried state gradient.
+def scan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial_state: torch.Tensor | None, scale: float, use_qk_l2norm: bool, chunk_size: int,
+                  group_chunks: int, state_every: int | None, keep_starts: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scan without a graph. q, k ``[b, T, Hk, Dk]``, v ``[b, T, Hv, Dv]``, g, beta ``[b, T, Hv]``,
+    initial_state ``[b, Hv, Dk, Dv]`` or None (zeros). Returns ``(out [b, T, Hv, Dv]`` (v's dtype), ``final
+    [b, Hv, Dk, Dv]``, ``boundaries [(T - 1) // state_every, b, Hv, Dk, Dv]`` (``[0, ...]`` without
+    state_every), ``starts [groups, b, Hv, Dk, Dv]`` (``[0, ...]`` unless keep_starts)``)``; states in the
+    compute dtype; one group is ``chunk_size * group_chunks`` tokens."""
+    acc = compute_dtype(q, k, v, g, beta, initial_state)
+    b, tokens, _, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    state = v.new_zeros(b, hv, dk, dv, dtype=acc) if initial_state is None else initial_state.to(acc)
+    opts = {"scale": scale, "use_qk_l2norm": use_qk_l2norm, "chunk_size": chunk_size}
+    spans = _group_bounds(tokens, chunk_size * group_chunks)
+    out = torch.empty(b, tokens, hv, dv, dtype=v.dtype, device=v.device)
+    starts = state.new_empty(len(spans) if keep_starts else 0, b, hv, dk, dv)
+    boundaries = state.new_empty(0 if state_every is None else (tokens - 1) // state_every, b, hv, dk, dv)
+    stored = 0
+    for index, (t0, t1) in enumerate(spans):
+        if keep_starts:
+            starts[index] = state
+        sl = slice(t0, t1)
+        o, state, chunk_states = _scan_group(
+            q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state, record=state_every is not None, **opts
+        )
+        out[:, sl] = o
+        for j, s in enumerate(chunk_states):
+            done = t0 + (j + 1) * chunk_size
+            if done < tokens and done % state_every == 0:
+                boundaries[stored] = s
+                stored += 1
+        del o, chunk_states  # before the next group: the op holds one group's temporaries at a time
+    return out, state, boundaries, starts
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, group_chunks, state_every):
-        acc = compute_dtype(q, k, v, g, beta, initial_state)
-        b, tokens, hk, dk = q.shape
-        hv, dv = v.shape[2], v.shape[3]
-        if initial_state is None:
-            state = torch.zeros(b, hv, dk, dv, dtype=acc, device=v.device)
-        else:
-            state = initial_state.detach().to(acc)
-        opts = {"scale": scale, "use_qk_l2norm": use_qk_l2norm, "chunk_size": chunk_size}
-        out = torch.empty(b, tokens, hv, dv, dtype=v.dtype, device=v.device)
-        starts, boundaries = [], []
-        for t0, t1 in _group_bounds(tokens, chunk_size * group_chunks):
-            starts.append(state)
-            sl = slice(t0, t1)
-            o, state, chunk_states = _scan_group(
-                q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state, record=state_every is not None, **opts
-            )
-            out[:, sl] = o
-            for j, s in enumerate(chunk_states):
-                done = t0 + (j + 1) * chunk_size
-                if done < tokens and done % state_every == 0:
-                    boundaries.append(s)
-        ctx.save_for_backward(q, k, v, g, beta, *starts)
-        ctx.opts, ctx.span = opts, chunk_size * group_chunks
-        ctx.initial_dtype = None if initial_state is None else initial_state.dtype
-        bounds = torch.stack(boundaries) if boundaries else state.new_zeros(0, b, hv, dk, dv)
-        ctx.mark_non_differentiable(bounds)
-        return out, state, bounds
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_out, d_state, _d_bounds):
-        q, k, v, g, beta, *starts = ctx.saved_tensors
-        inputs = (q, k, v, g, beta)
-        needs = ctx.needs_input_grad[:5]
-        need_h0 = ctx.needs_input_grad[5]
-        grads = [torch.empty_like(x) if need else None for x, need in zip(inputs, needs)]
-        d_state = d_state.to(starts[0].dtype)
-        bounds = _group_bounds(q.shape[1], ctx.span)
-        for index in reversed(range(len(bounds))):
-            sl = slice(*bounds[index])
-            with torch.enable_grad():
-                leaves = [x[:, sl].detach().requires_grad_(need) for x, need in zip(inputs, needs)]
-                start = starts[index].detach().requires_grad_(index > 0 or need_h0)
-                o, end, _ = _scan_group(*leaves, start, **ctx.opts)
-                wrt = [x for x in (*leaves, start) if x.requires_grad]
-                got = torch.autograd.grad((o, end), wrt, (d_out[:, sl].to(o.dtype), d_state), allow_unused=True)
-            got = iter(got)
-            for i, leaf in enumerate(leaves):
-                if leaf.requires_grad:
-                    grad = next(got)
-                    grads[i][:, sl] = 0 if grad is None else grad
-            if start.requires_grad:
-                grad = next(got)
-                d_state = torch.zeros_like(start) if grad is None else grad
-        d_h0 = d_state.to(ctx.initial_dtype) if need_h0 else None
-        return (*grads, d_h0, None, None, None, None, None)
+gated_delta_forward = torch.library.custom_op("longctx::gated_delta_forward", scan_forward, mutates_args=())
+
+
+@gated_delta_forward.register_fake
+def _gated_delta_forward_fake(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, group_chunks,
+                              state_every, keep_starts):
+    acc = compute_dtype(q, k, v, g, beta, initial_state)
+    b, tokens, _, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    groups = -(-tokens // (chunk_size * group_chunks))
+    state = v.new_empty(b, hv, dk, dv, dtype=acc)
+    return (torch.empty(b, tokens, hv, dv, dtype=v.dtype, device=v.device), state,
+            state.new_empty(0 if state_every is None else (tokens - 1) // state_every, b, hv, dk, dv),
+            state.new_empty(groups if keep_starts else 0, b, hv, dk, dv))
+
+
+def _group_vjp(pieces, start, d_out, d_state, needs, need_start, opts):
+    """One group's gradients: ``[d piece for each needed piece] + [d start if need_start]`` for the seeds
+    ``d_out`` on its output and ``d_state`` on its end state (the group recomputed from ``start``)."""
+    def scan(*diff):
+        it = iter(diff)
+        full = [next(it) if need else piece for piece, need in zip(pieces, needs)]
+        o, end, _ = _scan_group(*full, next(it) if need_start else start, **opts)
+        return o, end
+
+    primals = [piece for piece, need in zip(pieces, needs) if need] + ([start] if need_start else [])
+    (o, _), pull = torch.func.vjp(scan, *primals)
+    return pull((d_out.to(o.dtype), d_state))
+
+
+def scan_backward(d_out: torch.Tensor, d_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, starts: torch.Tensor, scale: float,
+                   use_qk_l2norm: bool, chunk_size: int, group_chunks: int, needs: list[bool],
+                   need_initial: bool) -> list[torch.Tensor]:
+    """Gradients of :func:`gated_delta_forward` for the seeds ``d_out [b, T, Hv, Dv]`` and ``d_state [b, Hv,
+    Dk, Dv]``, from its ``starts``: the gradients of those of ``(q, k, v, g, beta)`` that ``needs`` names (in
+    that order, each shaped like its input), then the initial state's (compute dtype) if ``need_initial``."""
+    inputs = (q, k, v, g, beta)
+    opts = {"scale": scale, "use_qk_l2norm": use_qk_l2norm, "chunk_size": chunk_size}
+    grads = [torch.empty_like(x) if need else None for x, need in zip(inputs, needs)]
+    d_state = d_state.to(starts.dtype)
+    spans = _group_bounds(q.shape[1], chunk_size * group_chunks)
+    for index in reversed(range(len(spans))):
+        sl = slice(*spans[index])
+        need_start = index > 0 or need_initial
+        got = _group_vjp([x[:, sl] for x in inputs], starts[index], d_out[:, sl], d_state, needs, need_start, opts)
+        for grad, piece in zip([grad for grad in grads if grad is not None], got):
+            grad[:, sl] = piece
+        if need_start:
+            d_state = got[-1]
+        del got  # before the next group: the op holds one group's graph at a time
+    return [grad for grad in grads if grad is not None] + ([d_state] if need_initial else [])
+
+
+gated_delta_backward = torch.library.custom_op("longctx::gated_delta_backward", scan_backward, mutates_args=())
+
+
+@gated_delta_backward.register_fake
+def _gated_delta_backward_fake(d_out, d_state, q, k, v, g, beta, starts, scale, use_qk_l2norm, chunk_size,
+                               group_chunks, needs, need_initial):
+    grads = [torch.empty_like(x) for x, need in zip((q, k, v, g, beta), needs) if need]
+    return grads + ([starts.new_empty(d_state.shape)] if need_initial else [])
+
+
+def _setup_scan(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, group_chunks, _, keep_starts = inputs
+    _, _, boundaries, starts = output
+    if not keep_starts:
+        ctx.refused = "gated_delta_forward ran with keep_starts=False: no group states were kept for a backward"
+    ctx.save_for_backward(q, k, v, g, beta, starts)
+    ctx.opts = (scale, use_qk_l2norm, chunk_size, group_chunks)
+    ctx.initial_dtype = None if initial_state is None else initial_state.dtype
+    ctx.mark_non_differentiable(boundaries, starts)
+
+
+def _backward_scan(ctx, d_out, d_state, _d_boundaries, _d_starts):
+    if getattr(ctx, "refused", None):
+        raise RuntimeError(ctx.refused)
+    q, k, v, g, beta, starts = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:5])
+    need_initial = ctx.needs_input_grad[5]
+    args = (d_out, d_state, q, k, v, g, beta, starts, *ctx.opts, needs, need_initial)
+    if not is_fake(q):
+        # Real tensors: the kernel itself, not the op. It differentiates with torch.func, which cannot run inside
+        # a dispatch mode's handler, where a tracker would run the op's kernel; run here, a tracker sees its ops.
+        got = iter(scan_backward(*args))
+    else:  # a rehearsal or torch.compile's tracing: one dispatch
+        if tracking_memory():  # measured here (torch.func again): the tracker reads it inside its handler
+            _backward_transient(*args)
+        got = iter(torch.ops.longctx.gated_delta_backward(*args))
+    grads = [next(got) if need else None for need in needs]
+    d_initial = next(got).to(ctx.initial_dtype) if need_initial else None
+    return (*grads, d_initial, None, None, None, None, None, None)
+
+
+gated_delta_forward.register_autograd(_backward_scan, setup_context=_setup_scan)
+
+
+# ------------------------------------------------------------------ what the ops hold beyond their outputs
+def _forward_transient(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, group_chunks,
+                       state_every, keep_starts) -> int:
+    """:func:`gated_delta_forward`'s peak beyond its inputs and outputs: its kernel at the reduced length
+    (two full groups and the tail), for the tracker (:mod:`.registered`)."""
+    short = reduced_length(q.shape[1], chunk_size * group_chunks)
+    return cached_transient(scan_forward, *(x[:, :short] for x in (q, k, v, g, beta)), initial_state, scale,
+                            use_qk_l2norm, chunk_size, group_chunks, state_every, keep_starts)
+
+
+def _backward_transient(d_out, d_state, q, k, v, g, beta, starts, scale, use_qk_l2norm, chunk_size, group_chunks,
+                        needs, need_initial) -> int:
+    """:func:`gated_delta_backward`'s peak beyond its inputs and outputs, as :func:`_forward_transient`."""
+    span = chunk_size * group_chunks
+    short = reduced_length(q.shape[1], span)
+    return cached_transient(scan_backward, d_out[:, :short], d_state, *(x[:, :short] for x in (q, k, v, g, beta)),
+                            starts[:-(-short // span)], scale, use_qk_l2norm, chunk_size, group_chunks, needs,
+                            need_initial)
+
+
+def scan_flops(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> int:
+    """Multiply-add FLOPs (2 per multiply-add) of the chunked scan's forward over ``q [b, T, Hk, Dk]``, ``v [b, T,
+    Hv, Dv]``: per chunk ``C`` and value head the two in-chunk score products ``4 C^2 Dk``, the triangular solve
+    ``C^2 (Dk + Dv)``, the scores times the new values ``2 C^2 Dv`` and the three state products ``6 C Dk Dv``.
+    The backward recomputes the forward and differentiates it: about three times this."""
+    b, tokens, _, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    c = chunk_size
+    chunks = -(-tokens // c)
+    return b * hv * chunks * (c * c * (5 * dk + 3 * dv) + 6 * c * dk * dv)
+
+
+declare_transient(torch.ops.longctx.gated_delta_forward.default, _forward_transient)
+declare_transient(torch.ops.longctx.gated_delta_backward.default, _backward_transient)
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, chunk_size, state_every, backend, checkpoint_chunks):
@@ -266,7 +382,8 @@ def gated_delta_rule(
         )
         return GatedDeltaOutput(out, final, bounds)
     group = checkpoint_chunks or max(1, _DEFAULT_GROUP_TOKENS // chunk_size)
-    out, final, bounds = _GatedDeltaScan.apply(
-        q, k, v, g, beta, initial_state, float(scale), bool(use_qk_l2norm), chunk_size, group, state_every
-    )
+    tensors = (q, k, v, g, beta, initial_state)
+    keep_starts = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    out, final, bounds, _ = gated_delta_forward(q, k, v, g, beta, initial_state, float(scale), bool(use_qk_l2norm),
+                                                chunk_size, group, state_every, keep_starts)
     return GatedDeltaOutput(out, final if output_final_state else None, bounds if state_every is not None else None)

@@ -18,23 +18,44 @@
 
 Limits of :class:`MemoryTracker`: it sees only what crosses the dispatcher, so workspaces a fused
 kernel allocates and frees internally, tensors built without dispatch (``torch.from_numpy``) and
-non-strided (sparse) tensors are not counted; the peak is sampled after each op returns.
+non-strided (sparse) tensors are not counted; the peak is sampled after each op returns. This package's
+registered ops (:mod:`.registered`) declare their peak transient (:func:`declare_transient`): after such an
+op the peak is sampled at the live bytes plus that figure (``last_transient_bytes``).
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from functools import partial
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_leaves
 
 # Ops whose output aliases an input that was created inside the op's Python caller without dispatch
 # (``torch.tensor([...])`` builds the data outside the dispatcher, then calls ``lift_fresh`` on it).
 _FRESH_ALIAS_OPS = (torch.ops.aten.lift_fresh.default,)
 _CUDA_MIN_BLOCK = 512  # the caching allocator rounds every block up to a multiple of this
+# op -> fn(*args, **kwargs) -> bytes the op holds at its peak beyond its inputs and outputs (declare_transient)
+_TRANSIENTS: dict = {}
+
+
+def declare_transient(op, transient: Callable[..., int]) -> None:
+    """Declare a registered op's peak transient for :class:`MemoryTracker`: ``transient(*args, **kwargs)``, called
+    with the op's arguments after it ran, returns the bytes its kernel holds at its peak beyond its inputs and
+    the outputs it returns (the tracker cannot see inside an op's kernel; see :mod:`.registered`).
+
+    Args:
+        op: the op's overload (``torch.ops.longctx.<name>.default``).
+        transient: the function of the op's arguments.
+    """
+    _TRANSIENTS[op] = transient
 
 
 def tensor_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -66,6 +87,7 @@ class MemoryTracker(TorchDispatchMode):
         self._current = 0
         self._peak = 0
         self._saved_resize: list = []
+        self.last_transient_bytes = 0  # the last op's declared peak transient (declare_transient), else 0
 
     @property
     def current_bytes(self) -> int:
@@ -136,7 +158,9 @@ class MemoryTracker(TorchDispatchMode):
                 if id(st) in input_ids:
                     continue  # a view or in-place result of a tensor this tracker does not count
             self._add(st)
-        self._peak = max(self._peak, self._current)
+        transient = _TRANSIENTS.get(func)
+        self.last_transient_bytes = 0 if transient is None else transient(*args, **kwargs)
+        self._peak = max(self._peak, self._current + self.last_transient_bytes)
         return out
 
     # ------------------------------------------------------------------------------------ context manager
@@ -156,6 +180,11 @@ class MemoryTracker(TorchDispatchMode):
     def __exit__(self, exc_type, exc_val, exc_tb) -> None:
         super().__exit__(exc_type, exc_val, exc_tb)
         torch.UntypedStorage.resize_ = self._saved_resize.pop()
+
+
+def tracking_memory() -> bool:
+    """Whether a :class:`MemoryTracker` is active (on the dispatch mode stack)."""
+    return any(isinstance(mode, MemoryTracker) for mode in _get_current_dispatch_mode_stack())
 
 
 _ACTIVE_CUDA_TRACKERS: list[CudaMemoryTracker] = []

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from ..ops.gated_delta import scan_flops
 from ..ops.step_phase import current_phase
 from ..ops.tracker import MemoryTracker, tensor_storage
 
@@ -77,9 +78,10 @@ class PhaseTracker(MemoryTracker):
     def device_current(self) -> int:
         return self.current_bytes - self.host_current
 
-    def _note(self, tensors, site: str | None = None) -> None:
+    def _note(self, tensors, site: str | None = None, transient: int = 0) -> None:
         """Record where ``tensors``' newly counted storages come from (``site``; None: the allocating line) and
-        which live on the host, then each phase's peaks."""
+        which live on the host, then each phase's peaks (``transient``: the bytes the op that made them held
+        beyond them at its peak, declared by a registered op: ops/registered.py)."""
         for t in tensors:
             if not isinstance(t, torch.Tensor) or (st := tensor_storage(t)) is None:
                 continue
@@ -92,7 +94,7 @@ class PhaseTracker(MemoryTracker):
                 self._host_live[key] = self._live[key][1]
                 self.host_current += self._live[key][1]
         name = phase_name()
-        self.device_peaks[name] = max(self.device_peaks.get(name, 0), self.device_current)
+        self.device_peaks[name] = max(self.device_peaks.get(name, 0), self.device_current + transient)
         self.host_peaks[name] = max(self.host_peaks.get(name, 0), self.host_current)
         if self.device_current >= self._snapshot_at.get(name, 0) * _SNAPSHOT_GROWTH and \
                 self.device_current == self.device_peaks[name]:
@@ -130,7 +132,7 @@ class PhaseTracker(MemoryTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is not NotImplemented:
-            self._note(tree_leaves(out))
+            self._note(tree_leaves(out), transient=self.last_transient_bytes)
         return out
 
 
@@ -143,9 +145,16 @@ def _causal(is_causal: bool) -> float:
 
 
 _aten = torch.ops.aten
+_longctx = torch.ops.longctx
 # FLOPs of ops FlopCounterMode does not know: torch's fused CPU flash attention, forward and backward
-# ([batch, heads, seq, head_dim] layout, as torch's formulas for the CUDA kernels take it), causal halved
+# ([batch, heads, seq, head_dim] layout, as torch's formulas for the CUDA kernels take it), causal halved; the
+# registered Gated DeltaNet scan (ops/gated_delta.py::scan_flops; its backward recomputes and differentiates)
 EXTRA_FLOPS = {
+    _longctx.gated_delta_forward.default:
+        lambda q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, *rest: scan_flops(q, v, chunk_size),
+    _longctx.gated_delta_backward.default:
+        lambda d_out, d_state, q, k, v, g, beta, starts, scale, use_qk_l2norm, chunk_size, *rest:
+            3 * scan_flops(q, v, chunk_size),
     _aten._scaled_dot_product_flash_attention_for_cpu.default:
         lambda q, k, v, dropout_p=0.0, is_causal=False, **kw: int(
             sdpa_flop_count(q.shape, k.shape, v.shape) * _causal(is_causal)),

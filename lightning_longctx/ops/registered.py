@@ -1,0 +1,76 @@
+"""What this package's registered ops (``torch.library.custom_op("longctx::...")``) tell the memory tracker.
+
+The Python loops that would cost one dispatch per chunk or key block at full size (the Gated DeltaNet scan,
+:mod:`.gated_delta`; the blockwise attention, :mod:`.attention`) are registered ops: one dispatch per call, a
+``register_fake`` implementation that allocates exactly what the real op returns (shapes, dtypes, strides), so
+a rehearsal on fake tensors (``longctx-rehearse``) and ``torch.compile`` see one opaque op.
+
+A dispatch mode above an op sees the op, never the tensors its kernel (real or fake) allocates and frees
+inside it: a :class:`~.tracker.MemoryTracker` counts a registered op's outputs, not its working memory. So
+each op declares its **peak transient**, the bytes it holds at its peak beyond its inputs and outputs
+(:func:`~.tracker.declare_transient`), and the tracker samples the live bytes plus that figure after the
+op. The figure is the real kernel's own, measured by :func:`kernel_transient`: the kernel run on fake tensors
+at a reduced length that has every loop-iteration shape of the full one (two full groups or blocks and the
+tail: the loops preallocate their full-length outputs, so what they hold beyond them does not grow with the
+length), cached per shape. ``tests/test_fake_ops.py`` checks the figure against the real kernel at tiny
+sizes (the tracker inside the kernel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .tracker import MemoryTracker
+
+
+def reduced_length(length: int, unit: int) -> int:
+    """A length with every loop-iteration shape of ``length`` split into ``unit``-sized pieces: at most two full
+    pieces (the second sees what the first left) and the tail."""
+    return min(length // unit, 2) * unit + length % unit
+
+
+_MEASURED: dict[tuple, int] = {}  # (kernel, the arguments' shapes/dtypes/values) -> kernel_transient
+
+
+def _signature(x):
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape), x.dtype, x.requires_grad
+    return tuple(x) if isinstance(x, list) else x
+
+
+def cached_transient(kernel: Callable, *args) -> int:
+    """:func:`kernel_transient` of ``kernel(*args)``, measured once per shapes, dtypes and other arguments."""
+    key = (kernel, *(_signature(x) for x in args))
+    if key not in _MEASURED:
+        _MEASURED[key] = kernel_transient(kernel, *args)
+    return _MEASURED[key]
+
+
+def kernel_transient(kernel: Callable, *args, **kwargs) -> int:
+    """Peak live bytes of ``kernel(*args, **kwargs)`` beyond its inputs and the tensors it returns.
+
+    The tensors in ``args`` stand for their shapes and dtypes only: ``kernel`` runs on fresh fake CPU tensors
+    of the same shapes, dtypes and ``requires_grad`` (no data, no device memory) under a private tracker, with
+    every active dispatch mode (a rehearsal's fake mode and counters) set aside. Call it outside any
+    ``__torch_dispatch__`` (a kernel that differentiates with ``torch.func`` cannot run inside one).
+    """
+    with _disable_current_modes(), FakeTensorMode():
+        def fresh(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            return torch.empty(x.shape, dtype=x.dtype).requires_grad_(x.requires_grad)
+
+        args = [fresh(x) for x in args]
+        kwargs = {key: fresh(x) for key, x in kwargs.items()}
+        with MemoryTracker() as tracker:
+            result = kernel(*args, **kwargs)
+            returned = tracker.current_bytes
+        del result
+        return tracker.peak_bytes - returned
+
+
+__all__ = ["cached_transient", "kernel_transient", "reduced_length"]

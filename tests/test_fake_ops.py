@@ -1,0 +1,165 @@
+"""The registered ops (``longctx::...``, ops/registered.py) against their real kernels at tiny sizes.
+
+Each op is one dispatch; its ``register_fake`` allocates what the real op returns and the tracker adds the
+op's declared peak transient (measured on the kernel at a reduced length). Checked here, per op and case:
+
+- the fake op's outputs have the real op's shapes, dtypes and strides;
+- the tracked peak of the op (opaque, plus its declared transient) equals the peak of its real kernel run at
+  the full length with the tracker inside it (every op of the loop seen), within 2%, on real and on fake
+  tensors;
+- ``torch.library.opcheck`` (schema, fake implementation, autograd registration) and ``torch.compile``
+  (``aot_eager``, whole graph) of the scan with its backward, equal to eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_longctx.ops import gated_delta
+from lightning_longctx.ops.gated_delta import gated_delta_rule, scan_backward, scan_forward
+from lightning_longctx.ops.tracker import MemoryTracker
+
+# (tokens, chunk, group_chunks, (Hk, Hv), dtype, initial state, state_every): several groups and a tail, one
+# short group, GQA, half inputs (cast per group), boundary states
+SCAN_CASES = [
+    (150, 8, 2, (2, 4), torch.float32, True, None),
+    (150, 8, 2, (2, 4), torch.float32, False, 16),
+    (20, 8, 4, (3, 3), torch.float64, True, None),
+    (100, 16, 2, (1, 2), torch.bfloat16, False, 32),
+]
+
+
+def _scan_inputs(tokens, hk, hv, dtype, with_state, dk=8, dv=6):
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, tokens, hk, dk, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(1, tokens, hv, dv, generator=gen).to(dtype)
+    g = -torch.rand(1, tokens, hv, generator=gen).to(dtype) * 0.5
+    beta = torch.rand(1, tokens, hv, generator=gen).to(dtype)
+    state = torch.randn(1, hv, dk, dv, generator=gen, dtype=gated_delta.compute_dtype(q)) if with_state else None
+    return [q, k, v, g, beta, state]
+
+
+def _forward_args(inputs, chunk, group, every, keep=True):
+    return (*inputs, 8 ** -0.5, True, chunk, group, every, keep)
+
+
+def _peak(fn, *args):
+    with MemoryTracker() as tracker:
+        out = fn(*args)
+    return tracker.peak_bytes, out
+
+
+def _layout(tensors):
+    return [(tuple(t.shape), t.dtype, t.stride()) for t in tensors]
+
+
+def _backward_args(inputs, chunk, group, every):
+    """The backward op's arguments for seeds of ones, from the forward kernel's outputs."""
+    out, final, _, starts = scan_forward(*_forward_args(inputs, chunk, group, every))
+    needs = [True] * 5
+    return (torch.ones_like(out), torch.ones_like(final), *inputs[:5], starts, 8 ** -0.5, True, chunk, group, needs,
+            inputs[5] is not None)
+
+
+def _check_op(op, kernel, args, real=True, tol=0.02):
+    """The op's tracked peak (on real tensors too if ``real``) vs its kernel's with the tracker inside; the
+    layouts of the real and the fake op's outputs."""
+    inside, want = _peak(kernel, *args)
+    assert _layout(op(*args)) == _layout(want)
+    if real:
+        opaque, _ = _peak(op, *args)
+        assert abs(opaque - inside) <= tol * inside, f"op peak {opaque} vs kernel peak {inside} bytes"
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        faked, fake_out = _peak(op, *fake_args)
+    assert _layout(fake_out) == _layout(want)
+    assert abs(faked - inside) <= tol * inside, f"fake op peak {faked} vs kernel peak {inside} bytes"
+
+
+@pytest.mark.parametrize("case", range(len(SCAN_CASES)))
+def test_scan_forward_op_matches_its_kernel(case):
+    tokens, chunk, group, (hk, hv), dtype, with_state, every = SCAN_CASES[case]
+    inputs = _scan_inputs(tokens, hk, hv, dtype, with_state)
+    _check_op(torch.ops.longctx.gated_delta_forward, scan_forward, _forward_args(inputs, chunk, group, every))
+
+
+@pytest.mark.parametrize("case", range(len(SCAN_CASES)))
+def test_scan_backward_op_matches_its_kernel(case):
+    tokens, chunk, group, (hk, hv), dtype, with_state, every = SCAN_CASES[case]
+    args = _backward_args(_scan_inputs(tokens, hk, hv, dtype, with_state), chunk, group, every)
+    gated_delta._backward_transient(*args)  # what the autograd wrapper does before the op under a tracker
+    # real tensors take the kernel itself (torch.func cannot run in the tracker's handler): the fake op only
+    _check_op(torch.ops.longctx.gated_delta_backward, scan_backward, args, real=False)
+
+
+def test_scan_through_autograd_tracks_the_kernels_peak():
+    """``gated_delta_rule`` forward + backward under the tracker: the ops' declared peaks stand for the loops'."""
+    inputs = [x.requires_grad_() for x in _scan_inputs(150, 2, 4, torch.float32, True)]
+
+    def step(*xs):
+        result = gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, chunk_size=16,
+                                  checkpoint_chunks=2)
+        (result.output.sum() + result.final_state.sum()).backward()
+
+    opaque, _ = _peak(step, *inputs)
+    grads = [x.grad for x in inputs]
+    for x in inputs:
+        x.grad = None
+    out, final, _, starts = scan_forward(*_forward_args([x.detach() for x in inputs], 16, 2, None))
+    seeds = (torch.ones_like(out), torch.ones_like(final))
+
+    def by_hand():
+        kept = scan_forward(*_forward_args([x.detach() for x in inputs], 16, 2, None))
+        del kept
+        return scan_backward(*seeds, *[x.detach() for x in inputs[:5]], starts, 8 ** -0.5, True, 16, 2, [True] * 5,
+                             True)
+
+    inside, by_hand_grads = _peak(by_hand)
+    for got, want in zip(grads, by_hand_grads):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=0)
+    # the op's run also holds the seeds autograd makes and the forward's saved starts (by_hand: made before)
+    held = sum(t.numel() * t.element_size() for t in (*seeds, starts))
+    assert abs(opaque - (inside + held)) <= 0.02 * opaque, (opaque, inside, held)
+
+
+def test_no_grad_scan_keeps_no_group_states():
+    """A scan without autograd (the prompt prefill) keeps no per-group start states: what it holds beyond its
+    output does not grow with the length (it did by one state per 256 tokens: 8,192 per layer at 2M tokens)."""
+    def beyond_output(tokens):
+        q, k, v, g, beta, _ = _scan_inputs(tokens, 1, 1, torch.float32, False, dk=4, dv=4)
+        with torch.no_grad(), MemoryTracker() as tracker:
+            gated_delta_rule(q, k, v, g, beta, chunk_size=16, checkpoint_chunks=1)
+        return tracker.peak_bytes - v.numel() * 4
+
+    assert beyond_output(512) == beyond_output(128)
+
+
+def test_opcheck_scan_forward():
+    """torch's own checks of the forward op (the backward op's run its kernel inside a dispatch mode, where
+    torch.func cannot: its fake is checked by test_scan_backward_op_matches_its_kernel)."""
+    inputs = _scan_inputs(40, 2, 4, torch.float64, True)
+    torch.library.opcheck(torch.ops.longctx.gated_delta_forward.default, _forward_args(inputs, 16, 1, 16),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_compiled_scan_equals_eager():
+    inputs = [x.requires_grad_() for x in _scan_inputs(70, 2, 4, torch.float32, True)]
+
+    def run(fn):
+        out = fn(*inputs)
+        grads = torch.autograd.grad(out.output.sum() + out.final_state.square().sum(), inputs)
+        return [out.output, out.final_state, *grads]
+
+    def scan(q, k, v, g, beta, state):
+        return gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=16,
+                                backend="torch")
+
+    torch._dynamo.reset()
+    try:
+        compiled = run(torch.compile(scan, backend="aot_eager", fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    for got, want in zip(compiled, run(scan)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
