@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_longctx.ops import gated_delta
+from lightning_longctx.ops.attention import blockwise_backward, blockwise_forward
 from lightning_longctx.ops.gated_delta import gated_delta_rule, scan_backward, scan_forward
 from lightning_longctx.ops.tracker import MemoryTracker
 
@@ -134,6 +135,39 @@ def test_no_grad_scan_keeps_no_group_states():
         return tracker.peak_bytes - v.numel() * 4
 
     assert beyond_output(512) == beyond_output(128)
+
+
+# (s_q, s_k, causal, dtype, block): several blocks and a tail, causal and not, half inputs, one short block
+ATTENTION_CASES = [(37, 37, True, torch.float32, 8), (20, 45, False, torch.bfloat16, 16),
+                   (5, 5, True, torch.float64, 8)]
+
+
+def _attention_inputs(s_q, s_k, dtype, b=1, h=2, d=4):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, s_q, h, d, generator=gen).to(dtype).transpose(1, 2)  # [b, h, s, d] views, as the caller's
+    k, v = (torch.randn(b, s_k, h, d, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
+def test_blockwise_attention_ops_match_their_kernels(case):
+    s_q, s_k, causal, dtype, block = ATTENTION_CASES[case]
+    q, k, v = _attention_inputs(s_q, s_k, dtype)
+    forward = (q, k, v, causal, 0.5, block)
+    _check_op(torch.ops.longctx.blockwise_attention_forward, blockwise_forward, forward)
+    out, lse = blockwise_forward(*forward)
+    _check_op(torch.ops.longctx.blockwise_attention_backward, blockwise_backward,
+              (torch.ones_like(out), q, k, v, out, lse, causal, 0.5, block))
+
+
+def test_opcheck_blockwise_attention():
+    q, k, v = _attention_inputs(20, 20, torch.float64)
+    out, lse = blockwise_forward(q, k, v, True, 0.5, 8)
+    utils = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.longctx.blockwise_attention_forward.default, (q, k, v, True, 0.5, 8),
+                          test_utils=utils)
+    torch.library.opcheck(torch.ops.longctx.blockwise_attention_backward.default,
+                          (torch.ones_like(out), q, k, v, out, lse, True, 0.5, 8), test_utils=utils)
 
 
 def test_opcheck_scan_forward():

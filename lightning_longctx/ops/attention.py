@@ -30,6 +30,8 @@ import torch
 from . import attention_cuda as cuda
 from . import devices
 from .gqa import expand_kv, reduce_kv
+from .registered import cached_transient, reduced_length
+from .tracker import declare_transient
 
 ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_cuda", "torch_cpu_flash", "blockwise")
 BLOCK_SIZE = 1024
@@ -102,7 +104,14 @@ def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _blockwise_forward(q_BHSD, k_BHSD, v_BHSD, causal, scale, block):
+# The two loops over query and key blocks are registered ops (one dispatch per call; see .registered): the
+# forward returns out (q's dtype) and lse (the accumulation dtype); the backward returns dq, dk, dv in the
+# accumulation dtype (attention_backward casts them), so what each holds beyond its outputs is one block pair's
+# temporaries, whatever the length: the transient the tracker adds (measured on the kernel at a reduced length).
+def blockwise_forward(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, causal: bool, scale: float,
+                      block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax attention over ``block`` x ``block`` tiles: ``q [b, h, s_q, d]``, ``k, v [b, h, s_k, d]``
+    (as many heads) -> ``out [b, h, s_q, d]`` (q's dtype, q's strides), ``lse [b, h, s_q]`` (float32/64)."""
     b, h, s_q, d = q_BHSD.shape
     s_k = k_BHSD.shape[2]
     acc = _accum_dtype(q_BHSD.dtype)
@@ -133,7 +142,11 @@ def _blockwise_forward(q_BHSD, k_BHSD, v_BHSD, causal, scale, block):
     return out_BHSD, lse_BHS
 
 
-def _blockwise_backward(do_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, causal, scale, block):
+def blockwise_backward(do_BHSD: torch.Tensor, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                       out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, causal: bool, scale: float, block: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`blockwise_forward` given the (final) ``out`` and ``lse``: ``dq, dk, dv``
+    (contiguous, in the accumulation dtype)."""
     s_q, s_k = q_BHSD.shape[2], k_BHSD.shape[2]
     acc = _accum_dtype(q_BHSD.dtype)
     dq = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
@@ -158,7 +171,54 @@ def _blockwise_backward(do_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, caus
             ds = p * (torch.matmul(do_blk, v_blk.transpose(-1, -2)) - delta[..., None])
             dq[:, :, q0:q1] += torch.matmul(ds, k_blk) * scale
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), q_blk) * scale
-    return dq.to(q_BHSD.dtype), dk.to(k_BHSD.dtype), dv.to(v_BHSD.dtype)
+    return dq, dk, dv
+
+
+blockwise_attention_forward = torch.library.custom_op("longctx::blockwise_attention_forward", blockwise_forward,
+                                                      mutates_args=())
+blockwise_attention_backward = torch.library.custom_op("longctx::blockwise_attention_backward", blockwise_backward,
+                                                       mutates_args=())
+
+
+@blockwise_attention_forward.register_fake
+def _blockwise_forward_fake(q_BHSD, k_BHSD, v_BHSD, causal, scale, block):
+    b, h, s_q, _ = q_BHSD.shape
+    return torch.empty_like(q_BHSD), q_BHSD.new_empty(b, h, s_q, dtype=_accum_dtype(q_BHSD.dtype))
+
+
+@blockwise_attention_backward.register_fake
+def _blockwise_backward_fake(do_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, causal, scale, block):
+    acc = _accum_dtype(q_BHSD.dtype)
+    return tuple(x.new_empty(x.shape, dtype=acc) for x in (q_BHSD, k_BHSD, v_BHSD))
+
+
+def _reduced_blocks(x_BHSD: torch.Tensor, block: int) -> torch.Tensor:
+    return x_BHSD[:, :, :reduced_length(x_BHSD.shape[2], block)]
+
+
+def _forward_transient(q_BHSD, k_BHSD, v_BHSD, causal, scale, block) -> int:
+    """What :func:`blockwise_forward` holds beyond its outputs: its kernel at two full blocks and the tail."""
+    q, k, v = (_reduced_blocks(x, block) for x in (q_BHSD, k_BHSD, v_BHSD))
+    return cached_transient(blockwise_forward, q, k, v, causal, scale, block)
+
+
+def _backward_transient(do_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, causal, scale, block) -> int:
+    """As :func:`_forward_transient`, for :func:`blockwise_backward`."""
+    do, q, o = (_reduced_blocks(x, block) for x in (do_BHSD, q_BHSD, out_BHSD))
+    k, v = (_reduced_blocks(x, block) for x in (k_BHSD, v_BHSD))
+    lse = lse_BHS[:, :, :q.shape[2]]
+    return cached_transient(blockwise_backward, do, q, k, v, o, lse, causal, scale, block)
+
+
+def blockwise_flops(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, causal: bool) -> int:
+    """The forward's matmul FLOPs, ``4 b h s_q s_k d`` (halved when causal); the backward's are 2.5 times
+    (the scores recomputed, dV, dP, dQ, dK)."""
+    b, h, s_q, d = q_BHSD.shape
+    return int(4 * b * h * s_q * k_BHSD.shape[2] * d * (0.5 if causal else 1.0))
+
+
+declare_transient(torch.ops.longctx.blockwise_attention_forward.default, _forward_transient)
+declare_transient(torch.ops.longctx.blockwise_attention_backward.default, _backward_transient)
 
 
 # ------------------------------------------------------------------------------------------------ raw API
@@ -201,7 +261,7 @@ def attention_forward(
                 q_BHSD, k_BHSD, v_BHSD, 0.0, causal, scale=scale
             )
         else:
-            out_BHSD, lse_BHS = _blockwise_forward(q_BHSD, k_BHSD, v_BHSD, causal, scale, BLOCK_SIZE)
+            out_BHSD, lse_BHS = blockwise_attention_forward(q_BHSD, k_BHSD, v_BHSD, causal, scale, BLOCK_SIZE)
         lse_BHS = lse_BHS.to(_accum_dtype(query.dtype))
         return out_BHSD.transpose(1, 2), lse_BHS
 
@@ -254,9 +314,10 @@ def attention_backward(
                 scale=scale,
             )
         else:
-            dq, dk, dv = _blockwise_backward(
+            dq, dk, dv = blockwise_attention_backward(
                 do_BHSD, q_BHSD, k_BHSD, v_BHSD, o_BHSD, lse, causal, scale, BLOCK_SIZE
             )
+            dq, dk, dv = dq.to(q_BHSD.dtype), dk.to(k_BHSD.dtype), dv.to(v_BHSD.dtype)
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         return dq, reduce_kv(dk, groups), reduce_kv(dv, groups)
 

@@ -9,12 +9,15 @@ with q, k l2-normalised over ``Dk`` (``x * rsqrt(sum x^2 + 1e-6)``, as transform
 ``j // (Hv // Hk)`` (consecutive heads, ``repeat_interleave``).
 
 The torch path is the chunked WY/UT form of transformers' ``torch_chunk_gated_delta_rule`` (per-chunk
-cumulative decay, one unit-lower-triangular solve, a loop over chunks), wrapped in an autograd Function:
-the forward runs without a graph and saves only the raw inputs plus the state at the start of every group
-of ``checkpoint_chunks`` chunks; the backward walks the groups in reverse and recomputes one group at a time
-with autograd from its saved start state, seeded with that group's output gradient and the carried state
-gradient. The l2norm, the scale, the GQA expansion and the casts run inside the recomputed group, so
-nothing per token beyond the inputs is kept (transformers' torch path keeps every chunk's intermediates).
+cumulative decay, one unit-lower-triangular solve, a loop over chunks), two registered ops
+(``longctx::gated_delta_forward`` with its autograd formula, ``longctx::gated_delta_backward``; fake
+implementations for rehearsals and ``torch.compile``, see :mod:`.registered`): the forward runs without a
+graph and saves only the raw inputs plus the state at the start of every group of ``checkpoint_chunks``
+chunks (none when no backward will run); the backward walks the groups in reverse and recomputes one group
+at a time with ``torch.func.vjp`` from its saved start state, seeded with that group's output gradient and
+the carried state gradient. The l2norm, the scale, the GQA expansion and the casts run inside the recomputed
+group, so nothing per token beyond the inputs is kept (transformers' torch path keeps every chunk's
+intermediates).
 
 Compute dtype: float64 if any input is float64, else float32 (bf16/fp16 inputs are cast per group, as
 transformers casts to fp32). The output is in ``v``'s dtype, the states in the compute dtype.
@@ -226,8 +229,7 @@ def _gated_delta_backward_fake(d_out, d_state, q, k, v, g, beta, starts, scale, 
 def _setup_scan(ctx, inputs, output):
     q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, group_chunks, _, keep_starts = inputs
     _, _, boundaries, starts = output
-    if not keep_starts:
-        ctx.refused = "gated_delta_forward ran with keep_starts=False: no group states were kept for a backward"
+    ctx.kept_starts = keep_starts
     ctx.save_for_backward(q, k, v, g, beta, starts)
     ctx.opts = (scale, use_qk_l2norm, chunk_size, group_chunks)
     ctx.initial_dtype = None if initial_state is None else initial_state.dtype
@@ -235,8 +237,9 @@ def _setup_scan(ctx, inputs, output):
 
 
 def _backward_scan(ctx, d_out, d_state, _d_boundaries, _d_starts):
-    if getattr(ctx, "refused", None):
-        raise RuntimeError(ctx.refused)
+    if not ctx.kept_starts:
+        raise RuntimeError("gated_delta_forward ran with keep_starts=False (no autograd input): it kept no group "
+                           "states for a backward")
     q, k, v, g, beta, starts = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:5])
     need_initial = ctx.needs_input_grad[5]

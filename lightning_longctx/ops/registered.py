@@ -38,7 +38,7 @@ _MEASURED: dict[tuple, int] = {}  # (kernel, the arguments' shapes/dtypes/values
 
 def _signature(x):
     if isinstance(x, torch.Tensor):
-        return tuple(x.shape), x.dtype, x.requires_grad
+        return tuple(x.shape), x.dtype
     return tuple(x) if isinstance(x, list) else x
 
 
@@ -54,7 +54,7 @@ def kernel_transient(kernel: Callable, *args, **kwargs) -> int:
     """Peak live bytes of ``kernel(*args, **kwargs)`` beyond its inputs and the tensors it returns.
 
     The tensors in ``args`` stand for their shapes and dtypes only: ``kernel`` runs on fresh fake CPU tensors
-    of the same shapes, dtypes and ``requires_grad`` (no data, no device memory) under a private tracker, with
+    of the same shapes and dtypes (no data, no device memory, no autograd) under a private tracker, with
     every active dispatch mode (a rehearsal's fake mode and counters) set aside. Call it outside any
     ``__torch_dispatch__`` (a kernel that differentiates with ``torch.func`` cannot run inside one).
     """
@@ -62,7 +62,7 @@ def kernel_transient(kernel: Callable, *args, **kwargs) -> int:
         def fresh(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            return torch.empty(x.shape, dtype=x.dtype).requires_grad_(x.requires_grad)
+            return torch.empty(x.shape, dtype=x.dtype)
 
         args = [fresh(x) for x in args]
         kwargs = {key: fresh(x) for key, x in kwargs.items()}

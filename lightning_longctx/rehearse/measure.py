@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from ..ops.attention import blockwise_flops
 from ..ops.gated_delta import scan_flops
 from ..ops.step_phase import current_phase
 from ..ops.tracker import MemoryTracker, tensor_storage
@@ -148,13 +149,18 @@ _aten = torch.ops.aten
 _longctx = torch.ops.longctx
 # FLOPs of ops FlopCounterMode does not know: torch's fused CPU flash attention, forward and backward
 # ([batch, heads, seq, head_dim] layout, as torch's formulas for the CUDA kernels take it), causal halved; the
-# registered Gated DeltaNet scan (ops/gated_delta.py::scan_flops; its backward recomputes and differentiates)
+# registered ops: the Gated DeltaNet scan (ops/gated_delta.py::scan_flops; its backward recomputes and
+# differentiates) and the blockwise attention (ops/attention.py::blockwise_flops)
 EXTRA_FLOPS = {
     _longctx.gated_delta_forward.default:
         lambda q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, *rest: scan_flops(q, v, chunk_size),
     _longctx.gated_delta_backward.default:
         lambda d_out, d_state, q, k, v, g, beta, starts, scale, use_qk_l2norm, chunk_size, *rest:
             3 * scan_flops(q, v, chunk_size),
+    _longctx.blockwise_attention_forward.default:
+        lambda q, k, v, causal, *rest: blockwise_flops(q, k, causal),
+    _longctx.blockwise_attention_backward.default:
+        lambda do, q, k, v, out, lse, causal, *rest: int(2.5 * blockwise_flops(q, k, causal)),
     _aten._scaled_dot_product_flash_attention_for_cpu.default:
         lambda q, k, v, dropout_p=0.0, is_causal=False, **kw: int(
             sdpa_flop_count(q.shape, k.shape, v.shape) * _causal(is_causal)),
