@@ -8,9 +8,9 @@ the rows' own. Tiny float64 models (:mod:`dsa_workers`: 3 layers, ``index_topk =
 are dropped; GLM ``full, shared, full``), the reference is ``test_longstraw.reference`` (plain ``forward`` over each
 ``cat(P, r_i)``, TRL's GRPO formulas): loss and every parameter's gradient at 1e-8 relative on 1, 2 and 4 gloo
 ranks (4: ``-m slow``), with LoRA (on the prompt, and prefix-frozen), replay checkpointing and segment
-checkpoints. The indexer gets no gradient (None, as transformers' training forward: tests/test_dsa.py). Greedy
-``sample`` == greedy decoding by full forwards, and the sampling distribution of every step == the full forward's
-(1e-10).
+checkpoints; on 2 ranks also FSDP2-sharded parameters. The indexer gets no gradient (None, as transformers'
+training forward: tests/test_dsa.py). Greedy ``sample`` == greedy decoding by full forwards, and the sampling
+distribution of every step == the full forward's (1e-10).
 """
 
 from __future__ import annotations
@@ -169,7 +169,30 @@ def _sp_worker(rank, world):
     prompt, _, _ = make_group(1, prompt_len=23, seed=3)
     for kind in MODELS:
         _check_sampling(_model(kind), prompt, group)
+    if world == 2:  # FSDP2-sharded parameters: the grouped backward's selection and recomputes inside FSDP's hooks
+        _fsdp_step(rank, group)
     return True
+
+
+def _fsdp_step(rank, group):
+    from lightning_longctx.training.parallelize import (
+        fsdp_mesh,
+        mixed_precision_policy,
+        register_prefix_state_methods,
+        shard_modules,
+    )
+
+    prompt, responses, advantages = make_group(3, prompt_len=23, seed=9)
+    want_loss, want = reference(_model("glm_index_share"), prompt, responses, advantages, loss_type="token_mean")
+    model = _model("glm_index_share")
+    shard_modules(model, [model], sharding="fsdp", mesh=fsdp_mesh("fsdp", "cpu"),
+                  mp_policy=mixed_precision_policy(None))
+    register_prefix_state_methods([model])
+    out = longstraw_step(model, prompt, responses, advantages, groups=StepGroups(sp_group=group))
+    assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (out.loss, want_loss)
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    assert_grads_close(got, want, label=f"FSDP2 rank {rank}")
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

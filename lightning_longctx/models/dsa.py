@@ -28,11 +28,13 @@ of ``kv_b_proj`` for head ``h``, the query ``[q_nope_h W_UK_h | rope(q_rot_h)]``
 output ``sum_j p_j c_kv_j`` maps through ``W_UV_h`` (:mod:`.mla_decode`'s algebra). Every head is local, so the
 parameter gradients are each rank's tokens' share and the usual SP sum gives the one-device gradient.
 
-Prefix state (:class:`DSAState`, the building block of LongStraw over DSA): a layer's ``forward(...,
-return_state=True)`` returns this rank's latent and (full layers) index keys; a later call with ``prefix_state``
-selects among ``[prefix | its own tokens]`` (key indices count the prefix first) and attends over the same rows.
-Not yet (refused with a message): LongStraw's prompt-only ``prompt_state``, decoding, and a token-masked
-(prefix-frozen) LoRA adapter on ``kv_b_proj``.
+Prefix state (:class:`DSAState`, what LongStraw keeps of the prompt per layer, :func:`prompt_state_bytes`): a
+layer's ``forward(..., return_state=True)`` (or :meth:`DSAttention.prompt_state`, without attending) returns this
+rank's latent and (full layers) index keys; a later call with ``prefix_state`` selects among ``[prefix | its own
+tokens]`` (key indices count the prefix first) and attends over the same rows; with autograd that attention runs
+under a checkpoint, so a replay keeps only this rank's shards of the prompt latent between forward and backward.
+Decoding over it: :mod:`.dsa_decode`. Not yet (refused with a message): a token-masked (prefix-frozen) LoRA
+adapter on ``kv_b_proj``.
 """
 
 from __future__ import annotations

@@ -222,9 +222,10 @@ def set_gradient_reduction(module: nn.Module) -> None:
 
 
 ROOT_METHODS = ("embed", "final_hidden", "token_logprobs", "head_logits")  # the prefix-state API's root calls
-# DecoderLayer: the last prompt layer's state, the pieces of a Gated DeltaNet layer's grouped backward, decoding
+# DecoderLayer: the last prompt layer's state, the pieces of a Gated DeltaNet layer's grouped backward, decoding, a
+# DSA full layer's prompt selection (the grouped backward's, for the shared layers above it)
 LAYER_METHODS = ("prompt_state", "input_norm", "linear_scan_output", "linear_output_side", "linear_stage_inputs",
-                 "decode_step")
+                 "decode_step", "dsa_selection")
 
 
 def register_prefix_state_methods(roots: list[nn.Module]) -> int:
