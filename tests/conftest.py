@@ -1,3 +1,4 @@
+import logging
 import os
 import pathlib
 import sys
@@ -49,6 +50,39 @@ def pytest_sessionfinish(session, exitstatus):
     pools = sys.modules.get("worker_pool")  # imported by the first multi-process test, if any ran
     if pools is not None:
         pools.close_pools()
+
+
+@pytest.fixture
+def console(monkeypatch, capsys, leave_no_process_group):
+    """``console("longctx-plan", *overrides) -> (exit status, stdout, stderr)``: a console script run in this
+    process, through its installed entry point (``[project.scripts]``) with ``sys.argv`` as the script gets it:
+    Hydra's main, the config checks, the message-alone failures (``SystemExit``), without the 10-20 s of CPU a
+    fresh interpreter spends importing torch and Lightning. For tests of what the entry function does; the
+    launch itself (the script file, the exit status of a process) is tests/test_input_validation.py's
+    ``test_console_scripts_print_the_message_alone`` and the longctx-train runs'. Put back afterwards:
+    ``os.environ`` and the process group (:func:`leave_no_process_group`), ``sys.path`` (``importable_cwd``),
+    and the root logger's handlers (a Hydra run configures job logging into its run directory)."""
+    from importlib.metadata import entry_points
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def run(script: str, *args: str) -> tuple[int, str, str]:
+        (entry,) = entry_points(group="console_scripts", name=script)
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        capsys.readouterr()  # only what the script prints
+        try:
+            entry.load()()
+            status = 0
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 1
+        return status, *capsys.readouterr()
+
+    yield run
+    for handler in set(root.handlers) - set(handlers):
+        handler.close()
+    root.handlers[:], root.level = handlers, level
 
 
 @pytest.fixture

@@ -31,14 +31,14 @@ def compose_cfg(*overrides: str, config_name: str = "config"):
         return compose(config_name=config_name, overrides=list(overrides))
 
 
-def test_plan_command_prints_the_planners_numbers(tmp_path):
+def test_plan_command_prints_the_planners_numbers(console, tmp_path, monkeypatch):
     args = ("model=llama3_8b", "cluster=node_8gpu", "memory=h100_80g", "task=long_sft", "task.seq_len=1048576")
-    out = run_script("longctx-plan", *args, timeout=120, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
+    monkeypatch.chdir(tmp_path)
+    status, text, err = console("longctx-plan", *args)
+    assert status == 0, err
     cfg = compose_cfg(*args, config_name="plan")
     expected = plan(cfg.model, cfg.cluster, cfg.memory, seq_len=1048576, mode="sft")
     sft = max_context(cfg.model, cfg.cluster, cfg.memory, mode="sft")
-    text = out.stdout
     assert expected.table() in text, text
     assert f"SFT:       {sft:>14,} tokens" in text, text
     assert "8.03B parameters" in text and "KV 128 KiB/token" in text, text
@@ -59,15 +59,15 @@ def test_plan_shows_longstraw_accumulators_and_kv_for_the_hybrid(tmp_path):
         assert component in text, text
 
 
-def test_budget_check_refuses_an_impossible_plan_before_any_process_group(tmp_path):
-    out = run_script("longctx-train", "memory.budget_gib=0.001", f"hydra.run.dir={tmp_path}", timeout=120,
-                     cwd=tmp_path)
-    text = out.stdout + out.stderr
-    assert out.returncode != 0, text
+def test_budget_check_refuses_an_impossible_plan_before_any_process_group(console, tmp_path):
+    status, out, err = console("longctx-train", "memory.budget_gib=0.001", f"hydra.run.dir={tmp_path}")
+    text = out + err
+    assert status == 1, text
     assert "plan needs" in text and "GiB per rank > budget 0.0 GiB" in text, text
     assert "memory." in text or "cluster." in text or "shorten the context" in text, text  # what to change
     assert "Traceback" not in text, text  # the message alone
     assert "Initializing distributed" not in text and "GPU available" not in text, text  # no Trainer was built
+    assert not torch.distributed.is_initialized()
 
 
 def test_budget_check_runs_before_the_trainer_and_the_process_group(monkeypatch):
@@ -204,12 +204,13 @@ def test_a_user_subclass_from_a_file_outside_the_package_trains_two_steps(tmp_pa
     ("task.module._target_=my_missing_module.MyGRPO", "task.module._target_='my_missing_module.MyGRPO' cannot be "
                                                       "imported"),
 ])
-def test_bad_input_stops_before_training_naming_it(tmp_path, override, message):
-    out = run_script("longctx-train", override, f"hydra.run.dir={tmp_path}", timeout=120, cwd=tmp_path)
-    text = out.stdout + out.stderr
-    assert out.returncode == 1, text[-3000:]
-    assert f"longctx: error: {message}" in out.stderr, text[-3000:]
+def test_bad_input_stops_before_training_naming_it(console, tmp_path, override, message):
+    status, out, err = console("longctx-train", override, f"hydra.run.dir={tmp_path}")
+    text = out + err
+    assert status == 1, text[-3000:]
+    assert f"longctx: error: {message}" in err, text[-3000:]
     assert "Traceback" not in text and "Initializing distributed" not in text, text[-3000:]
+    assert not torch.distributed.is_initialized()
 
 
 MY_PARTS = """

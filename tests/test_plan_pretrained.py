@@ -13,8 +13,6 @@ with a message naming both values / the path.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,6 @@ from lightning_longctx.planner.shapes import PRESET
 
 transformers = pytest.importorskip("transformers")
 
-BIN = Path(sys.executable).parent
 BASE = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
             num_key_value_heads=2, head_dim=8)
 HYBRID = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -105,16 +102,16 @@ def test_the_planned_shape_is_the_checkpoints_config_json(checkpoints, name):
     assert ModelShape.from_config(lora).lora_r == 4 and ModelShape.from_config(lora).hidden_size == hf["hidden_size"]
 
 
-def test_longctx_plan_prints_where_the_shape_came_from(checkpoints, tmp_path):
+def test_longctx_plan_prints_where_the_shape_came_from(checkpoints, console, tmp_path, monkeypatch):
     path, numel = checkpoints["qwen3_5_text"]
-    out = subprocess.run([str(BIN / "longctx-plan"), f"model.pretrained={path}"], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    first = out.stdout.splitlines()[0]
+    monkeypatch.chdir(tmp_path)
+    status, stdout, stderr = console("longctx-plan", f"model.pretrained={path}")
+    assert status == 0, stderr
+    first = next(line for line in stdout.splitlines() if line.startswith("model: "))  # after the demo-defaults NOTE
     assert first == (f"model: {path}/config.json (qwen3_5_text, 4 layers (1 full attention, 3 linear attention), "
                      "hidden 64, 4 heads / 2 KV heads x head_dim 16, intermediate 96, vocab 128, linear 2 key / 4 "
                      "value heads x 16/8)"), first
-    assert f"{numel / 1e9:.2f}B parameters" in out.stdout
+    assert f"{numel / 1e9:.2f}B parameters" in stdout
     assert cli.format_plan(compose_cfg()).splitlines()[0].startswith("model: preset tiny (2 layers (2 full attention)")
 
 
@@ -162,12 +159,12 @@ def test_overrides_that_contradict_the_checkpoint_fail_naming_both(checkpoints):
     assert cli.model_shape(compose_cfg(f"model.pretrained={path}"), overrides=[]).num_hidden_layers == 3
 
 
-def test_longctx_train_refuses_a_contradicting_override_before_any_work(checkpoints, tmp_path):
+def test_longctx_train_refuses_a_contradicting_override_before_any_work(checkpoints, console, tmp_path):
     path, _ = checkpoints["qwen3"]
-    out = subprocess.run([str(BIN / "longctx-train"), f"model.pretrained={path}", "model.num_attention_heads=4",
-                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    text = out.stdout + out.stderr
-    assert out.returncode == 1, text
+    status, stdout, stderr = console("longctx-train", f"model.pretrained={path}", "model.num_attention_heads=4",
+                                     f"hydra.run.dir={tmp_path}")
+    text = stdout + stderr
+    assert status == 1, text
     assert f"model.num_attention_heads=4 on the command line, {path}/config.json has num_attention_heads=6" in text
     assert "Traceback" not in text and "Initializing distributed" not in text, text
 
@@ -187,10 +184,10 @@ def test_a_missing_or_broken_config_json_fails_naming_the_path(tmp_path, content
         ModelShape.from_config({"pretrained": str(ckpt)})
 
 
-def test_longctx_plan_fails_cleanly_on_a_missing_checkpoint(tmp_path):
-    out = subprocess.run([str(BIN / "longctx-plan"), f"model.pretrained={tmp_path / 'nope'}"], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path)
-    assert out.returncode == 1, out.stdout
+def test_longctx_plan_fails_cleanly_on_a_missing_checkpoint(console, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status, stdout, stderr = console("longctx-plan", f"model.pretrained={tmp_path / 'nope'}")
+    assert status == 1, stdout
     assert f"longctx: error: model.pretrained={tmp_path / 'nope'}: cannot read {tmp_path / 'nope'}/config.json" in (
-        out.stderr), out.stderr
-    assert "Traceback" not in out.stderr
+        stderr), stderr
+    assert "Traceback" not in stderr
