@@ -198,3 +198,26 @@ def _fsdp_step(rank, group):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dsa_grouped_step_and_sampling_under_sequence_parallelism(world):
     assert run_distributed(_sp_worker, world, timeout=600) == [True] * world
+
+
+def test_a_replay_keeps_no_gathered_prompt_latent_between_forward_and_backward():
+    """A DSA layer's replay over a long prompt state holds, between its forward and its backward, only this rank's
+    shards: the gathered ``[prompt | branch]`` latent is rebuilt in the backward (as MLA), not kept."""
+    from lightning_longctx.models.dsa import DSAState
+    from lightning_longctx.ops.tracker import MemoryTracker
+
+    attn = _model("deepseek_v32").model.layers[0].self_attn
+    prompt_len, n = 2000, 4
+    g = torch.Generator().manual_seed(0)
+    hidden_p = torch.randn(1, prompt_len, attn.o_proj.out_features, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        state = attn.prompt_state(hidden_p, torch.arange(prompt_len)[None])
+    state = DSAState(state.latent.requires_grad_(), state.index_keys)
+    hidden = torch.randn(1, n, hidden_p.shape[-1], generator=g, dtype=torch.float64, requires_grad=True)
+    gathered = (prompt_len + n) * state.latent.shape[-1] * 8
+    with MemoryTracker() as tracker:
+        out = attn(hidden, torch.arange(prompt_len, prompt_len + n)[None], prefix_state=state)
+        held = tracker.current_bytes
+        out.sum().backward()
+    assert held < gathered / 4, (held, gathered)
+    assert state.latent.grad is not None and state.latent.grad.abs().sum() > 0
