@@ -119,6 +119,17 @@ def test_segment_checkpoints_that_lose_a_shared_layers_source_are_refused_before
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_prefix_frozen_kv_b_adapter_is_refused_before_any_work():
+    model = _model("glm_index_share")
+    model.add_lora(4, 8.0, ["kv_b_proj", "o_proj"], on_prompt=False)
+    prompt, responses, advantages = make_group(2, prompt_len=15)
+    with pytest.raises(ValueError, match=r"DSA layers \[0, 1, 2\] have a prefix-frozen .* kv_b_proj"):
+        longstraw_step(model, prompt, responses, advantages)
+    with pytest.raises(ValueError, match="prefix-frozen"):
+        sample(model, prompt, 2, max_new_tokens=3)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _greedy_by_full_forward(model, prompt, steps):
     seq = prompt.clone()
     with torch.no_grad():

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ..parallel import gather_ints, group_size
+from .latent import check_dsa_adapters
 from .losses import response_weights
 from .options import LossOptions
 
@@ -49,6 +50,7 @@ def validate_group(
         raise ValueError(f"layers {dynamic} use a length-dependent RoPE (dynamic NTK / longrope): the prompt state "
                          "and each branch would be rotated with different frequencies than the whole sequence; "
                          "LongStraw supports static RoPE types (default, linear, llama3, yarn)")
+    check_dsa_adapters(model)
     if loss is not None and not isinstance(loss, LossOptions):
         raise TypeError(f"loss must be a LossOptions, got {type(loss).__name__}")
     if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:

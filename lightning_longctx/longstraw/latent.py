@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..models.config import DSA_ATTENTION
+from ..models.lora import LoRALinear
 from ..models.mla import MLAState
 from .grads import move_grad_into
 
@@ -80,6 +81,18 @@ def mla_layer_backward(layer, hidden_in: torch.Tensor, pos: torch.Tensor, grad_h
 
 def _is_dsa(layer) -> bool:
     return getattr(layer, "layer_type", None) == DSA_ATTENTION
+
+
+def check_dsa_adapters(model) -> None:
+    """Raise ``ValueError`` naming the layers where a DSA layer has a prefix-frozen (``on_prompt=False``) LoRA
+    adapter on ``kv_b_proj``: its replay and decoding would expand the prompt's latent rows on the base weight
+    and the responses' with the adapter, which the absorbed sparse attention does not do (yet)."""
+    bad = [i for i, layer in enumerate(getattr(model, "layers", [])) if _is_dsa(layer)
+           and isinstance(layer.self_attn.kv_b_proj, LoRALinear) and not layer.self_attn.kv_b_proj.lora_on_prompt]
+    if bad:
+        raise ValueError(f"DSA layers {bad} have a prefix-frozen (on_prompt=False) LoRA adapter on kv_b_proj, which "
+                         "LongStraw's sparse replay and decoding do not take yet: leave kv_b_proj out of "
+                         "target_modules or use on_prompt=True")
 
 
 def dsa_arguments(layer, selections: dict) -> dict:
@@ -141,5 +154,5 @@ class PromptSelections:
         self.selections.pop(index, None)
 
 
-__all__ = ["PromptSelections", "check_prompt_segments", "dsa_arguments", "latent_grad", "latent_leaf",
-           "mla_layer_backward", "prefill_dsa_arguments"]
+__all__ = ["PromptSelections", "check_dsa_adapters", "check_prompt_segments", "dsa_arguments", "latent_grad",
+           "latent_leaf", "mla_layer_backward", "prefill_dsa_arguments"]

@@ -54,7 +54,7 @@ from ..models.decode import new_decode_cache
 from ..ops.transfers import host_list
 from ..parallel import group_size, set_sequence_parallel_group
 from .checks import check_ranks_agree
-from .latent import dsa_arguments
+from .latent import check_dsa_adapters, dsa_arguments
 from .prefix import PromptState, check_prompt_state, prefill, prompt_weights
 
 StepHook = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -111,6 +111,7 @@ def validate_sampling(model, prompt_ids, num_responses, *, max_new_tokens, tempe
     if dynamic:
         raise ValueError(f"layers {dynamic} use a length-dependent RoPE (dynamic NTK / longrope): decoding over a "
                          "prompt state needs a static RoPE type (default, linear, llama3, yarn)")
+    check_dsa_adapters(model)
     if prompt_state is not None:  # same prompt and group, parameters unchanged since its prefill
         check_prompt_state(prompt_state, model, prompt_ids, group)
 
