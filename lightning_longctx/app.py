@@ -368,16 +368,19 @@ def build_evaluation(cfg: DictConfig):
 
 def build_callbacks(cfg: DictConfig, user: list[Any], trainer_args: dict[str, Any], summary) -> list[Any]:
     """The user's ``trainer.callbacks`` plus the CLI's: the held-out evaluation (:func:`build_evaluation`), the
-    run summary, the step progress bar (unless the user
+    run summary, the experts' load statistics (:mod:`.training.expert_load`), the step progress bar (unless the user
     brought a progress bar, or ``trainer.enable_progress_bar=false``) and the atomic checkpoints (unless the user
     brought a ``ModelCheckpoint``, or ``trainer.enable_checkpointing=false``)."""
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
     from .training.checkpoint import AtomicCheckpoint
+    from .training.expert_load import ExpertLoadMonitor
     from .training.progress import StepProgressBar
 
     evaluation = build_evaluation(cfg)
     callbacks = [*user, *([evaluation] if evaluation is not None else []), summary]  # val/ before the summary
+    # the routed experts' load (MoE models only: a no-op otherwise), logged as often as Lightning logs
+    callbacks.append(ExpertLoadMonitor(every_n_steps=trainer_args.get("log_every_n_steps") or 50))
     if trainer_args.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in user):
         callbacks.append(StepProgressBar())
     if trainer_args.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in user):

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.lora import prompt_frozen
-from ..ops.step_phase import mark, phase, progress_marker
+from ..ops.step_phase import mark, phase, progress_marker, extra_pass
 from ..ops.tracker import track_memory
 from ..parallel import group_size, set_sequence_parallel_group
 from .checks import check_group_agrees, validate_group
@@ -287,7 +287,8 @@ def longstraw_step(
                 progress(f"replay branch {i + 1}/{len(responses)}")
         if full:
             reduction.last_backward()  # FSDP2: each layer's one grouped backward reduce-scatters its summed grads
-            with prompt_weights(model), phase("grouped backward"):  # on_prompt=False adapters: the prompt on the base
+            # on_prompt=False adapters: the prompt on the base; its layers re-run (not counted as new tokens)
+            with prompt_weights(model), phase("grouped backward"), extra_pass():
                 grouped_backward(model, state, progress=progress_marker(progress),
                                  layer_grad_sync=reduction.layer_grad_sync)
         del state, prompt_state
@@ -303,6 +304,7 @@ def longstraw_step(
 
 
 @torch.no_grad()
+@extra_pass()
 def score(model, prompt_ids, responses, *, group=None, logits_chunk_size=None, prompt_state=None,
           temperature: float = 1.0) -> list[torch.Tensor]:
     """Graph-free log-probs ``[T_i]`` of each response under ``model``, from one prefill of the prompt.

@@ -21,7 +21,7 @@ from .gated_deltanet import GatedDeltaNet, LinearState
 from .hf_io import config_from_hf, config_to_hf
 from .lora import LoRALinear
 from .mla import MLAState, MLAttention
-from .moe import MoE, QwenMoE
+from .moe import MoE, QwenMoE, collect_expert_load
 from .norm import RMSNorm
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "MoE",
     "QwenMoE",
     "RMSNorm",
+    "collect_expert_load",
     "config_from_hf",
     "config_to_hf",
     "default_position_ids",

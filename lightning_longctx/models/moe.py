@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..ops.step_phase import training_pass
 from ..parallel.all_to_all import group_rank, group_size
 from ..parallel.expert_parallel import ExchangeRows, exchange_counts, mark_expert_shard
 from .mlp import DecoderMLP
@@ -284,6 +285,8 @@ class Experts(nn.Module):
         self.expert_group: dist.ProcessGroup | None = None
         self.first_expert = 0  # global id of local expert 0
         self.experts_per_rank = x  # X / P once sharded
+        # (token, slot) pairs this rank routed to each global expert since the last collect_expert_load()
+        self.register_buffer("tokens_per_expert", torch.zeros(x, dtype=torch.long), persistent=False)
 
     @property
     def local_experts(self) -> range:
@@ -314,6 +317,7 @@ class Experts(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate_up_proj, std=self.std)
         nn.init.normal_(self.down_proj, std=self.std)
+        self.tokens_per_expert.zero_()
 
     def _backend(self, device: torch.device, dtype: torch.dtype) -> str:
         if self.backend not in EXPERT_BACKENDS:
@@ -332,6 +336,8 @@ class Experts(nn.Module):
         """``sum_j weights[n, j] * expert_{indices[n, j]}(x[n])``: ``x [N, E]``, ``indices, weights [N, k]`` ->
         ``[N, E]`` in ``x``'s dtype; the matmuls in :func:`compute_dtype`."""
         dtype = compute_dtype(x)
+        if not _TOKENS_REPLICATED and training_pass():  # the load of training forwards (not decoding, no recompute)
+            self.tokens_per_expert.index_add_(0, indices.reshape(-1), torch.ones_like(indices.reshape(-1)))
         if group_size(self.expert_group) > 1:
             forward = self._replicated if _TOKENS_REPLICATED else self._dispatched
             return forward(x, indices, weights, dtype).to(x.dtype)
@@ -459,6 +465,27 @@ def enable_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) ->
     return len(experts)
 
 
+def collect_expert_load(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """The tokens each routed expert served since the last call, per MoE layer: ``{experts module name:
+    tokens_per_expert [X] int64}`` (module order), summed over ``group`` (None: this rank's own; the world
+    group: the whole job's), the counters reset. A collective over ``group`` (one all-reduce of all layers):
+    call it on every rank of it. Under expert parallelism the ids are global (rank ``p`` owns
+    ``[p X / P, (p + 1) X / P)``).
+
+    What is counted: every (token, slot) pair routed by a training forward (SFT's forward, LongStraw's prefill
+    and replays); never a recomputation (activation checkpointing, the grouped backward, segment re-runs), a
+    scoring or evaluation pass (:func:`~lightning_longctx.ops.step_phase.extra_pass`) or a decoding step."""
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
+    if not experts:
+        return {}
+    counts = torch.stack([m.tokens_per_expert for m in experts.values()])  # [layers, X]
+    for m in experts.values():
+        m.tokens_per_expert.zero_()
+    if group is not None and group_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    return dict(zip(experts, counts.unbind(0), strict=True))
+
+
 def is_expert_parameter(module: nn.Module, name: str) -> bool:
     """Whether parameter ``name`` of ``module`` is an expert-parallel shard (its gradient is complete on this
     rank for its experts: reduce it over the data-parallel replicas only, never over the EP group)."""
@@ -473,5 +500,6 @@ def build_moe(config) -> nn.Module:
 
 
 __all__ = ["EXPERT_BACKENDS", "GROUP_ALIGNMENT_BYTES", "ExpertLayout", "Experts", "MoE", "QwenMoE", "SoftmaxRouter",
-           "TopKRouter", "add_slots", "build_moe", "combine", "compute_dtype", "expert_layout", "grouped_mm_is_native",
-           "enable_expert_parallel", "is_expert_parameter", "route", "softmax_route", "tokens_replicated"]
+           "TopKRouter", "add_slots", "build_moe", "collect_expert_load", "combine", "compute_dtype",
+           "enable_expert_parallel", "expert_layout", "grouped_mm_is_native", "is_expert_parameter", "route",
+           "softmax_route", "tokens_replicated"]

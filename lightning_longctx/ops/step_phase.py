@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import torch
+
 OUTSIDE = "outside any marked phase"
 _stack: list[str] = []
 _detail: list[str | None] = []
@@ -65,9 +67,32 @@ def progress_marker(progress: Callable[[str], None] | None) -> Callable[[str], N
     return marked
 
 
+_repeats = 0  # depth of extra_pass() blocks
+
+
+@contextlib.contextmanager
+def extra_pass() -> Iterator[None]:
+    """Inside, forwards run over tokens this step has already run: LongStraw's grouped backward (the layers
+    recomputed from their checkpoints, the segment re-runs) and scoring passes (old / reference log-probs).
+    What counts tokens per step (the experts' load, :mod:`lightning_longctx.models.moe`) skips them."""
+    global _repeats
+    _repeats += 1
+    try:
+        yield
+    finally:
+        _repeats -= 1
+
+
+def training_pass() -> bool:
+    """Whether a forward running now is the step's first over its tokens: not inside :func:`extra_pass`,
+    and not inside autograd's backward (where activation checkpointing recomputes: the engine's graph task)."""
+    return _repeats == 0 and torch._C._current_graph_task_id() == -1
+
+
 def forget_failure() -> None:
     """Drop the phase recorded for the last failure (its error was reported)."""
     _failed_at.clear()
 
 
-__all__ = ["OUTSIDE", "current_phase", "forget_failure", "last_phase", "mark", "phase", "progress_marker"]
+__all__ = ["OUTSIDE", "current_phase", "training_pass", "forget_failure", "last_phase", "mark", "phase",
+           "progress_marker", "extra_pass"]

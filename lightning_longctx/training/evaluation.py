@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from ..ops.step_phase import extra_pass
 from .loggers import log_metrics
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class RolloutEvaluation(Callback):
         if trainer.global_step != self.last_step:
             self.evaluate(trainer, pl_module)
 
+    @extra_pass()  # not training forwards: the experts' load statistics skip them
     def evaluate(self, trainer, pl_module) -> dict[str, float]:
         """One evaluation at ``trainer.global_step`` (every rank: collectives); returns the metrics logged."""
         step = trainer.global_step
