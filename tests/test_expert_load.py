@@ -7,14 +7,15 @@ one forward per sequence), not from the counters under test."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
-from mla_workers import mla_config, mla_model, qwen_moe_config
-from models_common import copy_model
 
 from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step, sample, score
 from lightning_longctx.models import MemoryConfig, collect_expert_load
 from lightning_longctx.models.moe import SoftmaxRouter, TopKRouter
+from mla_workers import mla_config, mla_model, qwen_moe_config
+from models_common import copy_model
 
 
 @contextlib.contextmanager
@@ -38,8 +39,12 @@ def routed(model):
             h.remove()
 
 
+def layer_of(name: str) -> int:
+    return int(re.search(r"layers\.(\d+)\.", name).group(1))
+
+
 def by_layer(counts: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    return [counts[name] for name in sorted(counts, key=lambda n: int(n.split(".")[1]))]
+    return [counts[name] for name in sorted(counts, key=layer_of)]
 
 
 def test_sft_counts_each_token_once_under_checkpointing_and_mlp_tiles():
@@ -56,26 +61,30 @@ def test_sft_counts_each_token_once_under_checkpointing_and_mlp_tiles():
         got = list(load.values())
         assert [tuple(c.shape) for c in got] == [(config.n_routed_experts,)] * len(want)
         for layer, (g, w) in enumerate(zip(got, by_layer(want), strict=True)):
-            assert torch.equal(g, w), f"{config.model_type} MoE layer {layer}: counted {g.tolist()}, routed {w.tolist()}"
+            assert torch.equal(g, w), f"{config.model_type} layer {layer}: counted {g.tolist()}, routed {w.tolist()}"
             assert int(g.sum()) == ids.numel() * config.num_experts_per_tok
         assert all(int(c.sum()) == 0 for c in collect_expert_load(model).values()), "collect resets the counters"
 
 
 def test_longstraw_counts_the_prompt_once_and_each_response_once():
-    """``longstraw_step(prompt_grad="full")`` with segment checkpoints (k=2) and replay checkpointing: the prompt's
-    tokens counted once (the prefill; not the grouped backward's recomputation or the segment re-runs), each
-    response's once (its replay); ``score`` and ``sample`` count nothing."""
+    """``longstraw_step(prompt_grad="full")`` with segment checkpoints (k=2) and replay checkpointing: the cached
+    prompt's tokens counted once (the prefill; not the grouped backward's recomputation or the segment re-runs),
+    each branch's once (its replay, not its checkpoint recompute); ``score`` and ``sample`` count nothing."""
     from test_longstraw import make_group
 
     reference_model = mla_model(mla_config(num_hidden_layers=4))
     model = copy_model(reference_model, MemoryConfig(head_chunk_size=1))
     prompt, responses, advantages = make_group(3, prompt_len=17, seed=1)
+    # what the step runs (one rank): the prefill over the cached prompt P[:-1] once, and each replay over
+    # [P[-1] | r_i[:-1]] (the last prompt token is the branch's first, the last response token predicts nothing)
     with routed(reference_model) as want:
         for r in responses:
-            reference_model(torch.cat([prompt, r])[None])
+            reference_model(torch.cat([prompt, r[:-1]])[None])
     with routed(reference_model) as prompt_only:
-        reference_model(prompt[None])
+        reference_model(prompt[None, :-1])
     expected = [w - (len(responses) - 1) * p for w, p in zip(by_layer(want), by_layer(prompt_only), strict=True)]
+    # the prefill stops at the top layer's K/V: its MLP (here MoE) never runs on the prompt (its output feeds nothing)
+    expected[-1] = expected[-1] - by_layer(prompt_only)[-1]
 
     longstraw_step(model, prompt, responses, advantages, loss=LossOptions(prompt_grad="full"),
                    memory=StepMemory(prompt_checkpoint_every=2, replay_checkpointing=True))
@@ -119,7 +128,7 @@ def test_expert_load_monitor_logs_each_layer_under_the_trainer(tmp_path):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self._ctx.__exit__(None, None, None)
-            self.steps.append({f"model.layers.{n.split('.')[1]}.mlp.experts": c for n, c in self._counts.items()})
+            self.steps.append({f"model.layers.{layer_of(n)}.mlp.experts": c for n, c in self._counts.items()})
 
     ids = torch.randint(0, 64, (4, 15), generator=torch.Generator().manual_seed(2))
     seen = Seen()

@@ -37,6 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from ..ops.step_phase import extra_pass
 from ..parallel import group_size
 from .prefix import PromptState
 from .sampling import PROMPT_CACHE, StopIds, Turns, decode_rows, stop_token_ids, validate_sampling
@@ -148,6 +149,7 @@ def check_environment(env: Any, name: str = "env") -> None:
 
 
 @torch.no_grad()
+@extra_pass()  # rollouts are not training forwards (the experts' load skips them)
 def sample_episodes(
     model, prompt_ids: torch.Tensor, envs: Sequence[Environment], example: dict[str, Any] | None = None, *,
     max_new_tokens: int, max_turn_tokens: int | None = None, turn_end_ids: StopIds = None,

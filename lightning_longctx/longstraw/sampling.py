@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.decode import new_decode_cache
+from ..ops.step_phase import extra_pass
 from ..ops.transfers import host_list
 from ..parallel import group_size, set_sequence_parallel_group
 from .checks import check_ranks_agree
@@ -189,6 +190,7 @@ def _step(model, state: PromptState, kept: list | None, caches, token_ids, start
 
 
 @torch.no_grad()
+@extra_pass()  # rollouts are not training forwards (the experts' load skips them)
 def sample(
     model, prompt_ids: torch.Tensor, num_responses: int, *, max_new_tokens: int, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int | None = 0, eos_token_id: StopIds = None, group=None,

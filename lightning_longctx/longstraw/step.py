@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.lora import prompt_frozen
-from ..ops.step_phase import mark, phase, progress_marker, extra_pass
+from ..ops.step_phase import extra_pass, mark, phase, progress_marker
 from ..ops.tracker import track_memory
 from ..parallel import group_size, set_sequence_parallel_group
 from .checks import check_group_agrees, validate_group
