@@ -50,7 +50,7 @@ def by_layer(counts: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 def test_sft_counts_each_token_once_under_checkpointing_and_mlp_tiles():
     """Forward + backward with activation checkpointing and 5-token MLP tiles (both recompute in backward):
     the counters equal one plain forward's routing, for DeepSeek-V3-style and Qwen3.5-MoE experts."""
-    for config in (mla_config(), qwen_moe_config()):
+    for label, config in (("DeepSeek-V3-style", mla_config()), ("Qwen3.5-MoE", qwen_moe_config())):
         reference_model = mla_model(config)
         model = copy_model(reference_model, MemoryConfig(activation_checkpointing=True, mlp_chunk_size=5))
         ids = torch.randint(0, config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
@@ -61,7 +61,7 @@ def test_sft_counts_each_token_once_under_checkpointing_and_mlp_tiles():
         got = list(load.values())
         assert [tuple(c.shape) for c in got] == [(config.n_routed_experts,)] * len(want)
         for layer, (g, w) in enumerate(zip(got, by_layer(want), strict=True)):
-            assert torch.equal(g, w), f"{config.model_type} layer {layer}: counted {g.tolist()}, routed {w.tolist()}"
+            assert torch.equal(g, w), f"{label} layer {layer}: counted {g.tolist()}, routed {w.tolist()}"
             assert int(g.sum()) == ids.numel() * config.num_experts_per_tok
         assert all(int(c.sum()) == 0 for c in collect_expert_load(model).values()), "collect resets the counters"
 
