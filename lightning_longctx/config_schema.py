@@ -51,12 +51,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .models import DecoderConfig
+from .tasks.calculator import calculator_dataloader
 from .tasks.long_sft import LongSFTModule, recall_dataloader
 from .tasks.needle import NeedleGRPO, needle_dataloader
 from .tasks.text_data import TextPromptData
 from .tasks.text_grpo import TextGRPOModule
 from .tasks.text_sft import text_sft_dataloader
 from .training.evaluation import RolloutEvaluation
+from .training.longstraw_module import LongStrawModule
 
 
 def hydra_type(annotation: Any) -> Any:
@@ -307,6 +309,11 @@ TASK_SCHEMAS = {
         "seq_len", *_LONGSTRAW_KNOBS, "reward_funcs", "reward_weights", "check_rewards",
         "log_completions_every_n_steps", "eval_every_n_steps", "eval_samples", "eval_greedy",
         "eval_pass_threshold", "eval_data"), _DECLARED),
+    # multi-turn tool rollouts: env (a _target_ node, deep-copied per branch), max_turn_tokens, turn_end_ids
+    "calculator_grpo": task_schema("calculator_grpo", "longstraw", ((LongStrawModule, ""),
+                                                                    (calculator_dataloader, "")), (
+        "seq_len", "num_prompts", *_LONGSTRAW_KNOBS, "max_turn_tokens", "turn_end_ids", "env", "max_operand",
+        "top_p", "top_k", "seed", "num_workers"), {**_DECLARED, "env": (Any, {})}),
     "text_sft": task_schema("text_sft", "sft", ((LongSFTModule, ""), (text_sft_dataloader, "")), ("seq_len", "lr")),
 }
 NeedleGRPOConf, LongSFTConf = TASK_SCHEMAS["needle_grpo"], TASK_SCHEMAS["long_sft"]

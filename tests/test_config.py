@@ -344,7 +344,8 @@ def test_help_lists_the_users_groups_and_their_options(monkeypatch, capsys, entr
     groups = text.split("== Configuration groups ==")[1].split("== Config ==")[0]
     for line in ("model: deepseek_v3, llama3_8b, qwen3_32b, qwen3_5_27b, qwen3_5_35b_a3b, qwen3_8b, tiny, tiny_hybrid, "
                  "tiny_hybrid_moe, tiny_mla_moe",
-                 "memory: cpu, h100_80g, h200_141g, h20_96g", "task: long_sft, needle_grpo, text_grpo, text_sft",
+                 "memory: cpu, h100_80g, h200_141g, h20_96g",
+                 "task: calculator_grpo, long_sft, needle_grpo, text_grpo, text_sft",
                  "trainer: default, smoke", "checkpoint: default", "tokenizer: default"):
         assert line in groups, groups
     assert "cluster: cpu_2proc, node_8gpu" in groups, groups
@@ -491,6 +492,10 @@ def test_each_knob_reaches_the_module_as_the_yaml_or_the_signature_says(task):
                         value = preset[root].get(name, _schema_defaults(schema_of[root]).get(name))
                     else:  # ${seed}, ${tokenizer.path}: the run's, not a preset's
                         value = OmegaConf.select(cfg, value[2:-1])
+                if isinstance(value, dict) and "_target_" in value:  # a node of its own (task.env): instantiated
+                    built = type(got[key])
+                    assert f"{built.__module__}.{built.__qualname__}" == value["_target_"], (task, key, built)
+                    continue
                 assert got[key] == value, (task, group, option, part, key, got[key], value)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from lightning_longctx.longstraw import sample
 from lightning_longctx.longstraw.episodes import EnvironmentFailure, sample_episodes
 from mla_workers import mla_config, mla_model
 from models_common import single_thread  # noqa: F401 - an autouse fixture
@@ -87,7 +88,7 @@ def test_episode_tokens_are_drawn_from_the_full_forward_over_the_branch_with_its
     lengths = {e.response.numel() for e in episodes}
     assert len(lengths) > 1 and any(len(env.shown) > 1 for env in envs)  # the branches parted
     for i, (episode, env) in enumerate(zip(episodes, envs)):
-        assert env.example == {"answer": 3}
+        assert env.example["answer"] == 3 and torch.equal(env.example["prompt_ids"], prompt)
         check_episode(model, prompt, episode, env, {t: p for (row, t), p in probs.items() if row == i})
         assert episode.response.numel() <= 16
 
@@ -121,3 +122,45 @@ def _sp_worker(rank, world):
 def test_episodes_under_sequence_parallelism_equal_one_process_and_ask_the_environment_once():
     shown = run_distributed(_sp_worker, 2, timeout=240)
     assert sum(shown[0]) > 0 and sum(shown[1]) == 0
+
+
+def _fsdp_worker(rank, world, sync):
+    """Each data-parallel rank its own prompt and stop point (and turns): rank 0's responses stop after their
+    first token, rank 1's run to ``max_new_tokens``; FSDP2 all-gathers the parameters per layer and step.
+    Without ``sync_group`` (``sync=False``) rank 1's second step meets no peer: gloo aborts on the collective
+    mismatch (NCCL would hang)."""
+    import torch.distributed as dist
+
+    from lightning_longctx.models import DecoderConfig, DecoderLM
+    from lightning_longctx.training.parallelize import parallelize, register_prefix_state_methods
+
+    def policy():
+        torch.manual_seed(0)
+        return DecoderLM(DecoderConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       initializer_range=0.2))
+
+    plain, sharded = policy(), policy()
+    parallelize(sharded, [sharded], sp_group=None, sp_size=1, sharding="fsdp", head_chunk_size=None,
+                device_type="cpu")
+    register_prefix_state_methods([sharded])
+    prompt = make_prompt(11 + rank, seed=rank)
+    first = int(sample(plain, prompt, 1, max_new_tokens=1, temperature=0.0)[0][0])
+    stop = first if rank == 0 else None  # rank 0 stops at once
+    group = dist.group.WORLD if sync else None
+    got = sample(sharded, prompt, 2, max_new_tokens=6, temperature=0.0, eos_token_id=stop, sync_group=group)
+    want = sample(plain, prompt, 2, max_new_tokens=6, temperature=0.0, eos_token_id=stop)
+    assert [r.tolist() for r in got] == [r.tolist() for r in want]
+    turns = 1 if rank == 0 else 3  # and as many turns apart
+    episodes = sample_episodes(sharded, prompt, [ScriptedTool(i, turns) for i in range(2)], max_new_tokens=12,
+                               max_turn_tokens=2, temperature=0.0, sync_group=group)
+    reference = sample_episodes(plain, prompt, [ScriptedTool(i, turns) for i in range(2)], max_new_tokens=12,
+                                max_turn_tokens=2, temperature=0.0)
+    assert [e.response.tolist() for e in episodes] == [e.response.tolist() for e in reference]
+    return [len(r) for r in got]
+
+
+def test_fsdp_data_parallel_ranks_that_stop_apart_decode_in_lockstep_without_a_hang():
+    lengths = run_distributed(_fsdp_worker, 2, True, timeout=240)
+    assert lengths == [[1, 1], [6, 6]]
+

@@ -4,8 +4,8 @@ An :class:`Environment` (a tool, a calculator, a search over the prompt's docume
 generation turns. :func:`sample_episodes` runs G episodes together, one environment object per branch:
 
 - ``env.reset(example) -> context``: the episode starts (``example``: the prompt's batch fields, e.g. its
-  ``answer``); ``context``: token ids the environment writes before the model's first turn (``[]`` / None:
-  none).
+  ``answer``, and its ``prompt_ids``); ``context``: token ids the environment writes before the model's first
+  turn (``[]`` / None: none).
 - A turn ends at a stop id (the episode ends too), at a turn-end id (a tool call's end marker, ``turn_end_ids``)
   or after ``max_turn_tokens`` tokens. ``env.step(turn_tokens) -> (observation_tokens, reward, done)`` then
   answers: the rewards of an episode add up (:attr:`Episode.reward`); ``done`` ends it; else its observation is
@@ -164,7 +164,8 @@ def sample_episodes(
         prompt_state, prompt_cache, sync_group, on_step: as :func:`~.sampling.sample`'s (``max_new_tokens`` counts the
             environment's tokens too).
         envs: one :class:`Environment` per episode (G >= 1), fresh: each is ``reset(example)`` here.
-        example: the prompt's fields, handed to ``reset`` (None = ``{}``).
+        example: the prompt's fields, handed to ``reset`` with ``prompt_ids`` added (a search over the prompt's
+            own documents reads it); None = ``{}``.
         max_turn_tokens: a turn ends after this many tokens (None = no limit).
         turn_end_ids: the id(s) that end a turn (a tool call's end marker); None = none.
     Returns:
@@ -184,7 +185,8 @@ def sample_episodes(
     if prompt_cache not in PROMPT_CACHE:
         raise ValueError(f"prompt_cache={prompt_cache!r}; choose one of {PROMPT_CACHE}")
     answers = _Answers(envs, vocab, group)
-    turns = Turns(frozenset(end_ids), max_turn_tokens, answers.reset(dict(example or {})), answers.answer)
+    contexts = answers.reset({**(example or {}), "prompt_ids": prompt_ids})
+    turns = Turns(frozenset(end_ids), max_turn_tokens, contexts, answers.answer)
     decoded = decode_rows(model, prompt_ids, len(envs), max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, group=group, generator=generator,
                           prompt_state=prompt_state, prompt_cache=prompt_cache, turns=turns, sync_group=sync_group,

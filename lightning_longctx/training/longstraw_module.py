@@ -19,8 +19,16 @@ gradients are summed over the group and reduced in fp32 (see ``StepGroups.accumu
 
 Batch format: a dict with ``prompt_ids`` (a list of ``[S]`` tensors, or one ``[S]`` tensor) and optionally
 ``responses`` (per prompt, a list of G token tensors produced elsewhere, e.g. by vLLM, with optionally their
-behaviour log-probs ``old_logprobs``, per prompt a list of G ``[T_i]`` tensors) and any other
-fields your :meth:`reward` needs (e.g. ``answers``), each a list with one entry per prompt.
+behaviour log-probs ``old_logprobs`` and their ``response_masks``, per prompt a list of G ``[T_i]`` tensors) and
+any other fields your :meth:`reward` needs (e.g. ``answers``), each a list with one entry per prompt.
+
+Multi-turn tool rollouts (``env``: an :class:`~lightning_longctx.longstraw.episodes.Environment`, ``task.env``):
+each group's G branches are episodes of :func:`~lightning_longctx.longstraw.episodes.sample_episodes`, each with
+its own ``copy.deepcopy(env)`` reset on the prompt's fields; a turn ends at a stop id, a ``turn_end_ids`` token or
+``max_turn_tokens``, the episode at ``max_new_tokens`` tokens in all. The environment's tokens carry mask 0 in
+the step (``longstraw_step(response_masks=...)``: per-token loss over the model's tokens only); :meth:`reward`
+gets ``episodes`` (the G :class:`~lightning_longctx.longstraw.episodes.Episode` s) among its fields and by
+default returns their rewards (the sums of what the environment's ``step`` returned).
 
 Rewards (:class:`~.rewards.GroupRewards`, with the evaluation hooks and the step's metrics) under SP: :meth:`reward`
 runs once per SP group, on the group's first rank, and its ``[G]`` rewards are broadcast over the SP group (on the
@@ -51,8 +59,10 @@ the responses the uninterrupted run would have sampled.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -69,6 +79,8 @@ from ..longstraw import (
     sample,
     score,
 )
+from ..longstraw.episodes import Episode, check_environment, check_turn_options, sample_episodes
+from ..longstraw.grad_sync import fsdp_sharded
 from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
 from ..longstraw.sampling import StopIds, check_sampling_options, stop_token_ids
 from ..models.lora import prompt_frozen
@@ -101,6 +113,16 @@ def step_options(arguments: dict[str, Any]) -> tuple[LossOptions, StepMemory]:
     return loss, memory
 
 
+@dataclass
+class Rollout:
+    """One group's responses ``[T_i]``, their masks (None: single-turn, every token the model's) and, for a
+    multi-turn rollout, its :class:`~lightning_longctx.longstraw.episodes.Episode` s."""
+
+    responses: list[torch.Tensor]
+    masks: list[torch.Tensor] | None = None
+    episodes: list[Episode] | None = None
+
+
 def _returns(value):
     """A closure returning ``value`` (``optimizer.step(closure=...)``: how the step's loss reaches the strategy)."""
     return lambda: value
@@ -123,6 +145,9 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         scale_rewards: GRPO advantages ``(r - mean) / (std + 1e-4)``; False = Dr.GRPO ``r - mean``.
         ref_model: frozen reference policy for the KL term (needed when ``beta > 0``, unless ``model`` has LoRA
             adapters: the reference is then the base model with the adapters disabled).
+        env, max_turn_tokens, turn_end_ids: multi-turn tool rollouts (see the module docstring): the
+            environment (a template, deep-copied per branch; None = single-turn), a turn's token limit (None =
+            none) and the id(s) that end a turn (a tool call's end marker).
         max_new_tokens, temperature, top_p, top_k, eos_token_id: sampling (:func:`~lightning_longctx.longstraw.
             sample`: the G responses decoded together over the one prefill the step then uses). ``eos_token_id``:
             one stop id or several (a response ends at the first it draws); checked here against the vocabulary;
@@ -171,6 +196,7 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
                              "use group_size >= 2 (responses sampled per prompt)")
         check_sampling_options(group_size, **{k: arguments[k] for k in ("max_new_tokens", "temperature", "top_p",
                                                                          "top_k") if k in arguments})
+        check_turn_options(arguments.get("max_turn_tokens"), arguments.get("turn_end_ids"))
         lr, max_grad_norm = arguments.get("lr", 1e-4), arguments.get("max_grad_norm")
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
             raise ValueError(f"lr={lr!r} must be a finite number > 0")
@@ -191,6 +217,9 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         scale_rewards: bool = True,
         ref_model: torch.nn.Module | None = None,
         max_new_tokens: int = 16,
+        env: Any = None,
+        max_turn_tokens: int | None = None,
+        turn_end_ids: StopIds = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int | None = 0,
@@ -216,7 +245,8 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         self.init_rewards(reward_timeout_s, on_reward_error)
         arguments = dict(group_size=group_size, loss_type=loss_type, prompt_grad=prompt_grad, beta=beta,
                          clip_eps=clip_eps, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                         top_k=top_k, logprob_temperature=logprob_temperature, max_response_length=max_response_length,
+                         top_k=top_k, max_turn_tokens=max_turn_tokens, turn_end_ids=turn_end_ids,
+                         logprob_temperature=logprob_temperature, max_response_length=max_response_length,
                          logits_chunk_size=logits_chunk_size, offload_checkpoints=offload_checkpoints,
                          offload_prompt_cache=offload_prompt_cache, state_segment=state_segment, lr=lr,
                          max_grad_norm=max_grad_norm, lr_warmup_steps=lr_warmup_steps, lr_schedule=lr_schedule)
@@ -239,6 +269,11 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         self.stop_token_ids = stop_token_ids(eos_token_id, output.shape[0] if output is not None else None)
         self.sample_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   eos_token_id=self.stop_token_ids or None)
+        if env is not None:
+            check_environment(env)
+        self.env = env
+        self.turn_kwargs = dict(max_turn_tokens=max_turn_tokens, turn_end_ids=check_turn_options(
+            max_turn_tokens, turn_end_ids, output.shape[0] if output is not None else None) or None)
         self.scale_rewards = scale_rewards
         self.lr, self.weight_decay, self.seed = lr, weight_decay, seed
         self.max_grad_norm = max_grad_norm
@@ -249,8 +284,30 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
 
     # ------------------------------------------------------------------------------------------ override
     def reward(self, prompt_ids: torch.Tensor, responses: list[torch.Tensor], **fields: Any) -> torch.Tensor:
-        """Rewards ``[G]`` for the responses to one prompt. ``fields`` holds this prompt's extra batch fields."""
+        """Rewards ``[G]`` for the responses to one prompt. ``fields`` holds this prompt's extra batch fields (and,
+        for a multi-turn rollout, its ``episodes``: their environment rewards are the default)."""
+        episodes = fields.get("episodes")
+        if episodes is not None:
+            return torch.tensor([episode.reward for episode in episodes], dtype=torch.float32)
         raise NotImplementedError("subclass LongStrawModule and implement reward(prompt_ids, responses, **fields)")
+
+    def rollout(self, prompt: torch.Tensor, fields: dict, count: int, *, prompt_state=None,
+                generator: torch.Generator | None = None, options: dict | None = None) -> Rollout:
+        """``count`` responses to ``prompt`` over its prefill (``prompt_state``; None = prefill here): sampled
+        (:func:`~lightning_longctx.longstraw.sample`), or with ``env`` multi-turn episodes, each branch with its own
+        copy of the environment reset on ``fields``. ``options``: the sampling keywords (None =
+        ``self.sample_kwargs``). Under FSDP2 with data parallelism every DP rank runs as many model steps as the
+        one that runs most (``sync_group``: its responses may stop earlier)."""
+        options = self.sample_kwargs if options is None else options
+        sp_group, dp_group = self._mesh_group("sp"), self._mesh_group("dp")
+        sync = dp_group if dp_group is not None and fsdp_sharded(self.model) else None
+        if self.env is None:
+            return Rollout(sample(self.model, prompt, count, group=sp_group, prompt_state=prompt_state,
+                                  generator=generator, sync_group=sync, **options))
+        envs = [copy.deepcopy(self.env) for _ in range(count)]
+        episodes = sample_episodes(self.model, prompt, envs, fields, group=sp_group, prompt_state=prompt_state,
+                                   generator=generator, sync_group=sync, **self.turn_kwargs, **options)
+        return Rollout([e.response for e in episodes], [e.mask for e in episodes], episodes)
 
     # ------------------------------------------------------------------------------------------ plumbing
     def configure_optimizers(self):
@@ -387,7 +444,8 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         DP ranks, which all run the same number of groups), clipped, and one ``optimizer.step()`` follows."""
         prompts = batch["prompt_ids"]
         prompts = [prompts] if torch.is_tensor(prompts) and prompts.dim() == 1 else list(prompts)
-        extra = {k: v for k, v in batch.items() if k not in ("prompt_ids", "responses", "old_logprobs")}
+        extra = {k: v for k, v in batch.items() if k not in ("prompt_ids", "responses", "old_logprobs",
+                                                              "response_masks")}
         sp_group, dp_group = self._mesh_group("sp"), self._mesh_group("dp")
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
@@ -421,13 +479,19 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         its reward failed under ``on_reward_error="skip_group"`` (on every DP rank alike)."""
         given = batch.get("responses")
         state = self.prefill(prompt, sp_group)  # one prefill: the rollouts, the KL reference (if it can), the step
+        fields = {k: v[index] for k, v in extra.items()}
         if given is not None:
-            responses = [torch.as_tensor(r, device=prompt.device) for r in given[index]]
+            masks = batch.get("response_masks")
+            rollout = Rollout([torch.as_tensor(r, device=prompt.device) for r in given[index]],
+                              None if masks is None else [torch.as_tensor(m, device=prompt.device)
+                                                          for m in masks[index]])
         else:
             with phase(f"sampling (group {index + 1}/{count})"):
-                responses = sample(self.model, prompt, self.group_size, group=sp_group, prompt_state=state,
-                                   generator=self._sampling_generator(), **self.sample_kwargs)
-        fields = {k: v[index] for k, v in extra.items()}
+                rollout = self.rollout(prompt, fields, self.group_size, prompt_state=state,
+                                       generator=self._sampling_generator())
+        responses = rollout.responses
+        if rollout.episodes is not None:
+            fields = dict(fields, episodes=rollout.episodes)
         context = f"global step {self.global_step}, batch {batch_idx}, prompt {index + 1}/{count}"
         with phase("reward"):
             rewards = self.group_rewards(prompt, responses, fields, sp_group, context)  # same on every SP rank
@@ -443,7 +507,8 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         # exact group gradient, added to .grad: summed over SP, averaged over DP replicas, in fp32
         out = longstraw_step(self.model, prompt, responses, advantages, loss=self.loss_options,
                              memory=self.step_memory, groups=self.step_groups(sp_group, dp_group),
-                             old_logprobs=old, ref_logprobs=ref, prompt_state=state, progress=self.progress)
+                             old_logprobs=old, ref_logprobs=ref, response_masks=rollout.masks, prompt_state=state,
+                             progress=self.progress)
         return out, rewards.cpu(), responses
 
     def average_accumulated_gradients(self, groups: int) -> None:

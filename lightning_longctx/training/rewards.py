@@ -1,7 +1,7 @@
 """The rewards and per-step metrics of :class:`~.longstraw_module.LongStrawModule`: :class:`GroupRewards`.
 
 A mixin of the module (it is no module of its own: it reads the host's ``_mesh_group``, ``sample_kwargs``,
-``model`` and Lightning's ``log``), holding one concept: what happens to a group's rewards.
+``rollout`` and Lightning's ``log``), holding one concept: what happens to a group's rewards.
 
 - :meth:`GroupRewards.group_rewards`: the host's ``reward()`` on the SP group's first rank (with
   ``reward_timeout_s``, its ``[G]`` checked), broadcast over the SP group; a failure raises or, under
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..longstraw import sample
 from ..longstraw.checks import check_group_agrees
 from ..ops.tracker import device_peak_bytes
 from ..parallel import group_size
@@ -154,8 +153,10 @@ class GroupRewards:
         options = dict(self.sample_kwargs, temperature=0.0) if greedy else self.sample_kwargs
         self.evaluating = True
         try:
-            responses = sample(self.model, prompt, count, group=sp_group, generator=generator, **options)
-            rewards = self.group_rewards(prompt, responses, fields, sp_group, context="evaluation")
+            rollout = self.rollout(prompt, fields, count, generator=generator, options=options)
+            if rollout.episodes is not None:
+                fields = dict(fields, episodes=rollout.episodes)
+            rewards = self.group_rewards(prompt, rollout.responses, fields, sp_group, context="evaluation")
             first = sp_group is None or dist.get_rank(sp_group) == 0
             return rewards.cpu(), (self.reward_breakdown() if first else None)
         finally:
