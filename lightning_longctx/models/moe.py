@@ -285,8 +285,9 @@ class Experts(nn.Module):
         self.expert_group: dist.ProcessGroup | None = None
         self.first_expert = 0  # global id of local expert 0
         self.experts_per_rank = x  # X / P once sharded
-        # (token, slot) pairs this rank routed to each global expert since the last collect_expert_load()
-        self.register_buffer("tokens_per_expert", torch.zeros(x, dtype=torch.long), persistent=False)
+        # [X] int64 on the device: (token, slot) pairs this rank routed to each global expert since the last
+        # collect_expert_load(); made at the first forward (not a buffer: nothing to save, load or materialize)
+        self.tokens_per_expert: torch.Tensor | None = None
 
     @property
     def local_experts(self) -> range:
@@ -317,7 +318,6 @@ class Experts(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate_up_proj, std=self.std)
         nn.init.normal_(self.down_proj, std=self.std)
-        self.tokens_per_expert.zero_()
 
     def _backend(self, device: torch.device, dtype: torch.dtype) -> str:
         if self.backend not in EXPERT_BACKENDS:
@@ -337,12 +337,18 @@ class Experts(nn.Module):
         ``[N, E]`` in ``x``'s dtype; the matmuls in :func:`compute_dtype`."""
         dtype = compute_dtype(x)
         if not _TOKENS_REPLICATED and training_pass():  # the load of training forwards (not decoding, no recompute)
-            self.tokens_per_expert.index_add_(0, indices.reshape(-1), torch.ones_like(indices.reshape(-1)))
+            self._count(indices)
         if group_size(self.expert_group) > 1:
             forward = self._replicated if _TOKENS_REPLICATED else self._dispatched
             return forward(x, indices, weights, dtype).to(x.dtype)
         layout, y_rows = self._local(x.to(dtype), indices, self.num_experts, dtype)
         return combine(y_rows, layout, weights).to(x.dtype)
+
+    def _count(self, indices: torch.Tensor) -> None:
+        flat = indices.reshape(-1)
+        if self.tokens_per_expert is None or self.tokens_per_expert.device != flat.device:
+            self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
+        self.tokens_per_expert.index_add_(0, flat, torch.ones_like(flat))
 
     def _local(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int,
                dtype: torch.dtype) -> tuple[ExpertLayout, torch.Tensor]:
@@ -478,9 +484,12 @@ def collect_expert_load(model: nn.Module, group: dist.ProcessGroup | None = None
     experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
     if not experts:
         return {}
-    counts = torch.stack([m.tokens_per_expert for m in experts.values()])  # [layers, X]
+    device = next(iter(experts.values())).gate_up_proj.device  # the counters' (and a collective's) device
+    counts = torch.stack([m.tokens_per_expert.to(device) if m.tokens_per_expert is not None
+                          else torch.zeros(m.num_experts, dtype=torch.long, device=device)
+                          for m in experts.values()])  # [layers, X]
     for m in experts.values():
-        m.tokens_per_expert.zero_()
+        m.tokens_per_expert = None
     if group is not None and group_size(group) > 1:
         dist.all_reduce(counts, group=group)
     return dict(zip(experts, counts.unbind(0), strict=True))
