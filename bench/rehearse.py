@@ -54,14 +54,6 @@ RUNS = {
 }
 
 
-# rows not run, and why (listed in bench/rehearsal.md)
-NOT_RUN = {
-    "a_qwen3_5_27b_grpo_2m": "the Gated DeltaNet scan has no registered fake op yet (issue 24 item 3): a full-size "
-                             "hybrid rehearsal dispatches 2M/64 chunks per layer in Python, hours on this machine",
-    "b_qwen3_5_27b_grpo_longest": "as (a)",
-}
-
-
 def longest_prompt(overrides: list[str]) -> int:
     """The planner's longest LongStraw prompt for ``overrides`` (what ``longctx-plan`` prints)."""
     from lightning_longctx.cli import model_shape, plan_request
@@ -170,9 +162,7 @@ def main(argv=None) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     results = {}
     for name, overrides in RUNS.items():
-        if name in NOT_RUN and not args.only:
-            results[name] = {"command": resolve(overrides), "error": f"not run: {NOT_RUN[name]}", "wall_s": 0}
-        elif args.only is None or name in args.only:
+        if args.only is None or name in args.only:
             results[name] = run(name, overrides, args.timeout)
             print(f"== {name}: {results[name].get('error') or results[name]['table']}", flush=True)
         elif (kept := stored(name)) is not None:
