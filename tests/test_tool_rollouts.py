@@ -164,3 +164,45 @@ def test_fsdp_data_parallel_ranks_that_stop_apart_decode_in_lockstep_without_a_h
     lengths = run_distributed(_fsdp_worker, 2, True, timeout=240)
     assert lengths == [[1, 1], [6, 6]]
 
+
+
+class TurnsFromExample(ScriptedTool):
+    """Done after the example's ``turns`` turns: prompts with different numbers of turns."""
+
+    def reset(self, example):
+        self.turns = int(example["turns"])
+        return super().reset(example)
+
+
+def _module_fit(rank, world):
+    """``LongStrawModule(env=...)`` under ``Trainer(strategy=UlyssesStrategy(sp_size=1, sharding="fsdp"))`` on 2
+    data-parallel ranks whose prompts want 1 and 4 turns: one training step."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_longctx import LongStrawModule, UlyssesStrategy
+    from lightning_longctx.models import DecoderConfig, DecoderLM
+    from lightning_longctx.tasks.needle import collate_prompt_groups
+
+    seen = []
+
+    class Recording(LongStrawModule):
+        def reward(self, prompt_ids, responses, **fields):
+            seen.append([e.turns for e in fields["episodes"]])
+            return super().reward(prompt_ids, responses, **fields)
+
+    torch.manual_seed(0)
+    policy = DecoderLM(DecoderConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.2))
+    module = Recording(policy, group_size=2, max_new_tokens=16, env=TurnsFromExample(0), max_turn_tokens=2)
+    rows = [{"prompt_ids": make_prompt(9 + i, seed=i), "turns": 1 + 3 * i} for i in range(2)]
+    trainer = pl.Trainer(strategy=UlyssesStrategy(sp_size=1, sharding="fsdp"), accelerator="cpu", devices=world,
+                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(module, DataLoader(rows, batch_size=1, collate_fn=collate_prompt_groups))
+    return seen
+
+
+def test_a_module_with_an_environment_trains_on_fsdp_data_parallel_ranks_whose_episodes_differ():
+    seen = run_distributed(_module_fit, 2, timeout=300, init_group=False)
+    assert sorted(s[0][0] for s in seen) == [1, 4]  # one rank's episodes ended after 1 turn, the other's after 4
