@@ -278,7 +278,8 @@ def check_module_base(cfg: DictConfig) -> None:
     target = locate(path, "task.module._target_")
     if not isinstance(target, type) or not issubclass(target, LongStrawModule) or issubclass(target, TextGRPOModule):
         return
-    base = set(inspect.signature(LongStrawModule.__init__).parameters)
+    # the target's own parameters count too (NeedleGRPO logs completions as the text task does)
+    base = set(inspect.signature(LongStrawModule.__init__).parameters) | set(inspect.signature(target).parameters)
     text_only = sorted(str(k) for k in node if str(k) in set(inspect.signature(TextGRPOModule).parameters) - base)
     if text_only:
         raise ConfigError(f"task.module._target_={path!r} subclasses LongStrawModule, not TextGRPOModule, but "

@@ -300,9 +300,10 @@ TASK_SCHEMAS = {
     # seq_len = prompt tokens (haystack + key marker + key + query marker); state_segment: hybrids' linear-layer
     # states kept every this many prompt tokens; max_grad_norm: the module clips each group step (not
     # trainer.gradient_clip_val: it optimises manually); lr_schedule constant | cosine (to 0 at trainer.max_steps)
-    "needle_grpo": task_schema("needle_grpo", "longstraw", ((NeedleGRPO, ""), (needle_dataloader, "")), (
+    "needle_grpo": task_schema("needle_grpo", "longstraw", ((NeedleGRPO, ""), (needle_dataloader, ""), _EVAL), (
         "seq_len", "num_prompts", *_LONGSTRAW_KNOBS, "top_p", "top_k", "logprob_temperature", "state_segment",
-        "clip_eps", "scale_rewards", "weight_decay", "seed", "num_workers"), _DECLARED),
+        "clip_eps", "scale_rewards", "weight_decay", "seed", "num_workers", "log_completions_every_n_steps",
+        "eval_every_n_steps", "eval_samples", "eval_greedy", "eval_pass_threshold", "eval_data"), _DECLARED),
     "long_sft": task_schema("long_sft", "sft", ((LongSFTModule, ""), (recall_dataloader, "")), (
         "seq_len", "num_samples", "batch_size", "passage_len", "lr", "weight_decay", "seed", "num_workers")),
     "text_grpo": task_schema("text_grpo", "longstraw", ((TextGRPOModule, ""), (TextPromptData, ""), _EVAL), (

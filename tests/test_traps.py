@@ -169,3 +169,75 @@ def test_a_plan_on_the_demo_defaults_says_so_first():
                             "cluster= / task= given)"), first
     chosen = ["cluster=cpu_2proc", "task=long_sft"]
     assert format_plan(_compose(*chosen), overrides=chosen).startswith("model: preset tiny")
+
+
+def test_needle_text_is_the_task_vocabulary():
+    from lightning_longctx.tasks.needle import needle_text
+
+    assert needle_text([12, 40, 2, 5, 13, 3]) == "[2 filler] <key> K5 [1 filler] <query>"
+    assert needle_text(torch.tensor([0, 1, 11, 20])) == "<pad> <1> K11 [1 filler]"
+
+
+def test_needle_grpo_evaluates_heldout_prompts_and_logs_its_completions(tmp_path):
+    """task=needle_grpo as text_grpo: held-out rollouts (``task.eval_data``, never a training prompt) logged under
+    val/ as recomputed here from what the reward saw, and the completions table decoded with the task's own
+    vocabulary; longctx-train builds both from the task keys."""
+    import csv
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_longctx import app
+    from lightning_longctx.models import DecoderConfig, DecoderLM
+    from lightning_longctx.tasks.needle import KEYS, NeedleGRPO, needle_dataloader, needle_text
+    from lightning_longctx.training.evaluation import RolloutEvaluation
+
+    seen: list[tuple[bool, list, list, int]] = []  # (evaluating, prompt, responses, answer)
+
+    class Recorded(NeedleGRPO):
+        def reward(self, prompt_ids, responses, answer):
+            seen.append((self.evaluating, prompt_ids.tolist(), [r.tolist() for r in responses], int(answer)))
+            return super().reward(prompt_ids, responses, answer)
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    module = Recorded(model, group_size=2, max_new_tokens=2, lr=1e-2, log_completions_every_n_steps=2)
+    heldout = needle_dataloader(3, 16, 32, heldout=True)
+    evaluation = RolloutEvaluation(heldout, every_n_steps=2, samples=2, greedy=True, seed=3)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="ulysses", max_steps=3, callbacks=[evaluation],
+                         logger=CSVLogger(tmp_path, name="", version=0), default_root_dir=tmp_path,
+                         use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(module, needle_dataloader(4, 16, 32))
+
+    train = [s for s in seen if not s[0]]
+    evals = [s for s in seen if s[0]]
+    assert len(train) == 3 and len(evals) == 2 * 3 * 2  # steps 2 and 3: 3 prompts x (2 sampled + 1 greedy)
+    assert not {tuple(p) for _, p, _, _ in evals} & {tuple(p) for _, p, _, _ in train}  # held out
+    with open(tmp_path / "version_0" / "metrics.csv") as handle:
+        logged = {int(r["step"]): r for r in csv.DictReader(handle) if r.get("val/reward_mean")}
+    assert sorted(logged) == [2, 3]
+    for group, step in ((evals[:6], 2), (evals[6:], 3)):
+        for kind, size in (("val/", 2), ("val/greedy/", 1)):
+            rewards = [1.0 if r[0] == a else 0.25 if r[0] in KEYS else 0.0
+                       for _, _, responses, a in group if len(responses) == size for r in responses]
+            assert float(logged[step][f"{kind}reward_mean"]) == pytest.approx(sum(rewards) / len(rewards))
+            assert float(logged[step][f"{kind}pass_rate"]) == pytest.approx(rewards.count(1.0) / len(rewards))
+            assert float(logged[step][f"{kind}rewards/needle/mean"]) == pytest.approx(sum(rewards) / len(rewards))
+
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 0, 2, 2], rows  # steps 0 and 2 of 3, the G=2 rows each
+    for row, (_, prompt, responses, answer) in zip(rows, [train[0], train[0], train[2], train[2]]):
+        assert row["completion"] in [needle_text(r) for r in responses]
+        assert row["prompt"] == needle_text(prompt) + f" (answer K{answer})" and row["needle"] == row["reward"]
+
+    cfg = _compose("task.eval_every_n_steps=5", "task.eval_samples=3", "task.log_completions_every_n_steps=4")
+    cli.check_config(cfg)
+    built = app.build_evaluation(cfg)
+    assert isinstance(built, RolloutEvaluation) and (built.every_n_steps, built.samples) == (5, 3)
+    assert built.data.dataset.heldout and len(built.data.dataset) == 16
+    assert app.build_task(cfg, DecoderLM(DecoderConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                       num_hidden_layers=1, num_attention_heads=2,
+                                                       num_key_value_heads=1, head_dim=8)))[0] \
+        .completion_log.every_n_steps == 4

@@ -21,7 +21,6 @@ number of rewards stops the run there, naming it, instead of after a million-tok
 
 from __future__ import annotations
 
-import inspect
 import logging
 from types import SimpleNamespace
 from typing import Any
@@ -33,6 +32,7 @@ from ..longstraw.sampling import StopIds
 from ..training.completions import CompletionLog
 from ..training.longstraw_module import LongStrawModule
 from .rewards import RewardFunctionError, RewardFunctions
+from .signatures import merged_signature
 from .text_data import is_conversation, load_tokenizer, stop_ids
 
 log = logging.getLogger(__name__)
@@ -190,16 +190,6 @@ class TextGRPOModule(LongStrawModule):
         return super().training_step(batch, batch_idx)
 
 
-def _merged_signature() -> inspect.Signature:
-    """TextGRPOModule's own parameters plus LongStrawModule's keyword ones, so that config checks that read the
-    signature (``longctx-train``'s key check of ``task.module``) see every keyword it accepts."""
-    own = inspect.signature(TextGRPOModule.__init__).parameters
-    base = inspect.signature(LongStrawModule.__init__).parameters
-    params = [p for name, p in own.items() if name != "self" and p.kind != p.VAR_KEYWORD]
-    params += [p for name, p in base.items() if p.kind == p.KEYWORD_ONLY and name not in own]
-    return inspect.Signature(params)
-
-
-TextGRPOModule.__signature__ = _merged_signature()
+TextGRPOModule.__signature__ = merged_signature(TextGRPOModule, LongStrawModule)
 
 __all__ = ["TextGRPOModule"]
