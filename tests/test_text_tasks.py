@@ -269,7 +269,7 @@ def test_bad_prompt_data_stops_with_its_message(tmp_path, qa_jsonl, tokenizer, h
     lengths = [len(tokenizer(r["prompt"])["input_ids"]) for r in make_data.make_rows(6, 40)]
     with pytest.raises(ValueError, match=rf"6 prompt\(s\) longer than task.seq_len=16 tokens: row 0 \({lengths[0]} "
                                          r"tokens\), row 1 .*task.data.truncate=left"):
-        TextPromptData(str(qa_jsonl), seq_len=16, tokenizer=tokenizer)
+        TextPromptData(str(qa_jsonl), seq_len=16, tokenizer=tokenizer).setup("fit")  # the rows: this rank's shard
     bare = AutoTokenizer.from_pretrained(hf_dir)
     bare.chat_template = None
     with pytest.raises(ValueError, match=r"chat_template=true but the tokenizer .* has no chat template"):

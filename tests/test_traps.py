@@ -38,18 +38,74 @@ def test_group_size_one_is_refused_with_the_reason():
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_shuffle_is_honoured_on_one_and_two_dp_ranks(hf_dir, qa_jsonl, shuffle):
-    """shuffle=false: the file's order, rank r of dp=2 taking rows r, r+2, ...; shuffle=true: the sampler's
-    permutation of ``seed`` (Lightning's own sampler used to shuffle a training loader in both cases)."""
+    """Each dp rank trains on its own shard (rank r of dp=2: the r-th contiguous half of the rows, the union the
+    whole file, no row on both): shuffle=false in the file's order; shuffle=true in the sampler's permutation of
+    ``seed`` over the shard (Lightning's own sampler used to shuffle a training loader in both cases, and every
+    rank used to read and tokenize every row)."""
     rows = [json.loads(line)["prompt"] for line in qa_jsonl.read_text().splitlines()]
     one = prompt_order(0, 1, str(hf_dir), str(qa_jsonl), shuffle)
     two = run_distributed(prompt_order, 2, str(hf_dir), str(qa_jsonl), shuffle, timeout=240.0, init_group=False)
     if not shuffle:
         assert one == rows[:3]
-        assert two == [[rows[0], rows[2], rows[4]], [rows[1], rows[3], rows[5]]]
+        assert two == [rows[:3], rows[3:]]
         return
     order = torch.randperm(6, generator=torch.Generator().manual_seed(3)).tolist()  # DistributedSampler's
     assert one == [rows[i] for i in order[:3]] and one != rows[:3]
-    assert two == [[rows[i] for i in order[0::2]], [rows[i] for i in order[1::2]]]
+    half = torch.randperm(3, generator=torch.Generator().manual_seed(3)).tolist()  # each shard's own
+    assert two == [[rows[i] for i in half], [rows[3 + i] for i in half]]
+
+
+def test_each_dp_rank_reads_and_tokenizes_only_its_shard_and_resumes_exactly(hf_dir, tmp_path):
+    """7 rows on dp=2: rank 0 rows 0-3, rank 1 rows 4-6 padded with its first (as DistributedSampler pads, so both
+    run 4 steps); only the shard's prompts reach the tokenizer; a loader resumed after 2 batches yields what the
+    uninterrupted one does next, in this epoch and the next (a new permutation per epoch)."""
+    from types import SimpleNamespace
+
+    import make_data  # examples/text_grpo, on sys.path through the hf_dir fixture (tests/conftest.py)
+    from transformers import AutoTokenizer
+
+    from lightning_longctx.tasks.text_data import TextPromptData
+    from lightning_longctx.training.dataloader import make_resumable
+
+    path = make_data.write_jsonl(tmp_path / "seven.jsonl", make_data.make_rows(7, 20, seed=2))
+    rows = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    encoded: list[str] = []
+
+    class Counting:  # the tokenizer, recording what it encodes
+        chat_template = None
+
+        def __call__(self, text):
+            encoded.append(text)
+            return tokenizer(text)
+
+    shards = []
+    for rank in (0, 1):
+        encoded.clear()
+        data = TextPromptData(str(path), seq_len=512, tokenizer=Counting(), shuffle=True, seed=5)
+        assert not encoded  # nothing tokenized before the rank is known
+        data.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2,
+                                                                                            "rank": rank}))
+        data.setup("fit")
+        shards.append([data.rows[i]["prompt"] for i in range(len(data.rows))])
+        assert sorted(encoded) == sorted(rows[:4] if rank == 0 else rows[4:]), rank
+
+        def epoch_of(loader, epoch):
+            loader.sampler.set_epoch(epoch)
+            return [batch["prompt"][0] for batch in loader]
+
+        loader = make_resumable(data.train_dataloader())
+        full = epoch_of(loader, 0) + epoch_of(loader, 1)
+        perm = [torch.randperm(4, generator=torch.Generator().manual_seed(5 + e)).tolist() for e in (0, 1)]
+        assert full == [shards[rank][i] for e in (0, 1) for i in perm[e]], rank  # the sampler's order
+        loader.sampler.set_epoch(0)
+        iterator = iter(loader)
+        next(iterator), next(iterator)
+        state = loader.state_dict()
+        resumed = make_resumable(data.train_dataloader())
+        resumed.load_state_dict(state)
+        assert epoch_of(resumed, 0) == full[2:4] and epoch_of(resumed, 1) == full[4:]
+    assert shards == [rows[:4], rows[4:] + rows[4:5]]
 
 
 def test_the_text_tasks_without_the_text_extra_name_it(monkeypatch, qa_jsonl, hf_dir):

@@ -8,13 +8,21 @@ library. :class:`TextPromptData` turns the rows into :class:`~lightning_longctx.
     prompt       list of the raw prompts (str, or a list of chat messages), for the reward functions
     <column>     one list per other column of the data set, one entry per prompt
 
-All checks run when the data module is built, before any Trainer or process group: a missing path, an empty
-file, bytes that are not UTF-8 and (JSON lines) a line that is not a JSON object or lacks the prompt field,
-named by file and line (:func:`check_text_file`), an unknown ``prompt_field`` or column, a null prompt, a
-column name the module reserves, a prompt longer than ``seq_len`` (refused, naming the rows and their
-lengths, unless ``truncate="left"`` keeps each prompt's last ``seq_len`` tokens: the question usually sits at
-the end of a long-context prompt), and ``chat_template=True`` on a tokenizer without one. Every rank
-tokenizes the whole data set (the prompts are needed in full on every SP rank).
+The file-level checks run when the data module is built, before any Trainer or process group: a missing
+path, an empty file, bytes that are not UTF-8 and (JSON lines) a line that is not a JSON object or lacks the
+prompt field, named by file and line (:func:`check_text_file`), an unknown ``prompt_field`` or column, a column
+name the module reserves, and ``chat_template=True`` on a tokenizer without one.
+
+Each data-parallel rank reads and tokenizes only its shard (:attr:`TextPromptData.rows`): ``datasets``'
+``split_dataset_by_node`` over the dp ranks of the attached Trainer's strategy (rank ``r`` of ``dp`` takes the
+``r``-th contiguous chunk of the rows; the SP ranks of a group take the same chunk, as each needs the prompts in
+full), the shorter chunks padded to the longest by repeating their first rows (as ``DistributedSampler`` pads),
+so every rank runs as many steps. The row checks run on the shard then, in ``setup`` on every rank (a null
+prompt, a prompt longer than ``seq_len``: refused naming the rows and their lengths, unless ``truncate="left"``
+keeps each prompt's last ``seq_len`` tokens, since the question usually sits at the end of a long-context
+prompt), and a refusal on any rank stops every rank with it. Without a Trainer (the held-out data of
+:class:`~lightning_longctx.training.evaluation.RolloutEvaluation`, which splits prompts itself) the shard is
+every row.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .needle import collate_prompt_groups
@@ -39,6 +48,7 @@ FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "cs
 # Batch keys with a meaning of their own: LongStrawModule's (given responses), TRL's reward-call keywords.
 RESERVED_COLUMNS = ("prompt_ids", "responses", "old_logprobs", "prompt", "prompts", "completions", "completion_ids",
                     "trainer_state")
+ROW_COLUMN = "__longctx_row__"  # each row's index in the whole data set, carried through the shard (for errors)
 TRUNCATE = (None, "left")
 
 
@@ -272,9 +282,10 @@ class TextPromptData(pl.LightningDataModule):
             ending with the generation prompt; an error when the tokenizer has no template.
         truncate: None = refuse prompts longer than ``seq_len``; ``"left"`` = keep their last ``seq_len`` tokens.
         batch_size: prompts per batch (LongStrawModule takes one optimizer step per prompt).
-        shuffle, seed: the order. Under a Trainer whose strategy shards the data (``strategy="ulysses"``: over
-            the dp ranks) the loader brings its own ``DistributedSampler(shuffle=shuffle, seed=seed)``, which
-            Lightning keeps (Lightning's own would shuffle a training loader whatever ``shuffle`` says).
+        shuffle, seed: the order of this rank's shard: ``DistributedSampler(shard, num_replicas=1, shuffle=shuffle,
+            seed=seed)``, a new permutation each epoch (``set_epoch``); Lightning keeps a loader's own
+            ``DistributedSampler`` (its own would shuffle a training loader whatever ``shuffle`` says, over every
+            row).
         split, cache_dir: see :func:`load_rows`.
     """
 
@@ -297,28 +308,65 @@ class TextPromptData(pl.LightningDataModule):
         check_columns(rows.column_names, [prompt_field], what=f"task.data.prompt_field={prompt_field!r}")
         names = [c for c in rows.column_names if c != prompt_field] if columns is None else list(columns)
         check_columns(rows.column_names, names, what=f"task.data.columns={names}")
-        reserved = sorted(set(names) & set(RESERVED_COLUMNS))
+        reserved = sorted(set(names) & set(RESERVED_COLUMNS + (ROW_COLUMN,)))
         if reserved:
             raise ValueError(f"the data set's column(s) {reserved} clash with names LongStrawModule or the reward "
                              f"call reserve ({list(RESERVED_COLUMNS)}): rename them, or pass task.data.columns=[...]")
         if len(rows) == 0:
             raise ValueError(f"task.data.path={path!r} holds no rows")
-        prompts = list(rows[prompt_field])
-        null = [i for i, p in enumerate(prompts) if p is None]
+        self.path, self.seq_len, self.truncate, self.chat_template = path, seq_len, truncate, chat_template
+        self.prompt_field, self.columns = prompt_field, names
+        self.source = rows.select_columns([prompt_field, *names]).add_column(ROW_COLUMN, range(len(rows)))
+        self._shard: tuple[tuple[int, int], PromptRows] | None = None  # ((dp rank, dp size), its rows)
+
+    @property
+    def rows(self) -> PromptRows:
+        """This dp rank's prompts (:meth:`shard_rows`)."""
+        return self.shard_rows()
+
+    def shard_rows(self) -> PromptRows:
+        """This dp rank's prompts, tokenized on first use for the current layout (see the module docstring)."""
+        layout = self.dp_layout()
+        if self._shard is None or self._shard[0] != layout:
+            self._shard = (layout, self._read_shard(*layout))
+        return self._shard[1]
+
+    def dp_layout(self) -> tuple[int, int]:
+        """``(rank, size)`` of the attached Trainer's data-parallel ranks when its strategy shards the data (a
+        ``ParallelStrategy``'s ``distributed_sampler_kwargs``: the dp ranks under ``strategy="ulysses"``), else
+        ``(0, 1)``."""
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        return (int(kwargs["rank"]), int(kwargs["num_replicas"])) if kwargs else (0, 1)
+
+    def _read_shard(self, rank: int, size: int) -> PromptRows:
+        """Rows of ``split_dataset_by_node(rank, size)``, checked and tokenized, padded to ``ceil(n / size)`` rows
+        by repeating the shard's first rows (row ``rank % n`` of the data set when the shard is empty)."""
+        from datasets.distributed import split_dataset_by_node
+
+        shard = split_dataset_by_node(self.source, rank=rank, world_size=size)
+        if len(shard) == 0:
+            shard = self.source.select([rank % len(self.source)])
+        prompts, rows = list(shard[self.prompt_field]), list(shard[ROW_COLUMN])
+        null = [row for row, p in zip(rows, prompts) if p is None]
         if null:  # a Parquet / CSV null: would be tokenized as the string "None"
-            raise ValueError(f"task.data.path={path!r}: row(s) {null[:10]} have no {prompt_field!r} (null)")
-        ids = [encode_prompt(self.tokenizer, p, chat_template=chat_template) for p in prompts]
-        self.prompt_ids = self._fit_lengths(ids, seq_len, truncate, prompt_field)
-        self.rows = PromptRows(self.prompt_ids, prompts, {name: list(rows[name]) for name in names})
-        self.columns = names
+            raise ValueError(f"task.data.path={self.path!r}: row(s) {null[:10]} have no {self.prompt_field!r} "
+                             "(null)")
+        ids = [encode_prompt(self.tokenizer, p, chat_template=self.chat_template) for p in prompts]
+        prompt_ids = self._fit_lengths(ids, rows, self.seq_len, self.truncate, self.prompt_field)
+        columns = {name: list(shard[name]) for name in self.columns}
+        target = -(-len(self.source) // size)
+        pad = [i % len(prompt_ids) for i in range(target - len(prompt_ids))]  # DistributedSampler-like padding
+        return PromptRows(prompt_ids + [prompt_ids[i] for i in pad], prompts + [prompts[i] for i in pad],
+                          {name: values + [values[i] for i in pad] for name, values in columns.items()})
 
     @staticmethod
-    def _fit_lengths(ids: list[list[int]], seq_len: int, truncate: str | None, field: str) -> list[torch.Tensor]:
+    def _fit_lengths(ids: list[list[int]], rows: list[int], seq_len: int, truncate: str | None,
+                     field: str) -> list[torch.Tensor]:
         lengths = [len(x) for x in ids]
-        empty = [i for i, n in enumerate(lengths) if n == 0]
+        empty = [row for row, n in zip(rows, lengths) if n == 0]
         if empty:
             raise ValueError(f"row(s) {empty[:10]} of column {field!r} tokenize to no tokens")
-        long = [(i, n) for i, n in enumerate(lengths) if n > seq_len]
+        long = [(row, n) for row, n in zip(rows, lengths) if n > seq_len]
         if long and truncate is None:
             shown = ", ".join(f"row {i} ({n} tokens)" for i, n in long[:5])
             raise ValueError(f"{len(long)} prompt(s) longer than task.seq_len={seq_len} tokens: {shown}"
@@ -329,21 +377,30 @@ class TextPromptData(pl.LightningDataModule):
                         len(long), seq_len, *long[0])
         return [torch.tensor(x[-seq_len:], dtype=torch.int32) for x in ids]
 
-    def train_dataloader(self) -> DataLoader:
-        sharding = self._sampler_kwargs()
-        if sharding is not None:  # this dp rank's share, in the order shuffle says
-            sampler = DistributedSampler(self.rows, shuffle=self.shuffle, seed=self.seed, **sharding)
-            return DataLoader(self.rows, batch_size=self.batch_size, sampler=sampler,
-                              collate_fn=collate_prompt_groups, num_workers=self.num_workers)
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.rows, batch_size=self.batch_size, shuffle=self.shuffle, generator=generator,
-                          collate_fn=collate_prompt_groups, num_workers=self.num_workers)
+    def setup(self, stage: str | None = None) -> None:
+        """Read this rank's shard on every rank; a refusal on any rank (a too-long prompt, a null one) stops
+        every rank, each with the message (one all-gather of the messages), instead of leaving the others
+        waiting in the next collective."""
+        failure: ValueError | None = None
+        try:
+            self.shard_rows()
+        except ValueError as exc:
+            failure = exc
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            messages: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, None if failure is None else str(failure))
+            refused = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+            if failure is None and refused:
+                rank, message = refused[0]
+                raise ValueError(f"rank {rank} refused its shard of task.data: {message}")
+        if failure is not None:
+            raise failure
 
-    def _sampler_kwargs(self) -> dict | None:
-        """The attached Trainer's ``DistributedSampler`` arguments (``num_replicas``, ``rank``: the dp ranks under
-        ``strategy="ulysses"``) when its strategy shards the data; None without a Trainer or when it does not."""
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
-        return dict(kwargs) if kwargs is not None else None  # a ParallelStrategy's (DDP, FSDP, ulysses)
+    def train_dataloader(self) -> DataLoader:
+        rows = self.rows
+        sampler = DistributedSampler(rows, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed)
+        return DataLoader(rows, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_prompt_groups,
+                          num_workers=self.num_workers)
 
 
 __all__ = ["FORMATS", "RESERVED_COLUMNS", "TEXT_EXTRA", "PromptRows", "TextPromptData", "chat_ids", "check_columns",
