@@ -71,10 +71,13 @@ def flash_attn_available() -> bool:
     return KERNELS["flash_attn_forward"] is not None and KERNELS["flash_attn_backward"] is not None
 
 
-def torch_cuda_kernel(query: torch.Tensor) -> str:
-    """``"flash"`` or ``"efficient"``: which of torch's fused kernels the torch_cuda backend runs."""
+def torch_cuda_kernel(query: torch.Tensor, capability: tuple[int, int] | None = None) -> str:
+    """``"flash"`` or ``"efficient"``: which of torch's fused kernels the torch_cuda backend runs.
+    ``capability``: the device's compute capability (None: ask torch for ``query``'s device; longctx-rehearse
+    names the cluster's GPU's, on a machine that may have none)."""
     head_dim = -(-query.shape[-1] // _HEAD_DIM_MULTIPLE) * _HEAD_DIM_MULTIPLE
-    if query.dtype in HALF and head_dim <= _FLASH_MAX_HEAD_DIM and sm80_or_newer(query.device):
+    sm80 = sm80_or_newer(query.device) if capability is None else capability >= (8, 0)
+    if query.dtype in HALF and head_dim <= _FLASH_MAX_HEAD_DIM and sm80:
         return "flash"
     return "efficient"
 

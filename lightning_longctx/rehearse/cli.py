@@ -14,11 +14,13 @@ from . import config as _config  # noqa: F401  (registers rehearse_schema before
 def _rehearse(cfg: DictConfig) -> None:
     from ..cli import fail_cleanly
     from ..planner import PlanError
+    from .gpu_checks import GpuPathError
     from .run import rehearse
 
     try:
         result = rehearse(cfg)
-    except (ValueError, PlanError, NotImplementedError) as err:  # ConfigError is a ValueError: the message alone
+    # ConfigError is a ValueError; a GpuPathError names the phase and the line: the message alone
+    except (ValueError, PlanError, NotImplementedError, GpuPathError) as err:
         fail_cleanly(err)
     print(result.table(), flush=True)
     if cfg.rehearsal.out:

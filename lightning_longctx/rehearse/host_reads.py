@@ -15,7 +15,8 @@ norm. :class:`PlaceholderReads` answers every such read with a fixed placeholder
 - the reward therefore runs on placeholder responses (all token ``0``): memory and FLOPs do not depend on it.
 
 Each read is counted per phase with the line of this package that made it (``reads[phase][site]``): the
-rehearsal lists them, which is how a host sync added inside a hot loop shows up. ``nonzero`` and other ops whose
+rehearsal lists them; a read outside the step's documented host syncs fails the rehearsal, naming the phase and
+the line (:func:`~.gpu_checks.check_host_read`). ``nonzero`` and other ops whose
 output *shape* depends on values still raise (FakeTensorMode's ``DynamicOutputShapeException``): they cannot be
 answered without changing what the step allocates.
 """
@@ -28,7 +29,8 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .measure import allocation_site, phase_name
+from .gpu_checks import check_host_read
+from .measure import phase_name
 
 _aten = torch.ops.aten
 _READ = _aten._local_scalar_dense.default
@@ -60,7 +62,7 @@ class PlaceholderReads(TorchDispatchMode):
         try:  # a value FakeTensorMode knows (a constant it tracked, e.g. AdamW's step count) is read as is
             return func(*args, **(kwargs or {}))
         except DataDependentOutputException:
-            self.reads[phase_name()][allocation_site()] += 1
+            self.reads[phase_name()][check_host_read(str(func))] += 1  # raises outside the documented syncs
             return placeholder(args[0].dtype) if func is _READ else True
 
     def summary(self, top: int = 3) -> list[str]:

@@ -175,14 +175,11 @@ class StepCounters(TorchDispatchMode):
 
     A collective's kind is its ``c10d`` op (``allreduce_``, ``_allgather_base_``, ``_reduce_scatter_base_``,
     ``alltoall_base_``...) and its bytes those of its input tensors (the output of an all-gather, the input of
-    a reduce-scatter: the larger side). ``device``: the device a collective's tensors must be on
-    (``check_devices``); a tensor elsewhere raises naming the phase and the op (NCCL refuses host tensors;
-    gloo on CPU would hide it).
+    a reduce-scatter: the larger side). Where a collective's tensors must be: :class:`~.gpu_checks.GpuPathChecks`.
     """
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.device = device
         self.flops: dict[str, int] = defaultdict(int)
         self.traffic: dict[str, int] = defaultdict(int)
         self.collectives: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
@@ -210,11 +207,6 @@ class StepCounters(TorchDispatchMode):
             tensors = []
         else:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if self.device is not None:
-            for t in tensors:
-                if t.device != self.device and t.device.type != "meta":
-                    raise RuntimeError(f"collective {kind} during {current_phase()} got a tensor on {t.device}, not "
-                                       f"on the rank's device {self.device}: shape {tuple(t.shape)}, {t.dtype}")
         entry = self.collectives[phase_name()].setdefault(kind, {"count": 0, "bytes": 0})
         entry["count"] += 1
         entry["bytes"] += max((_nbytes(t) for t in tensors), default=0)

@@ -32,6 +32,7 @@ class Hardware:
     network_gbps: float = 50.0
     pcie_gbps: float = 55.0
     efficiency: float = 0.6  # the fraction of the peak FLOP/s and bandwidths a real kernel reaches
+    compute_capability: tuple[int, int] = (9, 0)  # Hopper (H20, H100, H200): which fused kernels run
 
 
 GPUS = {

@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..ops.step_phase import phase
 from . import config as _config  # noqa: F401  (registers rehearse_schema)
 from .fake_world import FakeWorld, materialize, world_device
+from .gpu_checks import GpuPathChecks, gpu_kernels
 from .host_reads import PlaceholderReads
 from .measure import PhaseTracker, StepCounters
 from .report import Rehearsal, phase_rows
@@ -54,6 +55,9 @@ LONGSTRAW_PHASES = ("prefill", ROLLOUTS, "reward", "replay", "grouped backward",
 STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here): this package's CPU attention "
             "kernels run, so the plan compared is memory.planned_attention_backend=eager's; offloaded tensors stay on "
             "the same CPU (docs/rehearsal.md)")
+# the compute dtype of each Lightning precision the config takes
+COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "32-true": torch.float32,
+                  "64-true": torch.float64}
 SKIPPED_CHECK = ("batch sharding: the SP ranks' shape agreement check (one all-gather of the shard's shape and its "
                  "host read, once per step before training_step) is not rehearsed: the read has no value on fake "
                  "tensors, and every fake rank holds rank 0's shapes")
@@ -246,6 +250,7 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
         memory = OmegaConf.merge(cfg.memory, {"planned_attention_backend": "eager"})
         notes.append(STAND_IN)
     planned = make_plan(shape, cluster, memory, **plan_request(cfg))
+    hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
     steps = int(cfg.rehearsal.steps)
     if steps < 1:
         raise ValueError(f"rehearsal.steps={steps} must be >= 1")
@@ -254,16 +259,18 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
         mesh = world.dp_sp_mesh
         module, data, optimizer, _ = _setup(cfg, world, precision, mesh)
         notes += [note] if (note := grouped_experts(module, precision)) else []
+        if hw is not None and cluster.accelerator in ("gpu", "cuda"):
+            notes.append(kernels_note(module, precision, hw))
         batch = _device_batch(module, data, world, mesh)
         decode_factor = _shorten_rollouts(cfg, module, notes)
-        with world.mode, PlaceholderReads() as reads, warnings.catch_warnings():
+        with world.mode, PlaceholderReads() as reads, GpuPathChecks(device), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*barebones=True.*")  # self.log: a no-op here
             if step_function is longstraw_training_step:
                 prime_optimizer(module, optimizer)  # its steps are long: the states without a first step
             for _ in range(steps - 1):
                 step_function(module, batch, optimizer)
             tracker = PhaseTracker(host="cpu" if device.type != "cpu" else None)
-            counters = StepCounters(device)
+            counters = StepCounters()
             reads.reads.clear()
             with TransferCounter() as transfers, counters, tracker:
                 with phase(phases[0]):  # what the step starts with: the state of the steps before
@@ -271,7 +278,6 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
                 step_function(module, batch, optimizer)
     if decode_factor != 1:
         _scale_phase(ROLLOUTS, decode_factor, counters, transfers)
-    hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
     folded = planned.host_bytes if device.type == "cpu" else 0  # offloaded = "host" = the same CPU here
     rows = phase_rows(phases, tracker, counters, transfers, planned, hw, int(cluster.num_nodes), folded)
     notes += [SKIPPED_CHECK] if world.sp_size > 1 and step_function is sft_step else []
@@ -279,6 +285,15 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     return Rehearsal(rows=rows, plan=planned, seconds=time.perf_counter() - start, device=str(device),
                      world_size=world.world_size, notes=notes, hardware=asdict(hw) if hw is not None else None,
                      host_folded=folded)
+
+
+def kernels_note(module, precision: str, hw) -> str:
+    """The output's line naming the kernels the step would run on the cluster's GPU (:func:`.gpu_checks.
+    gpu_kernels`, in the precision's compute dtype)."""
+    dtype = COMPUTE_DTYPES[precision]
+    major, minor = hw.compute_capability
+    return (f"kernels on the {hw.name} (sm{major}{minor}, {str(dtype).replace('torch.', '')}), by the package's "
+            "own backend choice: " + "; ".join(gpu_kernels(module, dtype, hw.compute_capability)))
 
 
 def _shorten_rollouts(cfg: DictConfig, module, notes: list[str]) -> float:
