@@ -2,7 +2,8 @@
 
 The rehearsed peak of every phase of an SFT step equals the real run's (same config, real tensors, the
 project's tracker read at the phase boundaries) within 2%: ``Trainer.fit`` in one process (peaks between
-Lightning's hooks) vs a fake world of 1, rank 0 of two gloo ranks vs a fake world of 2; the rehearsal calls
+Lightning's hooks) vs a fake world of 1, rank 0 of two gloo ranks vs a fake world of 2, for a dense, a hybrid
+and an MLA/MoE model (bf16, the experts' grouped GEMM); the rehearsal calls
 the job's own step functions and, on two ranks, the same collectives (kind and count per phase) as the real run;
 its JSON has the fields issue 24 lists.
 """
@@ -50,6 +51,30 @@ def test_two_rank_rehearsal_equals_rank_0_of_a_gloo_run(model):
                              if row.collectives}
     assert rehearsed_collectives == real_collectives
     assert real_collectives["forward"]["alltoall_base_"] > 0  # Ulysses' all-to-alls
+
+
+# DeepSeek-V3-shaped (multi-head latent attention, routed + shared experts): bf16 on both sides, the experts on
+# torch's grouped GEMM (its fake kernel takes bf16 only; the real CPU run takes the same path), every rank
+# holding every expert (expert parallelism is refused by the rehearsal: test below)
+TINY_MLA_MOE = ["model=tiny_mla_moe", "task=long_sft", "task.seq_len=256", "task.num_samples=4",
+                "memory.precision=bf16-true", "memory.expert_parallel=off"]
+
+
+def test_mla_moe_rehearsal_equals_the_real_run_on_one_and_two_ranks():
+    one, two = [*TINY_MLA_MOE, "cluster.devices=1"], [*TINY_MLA_MOE, "cluster.devices=2"]
+    assert_close(by_phase(rehearsed(one)), run_distributed(fitted_sft_peaks, 1, one, timeout=240)[0])
+    real, real_collectives = run_distributed(sharded_sft_peaks, 2, two, timeout=240)[0]
+    result = rehearsed(two)
+    assert_close(by_phase(result), real)
+    assert {row.name: {k: c["count"] for k, c in row.collectives.items()} for row in result.rows
+            if row.collectives} == real_collectives
+    assert any(note.startswith("MoE: 2 expert layers run the grouped GEMM path") for note in result.notes)
+
+
+def test_expert_parallelism_is_refused_naming_the_knob():
+    with pytest.raises(NotImplementedError, match=r"memory.expert_parallel='on' shards the experts over the 2 SP "
+                                                  r"ranks.*rehearse memory.expert_parallel=off"):
+        rehearsed([*TINY_MLA_MOE[:-1], "memory.expert_parallel=on", "cluster.devices=2"])
 
 
 def test_the_rehearsal_runs_the_jobs_own_step_functions(monkeypatch, tmp_path):

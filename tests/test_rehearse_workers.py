@@ -26,20 +26,32 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's shard
 
 
+def _built(cfg):
+    """The config's module and data, seeded; MoE experts on the grouped GEMM path (``experts.backend="grouped"``,
+    what ``auto`` takes in bf16 on the GPU presets), the path the rehearsal runs (torch's grouped GEMM runs on
+    the CPU in bf16 and float32; its fake kernel takes bf16 only)."""
+    from lightning_longctx.app import build_model, build_task
+    from lightning_longctx.models.moe import Experts
+
+    torch.manual_seed(0)
+    module, data = build_task(cfg, build_model(cfg))
+    for experts in (m for m in module.modules() if isinstance(m, Experts)):
+        experts.backend = "grouped"
+    return module, data
+
+
 def fitted_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     """A 1-process gloo world: ``Trainer.fit`` of the config's SFT task for 2 steps under ``UlyssesStrategy``
     (Lightning keeps the existing process group); the second step's peaks between Lightning's hooks (batch
     start, ``on_before_zero_grad``, ``on_before_optimizer_step``, batch end)."""
     import lightning.pytorch as pl
 
-    from lightning_longctx.app import build_model, build_task
     from lightning_longctx.ops import track_memory
     from lightning_longctx.rehearse import compose
     from lightning_longctx.training import UlyssesStrategy
 
     cfg = compose(overrides)
-    torch.manual_seed(0)
-    module, data = build_task(cfg, build_model(cfg))
+    module, data = _built(cfg)
 
     class PhasePeaks(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -95,7 +107,6 @@ def sharded_sft_peaks(rank: int, world: int, overrides: list[str]):
     import lightning.pytorch as pl
     import torch.distributed as dist
 
-    from lightning_longctx.app import build_model, build_task
     from lightning_longctx.ops import track_memory
     from lightning_longctx.parallel import build_dp_sp_mesh
     from lightning_longctx.rehearse import compose
@@ -104,14 +115,14 @@ def sharded_sft_peaks(rank: int, world: int, overrides: list[str]):
     from lightning_longctx.training.parallelize import parallelize
 
     cfg = compose(overrides)
-    torch.manual_seed(0)
-    module, data = build_task(cfg, build_model(cfg))
+    module, data = _built(cfg)
     module.trainer = pl.Trainer(strategy=UlyssesStrategy(sharding=cfg.cluster.sharding, on_nonfinite=None),
-                                accelerator="cpu", devices=world, barebones=True)
+                                accelerator="cpu", devices=world, barebones=True, precision=cfg.memory.precision)
     mesh = build_dp_sp_mesh(world, "cpu")
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
     parallelize(module, roots, sp_group=mesh.get_group("sp"), sp_size=world, sharding=cfg.cluster.sharding,
                 head_chunk_size=cfg.memory.head_chunk_size, device_type="cpu", precision=cfg.memory.precision)
+    module = module.trainer.strategy.precision_plugin.convert_module(module)  # e.g. bf16-true: the strategy's
     optimizer = module.configure_optimizers()
     batch = module.on_before_batch_transfer(next(iter(data)), 0)
     batch = shard_sequence_batch(batch, sp_rank=rank, sp_size=world, sp_group=mesh.get_group("sp"))
@@ -195,13 +206,11 @@ def fitted_longstraw_peaks(rank: int, world: int, overrides: list[str]) -> dict[
     ``UlyssesStrategy``; the second ``training_step``'s peak per phase (the tracker entered at batch start)."""
     import lightning.pytorch as pl
 
-    from lightning_longctx.app import build_model, build_task
     from lightning_longctx.rehearse import compose
     from lightning_longctx.training import UlyssesStrategy
 
     cfg = compose(overrides)
-    torch.manual_seed(0)
-    module, data = build_task(cfg, build_model(cfg))
+    module, data = _built(cfg)
 
     class StepPeaks(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -231,7 +240,6 @@ def sharded_longstraw_peaks(rank: int, world: int, overrides: list[str]):
     import torch.distributed as dist
     from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-    from lightning_longctx.app import build_model, build_task
     from lightning_longctx.parallel import build_dp_sp_mesh
     from lightning_longctx.parallel.collective_guard import phase
     from lightning_longctx.rehearse import compose
@@ -239,15 +247,16 @@ def sharded_longstraw_peaks(rank: int, world: int, overrides: list[str]):
     from lightning_longctx.training.parallelize import parallelize, register_prefix_state_methods
 
     cfg = compose(overrides)
-    torch.manual_seed(0)
-    module, data = build_task(cfg, build_model(cfg))
+    module, data = _built(cfg)
     strategy = UlyssesStrategy(sharding=cfg.cluster.sharding, on_nonfinite=None)
-    module.trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, barebones=True)
+    module.trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, barebones=True,
+                                precision=cfg.memory.precision)
     mesh = build_dp_sp_mesh(world, "cpu")
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
     parallelize(module, roots, sp_group=mesh.get_group("sp"), sp_size=world, sharding=cfg.cluster.sharding,
                 head_chunk_size=cfg.memory.head_chunk_size, device_type="cpu", precision=cfg.memory.precision)
     register_prefix_state_methods(roots)
+    module = strategy.precision_plugin.convert_module(module)  # e.g. bf16-true: what the strategy's setup does
     module._device_mesh = mesh
     configured = module.configure_optimizers()
     strategy.connect(module)

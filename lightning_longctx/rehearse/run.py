@@ -13,7 +13,9 @@ functions:
    ``cuda:0`` for the GPU presets), the task's module and data (:func:`~lightning_longctx.app.build_task`);
 4. what ``UlyssesStrategy.setup`` runs: :func:`~lightning_longctx.training.parallelize.parallelize` pieces
    (SP group wired in, FSDP2 over the ``dp x sp`` ranks with the precision's ``MixedPrecisionPolicy``), the
-   precision plugin's ``convert_module``, ``configure_optimizers``;
+   precision plugin's ``convert_module``, ``configure_optimizers``; a config for which ``longctx-train`` would
+   shard the experts over the SP ranks (``memory.expert_parallel``, :func:`~lightning_longctx.config_plan.
+   expert_parallel_choice`) is refused, naming ``memory.expert_parallel=off``;
 5. SFT: ``steps`` training steps as Lightning's automatic optimisation runs them: the first batch through
    ``on_before_batch_transfer``, to the device, :func:`~lightning_longctx.training.batch.shard_sequence_batch`
    (the strategy's ``batch_to_device``), then ``training_step`` (phase ``"forward"``), ``zero_grad`` and
@@ -231,6 +233,7 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     """Rehearse ``cfg`` (see the module docstring); returns the measured and planned figures."""
     from ..app import check_config
     from ..cli import model_shape, plan_request, trainer_precision
+    from ..config_plan import expert_parallel_choice
     from ..ops.transfers import TransferCounter
     from ..planner import plan as make_plan
 
@@ -250,6 +253,13 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
         memory = OmegaConf.merge(cfg.memory, {"planned_attention_backend": "eager"})
         notes.append(STAND_IN)
     planned = make_plan(shape, cluster, memory, **plan_request(cfg))
+    sp = cluster.sp_size or cluster.devices
+    if sp > 1 and expert_parallel_choice(cfg):  # the UlyssesStrategy(expert_parallel=...) longctx-train builds
+        raise NotImplementedError(
+            f"memory.expert_parallel={cfg.memory.expert_parallel!r} shards the experts over the {sp} SP ranks here: "
+            "longctx-rehearse cannot rehearse expert parallelism yet (the token exchange's split sizes are the "
+            "routed token counts, read on the host, which a fake tensor does not have; a placeholder 0 drops every "
+            "row); rehearse memory.expert_parallel=off (every rank holds every expert)")
     hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
     steps = int(cfg.rehearsal.steps)
     if steps < 1:
