@@ -9,6 +9,16 @@ import pytest
 # Test helpers (reference.py, distributed.py) import as top-level modules, also in spawned workers.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+# One OpenMP thread per process, here (each xdist worker) and in every process a test starts (longctx-train
+# runs inherit the variable; the worker pool's ranks and parallel.spawn set one thread themselves). The tests'
+# tensors are tiny: a second thread adds nothing to an op, and with more threads than the machine has free
+# cores their barriers spin: a 4-row index_add_ of the attention backward took 40 ms of CPU instead of 10 us on
+# the loaded 2-core machine, 9 of a one-process 2-step run's 14 CPU seconds. Set before torch is imported
+# (OpenMP reads it once); a value given on the command line is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported by a plugin before this file: set it directly
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # Approximate seconds each of the costliest files takes in the default run on the 2-core machine (see
 # pytest_collection_modifyitems): test_faults' seven longctx-train launches and their fault waits, test_config's
 # three preset-combination tests (~40 s of CPU each, Hydra's compose), ... A file not listed is estimated at

@@ -134,12 +134,21 @@ def test_export_of_a_sharded_checkpoint_loads_in_transformers(fsdp_run, tmp_path
 
 
 # ---------------------------------------------------------------------------------------- one-file runs
+def train_in_process(console, run_dir: Path, *args: str) -> str:
+    """A one-process ``longctx-train`` in this process (tests/conftest.py's ``console``: a one-device run needs no
+    launcher, and a fresh interpreter would spend ~7 CPU s importing torch and Lightning); returns stdout."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    status, out, err = console("longctx-train", *TINY, "cluster.devices=1", *args, f"hydra.run.dir={run_dir}")
+    assert status == 0, (out + err)[-6000:]
+    return out
+
+
 @pytest.mark.timeout(600)
-def test_export_of_a_full_checkpoint_loads_in_transformers(tmp_path):
+def test_export_of_a_full_checkpoint_loads_in_transformers(console, tmp_path):
     from lightning_longctx.export import export_checkpoint
 
     run = tmp_path / "run"
-    train(run, "cluster.devices=1", "trainer.max_steps=2")
+    train_in_process(console, run, "trainer.max_steps=2")
     ckpt = run / "checkpoints" / "last.ckpt"
     assert ckpt.resolve().is_file()  # one process: a one-file checkpoint
     export_checkpoint(run, tmp_path / "hf")  # a run directory: its last.ckpt
@@ -163,7 +172,7 @@ def _tiny_tokenizer(path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_export_of_a_lora_checkpoint_merged_and_as_a_peft_adapter(tmp_path):
+def test_export_of_a_lora_checkpoint_merged_and_as_a_peft_adapter(console, tmp_path, monkeypatch):
     """A LoRA run over a pretrained base (model.pretrained, whose tokenizer is the run's tokenizer.path):
     merged weights load in transformers; adapter_only=true loads with PEFT over the base; both give the trained
     model's logits, and the tokenizer files come along."""
@@ -174,8 +183,8 @@ def test_export_of_a_lora_checkpoint_merged_and_as_a_peft_adapter(tmp_path):
     tiny_decoder().save_pretrained(base)
     _tiny_tokenizer(base)
     run = tmp_path / "run"
-    train(run, "cluster.devices=1", "trainer.max_steps=2", f"model.pretrained={base}", "model.lora.r=4",
-          "model.lora.alpha=8")
+    train_in_process(console, run, "trainer.max_steps=2", f"model.pretrained={base}", "model.lora.r=4",
+                     "model.lora.alpha=8")
     ckpt = (run / "checkpoints" / "last.ckpt").resolve()
     reference = tiny_decoder()
     reference.add_lora(4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -184,16 +193,17 @@ def test_export_of_a_lora_checkpoint_merged_and_as_a_peft_adapter(tmp_path):
     with reference.adapters_disabled():
         assert not torch.allclose(ours_logits(reference), want)  # the adapters trained
 
-    merged = subprocess.run([str(BIN / "longctx-export"), f"ckpt={run / 'checkpoints' / 'last.ckpt'}",
-                             f"out={tmp_path / 'merged'}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert merged.returncode == 0, merged.stdout + merged.stderr
+    monkeypatch.chdir(tmp_path)  # (the script's own launch: the sharded test above)
+    status, out, err = console("longctx-export", f"ckpt={run / 'checkpoints' / 'last.ckpt'}",
+                               f"out={tmp_path / 'merged'}")
+    assert status == 0 and "longctx-export: wrote" in out, out + err
     assert_same_logits(hf_logits(tmp_path / "merged"), want, "LoRA merged -> transformers")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
     assert tokenizer("t5 t9")["input_ids"] == [5, 9]
 
     from lightning_longctx.export import export_checkpoint
 
-    export_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)  # in process: the CLI ran above
+    export_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)  # the function: the entry point ran above
     assert not (tmp_path / "adapter" / "model.safetensors").exists()
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager").float()
     adapted = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
