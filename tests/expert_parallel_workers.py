@@ -146,7 +146,10 @@ def trainer_checks(rank, world, ckpt_dir):
                         dtype=torch.float64, callbacks=callbacks, gradient_clip_val=CLIP_NORM)
     out["fit"] = (max_error(probe.grads, grads0), max_error(params, final), abs(probe.loss - loss0))
     out["layout"] = layout.seen
-    if world == 2:
+    if world == 2:  # sharding="replicate": the broadcast of replicas must leave each rank's experts its own
+        replicas, probe = fit(UlyssesStrategy(sp_size=2, expert_parallel=True, sharding="replicate"), world, batch,
+                              cfg=cfg, dtype=torch.float64, gradient_clip_val=CLIP_NORM)
+        out["replicate"] = (max_error(probe.grads, grads0), max_error(replicas, final), abs(probe.loss - loss0))
         resumed, _ = fit(UlyssesStrategy(sp_size=2, expert_parallel=True), world, batch, cfg=cfg,
                          dtype=torch.float64, ckpt_path=f"{ckpt_dir}/step=2.ckpt", gradient_clip_val=CLIP_NORM)
         out["resume_bitwise"] = bitwise_equal(resumed, params)
