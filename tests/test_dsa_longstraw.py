@@ -232,3 +232,44 @@ def test_a_replay_keeps_no_gathered_prompt_latent_between_forward_and_backward()
         out.sum().backward()
     assert held < gathered / 4, (held, gathered)
     assert state.latent.grad is not None and state.latent.grad.abs().sum() > 0
+
+
+def test_dsa_prefill_replay_selection_and_decoding_never_read_a_value_on_the_host():
+    """On fake tensors (no values: a host read such as ``.item()`` or a boolean-mask index raises), as the
+    rehearsal runs them: a prefill returning each layer's state, a replay over it with its backward, the grouped
+    backward's selection of a full layer, and a decoding step (bf16, grouped experts)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_longctx.models import DecoderLM
+    from lightning_longctx.models.decode import new_decode_cache
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = DecoderLM(dsa_config(**GLM))
+    finally:
+        torch.set_default_dtype(default)
+    for layer in model.layers[1:]:
+        layer.mlp.experts.backend = "grouped"  # the loop backend reads the expert counts on the host
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        pos, states, selections = torch.arange(30)[None], [], {}
+        with torch.no_grad():
+            hidden = model.embed(torch.zeros(1, 30, dtype=torch.long))
+            for layer in model.layers:
+                hidden_in = hidden
+                hidden, state = layer(hidden, pos, return_state=True, dsa_indices=selections)
+                states.append(state._replace(latent=state.latent.requires_grad_()))  # LongStraw's leaves
+            assert model.layers[2].dsa_selection(hidden_in, pos).shape == (1, 30, 5)
+        hidden, selections = model.embed(torch.zeros(1, 5, dtype=torch.long)), {}
+        for layer, state in zip(model.layers, states):
+            hidden = layer(hidden, torch.arange(30, 35)[None], prefix_state=state, dsa_indices=selections)
+        hidden.sum().backward()
+        assert all(state.latent.grad.shape == state.latent.shape for state in states)
+        caches, selections = [new_decode_cache(layer, 4) for layer in model.layers], {}
+        with torch.no_grad():
+            rows = model.embed(torch.zeros(2, 1, dtype=torch.long))
+            for layer, state, cache in zip(model.layers, states, caches):
+                rows = layer.decode_step(rows, torch.full((2, 1), 30), cache, state, dsa_indices=selections)
+        assert rows.shape == (2, 1, model.config.hidden_size)

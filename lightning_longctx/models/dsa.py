@@ -116,8 +116,7 @@ class DSAIndexer(nn.Module):
         if prefix_keys is not None:
             prefix_keys = gather_sequence(prefix_keys, group).float()
             keys, start = torch.cat((prefix_keys, keys), dim=1), start + prefix_keys.shape[1]
-        query_index = torch.arange(start, start + s_l, device=hidden.device)
-        return streaming_topk(q, weights, keys, query_index, self.topk, self.head_dim**-0.5,
+        return streaming_topk(q, weights, keys, range(start, start + s_l), self.topk, self.head_dim**-0.5,
                               query_block=self.query_block, key_block=self.key_block)
 
 

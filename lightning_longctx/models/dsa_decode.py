@@ -64,12 +64,11 @@ def _select(attn, hidden, q_in, cos, sin, prompt_keys, own_keys, prompt_length: 
     t, own_length = hidden.shape[1], own_keys.shape[1]
     opts = dict(topk=indexer.topk, scale=indexer.head_dim**-0.5, query_block=indexer.query_block,
                 key_block=indexer.key_block)
-    own_index = torch.arange(own_length - t, own_length, device=hidden.device)
-    vals, ids = streaming_topk_scores(q, weights, own_keys.float(), own_index, **opts)
+    vals, ids = streaming_topk_scores(q, weights, own_keys.float(), range(own_length - t, own_length), **opts)
     ids = torch.where(ids >= 0, ids + prompt_length, NO_KEY)
     if prompt_keys is not None:
         local = prompt_keys.shape[1]
-        every_key = torch.full((t,), local - 1, device=hidden.device)  # the whole prompt precedes the new tokens
+        every_key = range(local - 1, local - 1 + t)  # the whole prompt precedes the new tokens
         p_vals, p_ids = streaming_topk_scores(q, weights, prompt_keys.float(), every_key, **opts)
         p_ids = torch.where(p_ids >= 0, p_ids + group_rank(attn.sp_group) * local, NO_KEY)
         vals = torch.cat((*_all_gather(p_vals, attn.sp_group), vals), dim=-1)  # ids ascend along the last dim

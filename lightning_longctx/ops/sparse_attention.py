@@ -38,17 +38,21 @@ def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Ten
     """The best ``k`` of candidates ``vals, ids [..., m]`` whose ids ascend along the last dim: score descending,
     ties to the lowest id, returned in ascending id order (so the next merge's candidates ascend too). Every score
     above the ``k``-th best is taken, then the lowest-id ones equal to it until ``k`` (no sort: one ``topk``)."""
-    if vals.shape[-1] <= k:
+    m = vals.shape[-1]
+    if m <= k:
         return vals, ids
     kth = vals.topk(k, dim=-1).values[..., -1:]  # [..., 1]
     above, tied = vals > kth, vals == kth
     take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
-    shape = (*vals.shape[:-1], k)
-    return vals[take].view(shape), ids[take].view(shape)
+    # the taken positions in ascending order, by a topk of m - position over them (no boolean indexing: no
+    # host read of the count, so it runs on fake tensors and without a device sync)
+    earlier_first = torch.where(take, m - torch.arange(m, device=vals.device), 0)
+    taken = earlier_first.topk(k, dim=-1).indices  # [..., k], ascending
+    return vals.gather(-1, taken), ids.gather(-1, taken)
 
 
 @torch.no_grad()
-def streaming_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_index: torch.Tensor,
+def streaming_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_index: torch.Tensor | range,
                    topk: int, scale: float, *, query_block: int = 256, key_block: int = 2048) -> torch.Tensor:
     """The ``k = min(topk, T)`` keys of highest index score per query: ``[b, s, k]`` int32, ascending, ``-1``
     padding where a query sees fewer than ``k`` keys.
@@ -58,7 +62,9 @@ def streaming_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, q
         weights: per-head weights ``[b, s, H_I]`` (``weights_proj(h) H_I^-0.5``), float32.
         keys: index keys ``[b, T, D_I]`` (normed, roped) of the whole sequence, float32 (batch 1: shared by
             every row of ``q``).
-        query_index: ``[s]`` each query's index among the keys (causal: key ``j <= i``).
+        query_index: ``[s]`` each query's index among the keys (causal: key ``j <= i``): a tensor, or a
+            ``range`` (ascending; the key blocks a query block sees are then known without reading a value on the
+            host, so no device sync, and fake tensors work).
         topk: ``index_topk``; scale: ``D_I^-0.5`` (inside the ReLU, as transformers).
         query_block, key_block: tile sizes (memory only; the result does not depend on them).
     """
@@ -67,7 +73,7 @@ def streaming_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, q
 
 
 @torch.no_grad()
-def streaming_topk_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_index: torch.Tensor,
+def streaming_topk_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_index: torch.Tensor | range,
                           topk: int, scale: float, *, query_block: int = 256,
                           key_block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`streaming_topk` with the selected keys' index scores: ``(scores [b, s, k]`` float32, ``-inf`` at
@@ -80,10 +86,13 @@ def streaming_topk_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Te
     out_vals = q.new_empty(b, s, k)
     out_ids = torch.empty(b, s, k, dtype=torch.long, device=q.device)
     key_pos = torch.arange(t, device=q.device)
+    positions = query_index
+    if isinstance(query_index, range):
+        positions = torch.arange(query_index.start, query_index.stop, query_index.step, device=q.device)
     for q0 in range(0, s, query_block):
         q1 = min(q0 + query_block, s)
-        qi = query_index[q0:q1]
-        last = int(qi.max())
+        qi = positions[q0:q1]
+        last = query_index[q1 - 1] if isinstance(query_index, range) else int(qi.max())
         vals = q.new_empty(b, q1 - q0, 0)
         ids = torch.empty(b, q1 - q0, 0, dtype=torch.long, device=q.device)
         for k0 in range(0, min(last + 1, t), key_block):  # blocks after the block's last query: nothing visible
