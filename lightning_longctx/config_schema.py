@@ -312,9 +312,10 @@ TASK_SCHEMAS = {
         "eval_pass_threshold", "eval_data"), _DECLARED),
     # multi-turn tool rollouts: env (a _target_ node, deep-copied per branch), max_turn_tokens, turn_end_ids
     "calculator_grpo": task_schema("calculator_grpo", "longstraw", ((LongStrawModule, ""),
-                                                                    (calculator_dataloader, "")), (
+                                                                    (calculator_dataloader, ""), _EVAL), (
         "seq_len", "num_prompts", *_LONGSTRAW_KNOBS, "max_turn_tokens", "turn_end_ids", "env", "max_operand",
-        "top_p", "top_k", "seed", "num_workers"), {**_DECLARED, "env": (Any, {})}),
+        "top_p", "top_k", "seed", "num_workers", "eval_every_n_steps", "eval_samples", "eval_greedy",
+        "eval_pass_threshold", "eval_data"), {**_DECLARED, "env": (Any, {})}),
     "text_sft": task_schema("text_sft", "sft", ((LongSFTModule, ""), (text_sft_dataloader, "")), ("seq_len", "lr")),
 }
 NeedleGRPOConf, LongSFTConf = TASK_SCHEMAS["needle_grpo"], TASK_SCHEMAS["long_sft"]

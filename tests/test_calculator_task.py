@@ -1,5 +1,6 @@
 """``task=calculator_grpo``: the calculator environment between generation turns, its tokens masked, its output
-read by the model's next turn, and two optimizer steps of ``longctx-train`` (in process, one rank)."""
+read by the model's next turn, and two optimizer steps of ``longctx-train`` (in process, one rank) with a
+held-out evaluation of episodes at the end."""
 
 from __future__ import annotations
 
@@ -110,12 +111,14 @@ def test_longctx_train_runs_two_steps_of_the_calculator_task(tmp_path, monkeypat
     with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "task=calculator_grpo", "trainer=smoke", "cluster.devices=1", "task.seq_len=48", "task.group_size=3",
-            "task.max_new_tokens=10", "task.max_turn_tokens=4", "task.max_operand=9",
+            "task.max_new_tokens=10", "task.max_turn_tokens=4", "task.max_operand=9", "task.eval_every_n_steps=2",
+            "task.eval_samples=2", "task.eval_greedy=false", "task.eval_data.num_prompts=2",
             f"logger.tensorboard.save_dir={tmp_path}", f"trainer.default_root_dir={tmp_path}"])
     trainer = cli.run_train(cfg)
     assert trainer.global_step == 2
     module = trainer.lightning_module
     assert isinstance(module.env, Calculator) and module.turn_kwargs == {"max_turn_tokens": 4, "turn_end_ids": (3,)}
     assert "train/reward_mean" in trainer.callback_metrics
+    assert "val/reward_mean" in trainer.callback_metrics  # held-out episodes, the calculator answering
     assert len(masks) == 2 and all(len(m) == 3 for m in masks)  # one group of G=3 per step
     assert any(not bool(m.all()) for group in masks for m in group)  # the calculator's tokens, masked out
