@@ -94,3 +94,16 @@ def test_the_kernels_on_the_gpu_are_the_package_backend_choice(monkeypatch):
     monkeypatch.setitem(attention_cuda.KERNELS, "flash_attn_forward", object())
     monkeypatch.setitem(attention_cuda.KERNELS, "flash_attn_backward", object())
     assert "flash-attn 2" in kernels("tiny")
+
+
+def test_every_documented_sync_names_a_function_that_exists():
+    """A documented sync whose function moved would fail every rehearsal that reaches it: name it here first."""
+    import pathlib
+    import re
+
+    import lightning_longctx
+    from lightning_longctx.rehearse.gpu_checks import DOCUMENTED_SYNCS
+
+    package = pathlib.Path(lightning_longctx.__file__).parent
+    for file, function in DOCUMENTED_SYNCS:
+        assert re.search(rf"^\s*def {function}\(", (package / file).read_text(), re.M), (file, function)
