@@ -8,6 +8,10 @@ not counted). The loss is chunked (``logits_chunk_size``) so no ``[S, vocab]`` l
 Example (the figure in docs/dsa.md)::
 
     python bench/dsa_memory.py --seq 4096 16384 65536 --index-topk 256 --index-heads 2 --index-head-dim 8
+
+``--longstraw G``: instead, one exact ``longstraw_step`` (``prompt_grad="full"``: prefill, ``G`` replays of
+``--response`` tokens, the grouped backward) over a prompt of each length, its peak beside the prompt state's
+bytes (``models.dsa.prompt_state_bytes``; float32 here).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import time
 
 import torch
 
+from lightning_longctx.longstraw import StepMemory, longstraw_step
 from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+from lightning_longctx.models.dsa import prompt_state_bytes
 from lightning_longctx.ops.tracker import MemoryTracker
 
 MIB = 2**20
@@ -32,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--query-block", type=int, default=1024, help="queries per tile (indexer and attention)")
     p.add_argument("--key-block", type=int, default=4096, help="keys per tile of the streaming top-k")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--longstraw", type=int, default=0, metavar="G", help="measure a longstraw_step with G responses")
+    p.add_argument("--response", type=int, default=16, help="tokens per response (--longstraw)")
     return p.parse_args(argv)
 
 
@@ -50,11 +58,35 @@ def tiny_dsa(args) -> DecoderLM:
     return model
 
 
+def longstraw_rows(model, args) -> None:
+    """One ``longstraw_step`` per prompt length: its peak live bytes and the prompt state's."""
+    config = model.config
+    model.train()
+    print("| prompt tokens | G x response | step peak MiB | peak bytes / prompt token | prompt state MiB | seconds |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for seq in args.seq:
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, 64, (seq,), generator=g)
+        responses = [torch.randint(0, 64, (args.response,), generator=g) for _ in range(args.longstraw)]
+        advantages = torch.linspace(-1, 1, args.longstraw, dtype=torch.float64)
+        state = sum(prompt_state_bytes(config, i, seq, 1, 4) for i in range(config.num_hidden_layers))
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with MemoryTracker() as mem:
+            longstraw_step(model, prompt, responses, advantages, memory=StepMemory(logits_chunk_size=4096))
+        seconds = time.perf_counter() - start
+        print(f"| {seq} | {args.longstraw} x {args.response} | {mem.peak_bytes / MIB:.1f} | "
+              f"{mem.peak_bytes / seq:.0f} | {state / MIB:.2f} | {seconds:.1f} |", flush=True)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = tiny_dsa(args)
+    if args.longstraw:
+        longstraw_rows(model, args)
+        return
     print("| tokens | peak live MiB | peak bytes / token | dense [H_I, S, S] fp32 scores MiB | seconds |")
     print("|---:|---:|---:|---:|---:|")
     for seq in args.seq:
