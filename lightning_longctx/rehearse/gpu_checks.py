@@ -59,13 +59,15 @@ DOCUMENTED_SYNCS = {
     ("longstraw/checks.py", "validate_group"): "the group's input checks, before any work",
     ("longstraw/sampling.py", "validate_sampling"): "the sampler's input checks, before any work",
     ("longstraw/step.py", "longstraw_step"): "the step's statistics (loss, KL, clipped, entropy), once per group",
+    ("longstraw/checks.py", "check_response_masks"): "the response masks' check (multi-turn rollouts), before any "
+                                                     "work",
     ("training/rewards.py", "_checked_rewards"): "the rewards' finiteness check, once per group",
     ("training/longstraw_module.py", "clip_and_measure"): "the gradient norm logged (train/grad_norm), once per "
                                                           "step",
     ("longstraw/prefix.py", "check_prompt_state"): "a prompt state's match check (torch.equal of the prompt ids), "
                                                    "once per use of the state",
-    ("training/rewards.py", "_log_step"): "the step's logged metrics (each group's reward mean and "
-                                                   "std), after the update",
+    ("training/rewards.py", "_log_step"): "the step's logged metrics (each group's reward mean and std), after "
+                                          "the update",
     ("parallel/expert_parallel.py", "exchange_counts"): "the expert-parallel token counts (the collective's "
                                                         "split sizes are host ints), once per MoE dispatch",
 }
