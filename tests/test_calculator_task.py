@@ -120,5 +120,6 @@ def test_longctx_train_runs_two_steps_of_the_calculator_task(tmp_path, monkeypat
     assert isinstance(module.env, Calculator) and module.turn_kwargs == {"max_turn_tokens": 4, "turn_end_ids": (3,)}
     assert "train/reward_mean" in trainer.callback_metrics
     assert "val/reward_mean" in trainer.callback_metrics  # held-out episodes, the calculator answering
+    assert trainer.callback_metrics["train/env_tokens"] > 0 and trainer.callback_metrics["train/turns"] >= 1
     assert len(masks) == 2 and all(len(m) == 3 for m in masks)  # one group of G=3 per step
     assert any(not bool(m.all()) for group in masks for m in group)  # the calculator's tokens, masked out

@@ -451,7 +451,7 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         reset_device_peak(prompts[0].device)
         start = time.perf_counter()
-        groups: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []  # (step output, rewards, responses)
+        groups: list[tuple[Any, torch.Tensor, Rollout]] = []  # (step output, rewards, rollout)
         for index, prompt in enumerate(prompts):
             trained = self._group_step(batch, extra, index, prompt, len(prompts), batch_idx, sp_group, dp_group)
             if trained is not None:
@@ -509,7 +509,7 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
                              memory=self.step_memory, groups=self.step_groups(sp_group, dp_group),
                              old_logprobs=old, ref_logprobs=ref, response_masks=rollout.masks, prompt_state=state,
                              progress=self.progress)
-        return out, rewards.cpu(), responses
+        return out, rewards.cpu(), rollout
 
     def average_accumulated_gradients(self, groups: int) -> None:
         """Divide the gradients summed over the step's ``groups`` by their number (the mean over prompts)."""

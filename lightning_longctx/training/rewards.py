@@ -166,10 +166,13 @@ class GroupRewards:
     def _log_step(self, groups: list, loss: float, grad_norm: float, lr: float, seconds: float,
                   device: torch.device) -> None:
         """The step's metrics: means over its groups (``train/loss`` the step's loss), throughput over the whole
-        step, ``train/prompts`` = prompts trained on so far (all DP ranks)."""
+        step, ``train/prompts`` = prompts trained on so far (all DP ranks). ``groups``: ``(step output, rewards
+        [G], rollout)`` per group. Multi-turn rollouts add ``train/turns`` (environment answers per episode) and
+        ``train/env_tokens`` (the environment's tokens per response; ``train/response_length`` counts both)."""
         outs = [out for out, _, _ in groups]
         rewards = [r for _, r, _ in groups]
-        lengths = torch.tensor([float(x.numel()) for _, _, responses in groups for x in responses])
+        lengths = torch.tensor([float(x.numel()) for _, _, rollout in groups for x in rollout.responses])
+        episodes = [e for _, _, rollout in groups for e in (rollout.episodes or [])]
         dp_group = self._mesh_group("dp")
         self.prompts_trained += len(groups) * (group_size(dp_group) if dp_group is not None else 1)
 
@@ -186,6 +189,9 @@ class GroupRewards:
             "train/peak_memory_gib": device_peak_bytes(device) / 2**30,
             "train/grad_norm": grad_norm, "train/lr": lr, "train/prompts": float(self.prompts_trained),
         }
+        if episodes:
+            metrics["train/turns"] = mean(float(e.turns) for e in episodes)
+            metrics["train/env_tokens"] = mean(float(e.mask.numel() - e.mask.count_nonzero()) for e in episodes)
         self.reward_history.extend(r.mean().item() for r in rewards)
         self.log_dict(metrics, on_step=True, prog_bar=False, batch_size=1, rank_zero_only=True)
         self.log("reward", metrics["train/reward_mean"], prog_bar=True, batch_size=1, rank_zero_only=True)
