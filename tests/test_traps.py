@@ -187,14 +187,16 @@ OVER_BUDGET = {  # each over its budget as configured
     "longstraw_lora": ("model=qwen3_8b", "cluster=node_8gpu", "memory=h100_80g", "task.seq_len=4194304",
                        "model.lora.r=16"),
     "sft_8m": ("model=llama3_8b", "cluster=node_8gpu", "memory=h100_80g", "task=long_sft", "task.seq_len=8388608"),
+    "moe_without_ep": ("model=qwen3_5_35b_a3b", "cluster=node_8gpu", "memory=h100_80g", "task.seq_len=655360",
+                       "memory.expert_parallel=off", "memory.budget_gib=88"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(OVER_BUDGET))
 def test_over_budget_suggestions_are_feasible(case):
     """Every suggestion, applied to the config as a Hydra override, plans within the budget; none asks a node for
-    more devices than it has (cluster.devices=16 on an 8-GPU node) or a context of <= 0 tokens; LoRA and
-    prefix-frozen LoRA are proposed where they fit."""
+    more devices than it has (cluster.devices=16 on an 8-GPU node) or a context of <= 0 tokens; LoRA,
+    prefix-frozen LoRA and expert parallelism are proposed where they fit."""
     from lightning_longctx.config_plan import check_plan, model_shape, plan_request
     from lightning_longctx.planner import PlanError, plan
     from lightning_longctx.planner.budget import suggestions
@@ -215,6 +217,8 @@ def test_over_budget_suggestions_are_feasible(case):
         assert "model.lora.r=16" in fixes and "no context fits as is (not even 1,024 tokens" in message, message
     if case == "longstraw_lora":
         assert "model.lora.on_prompt=false" in fixes, fixes
+    if case == "moe_without_ep":
+        assert "memory.expert_parallel=on" in fixes, fixes
 
 
 def test_a_plan_on_the_demo_defaults_says_so_first():
