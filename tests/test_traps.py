@@ -1,6 +1,9 @@
 """The traps of issue 26 item 6, each refused or fixed before it costs a run: ``group_size=1`` (GRPO trains
-nothing), ``task.data.shuffle=false`` (Lightning's sampler shuffled anyway), the text tasks without the ``[text]``
-extra, and a ``LongStrawModule`` subclass given the text task's arguments."""
+nothing), ``task.data.shuffle=false`` (Lightning's sampler shuffled anyway), each dp rank reading only its shard
+of the text data, the text tasks without the ``[text]`` extra, a ``LongStrawModule`` subclass given the text
+task's arguments, a transformers model's loss under the strategy (the 2-rank exactness check is
+tests/strategy_workers.py ``hf_check``), the planner's over-budget suggestions (each re-planned from its override)
+and its demo-defaults note, and the needle task's evaluation and completions."""
 
 from __future__ import annotations
 
