@@ -18,12 +18,18 @@ unspecified; with random weights they do not occur at the boundary, see tests/te
 sort: all scores above the ``k``-th best, then the lowest keys equal to it. A query that sees
 fewer than ``k`` keys selects all of them and pads with ``-1`` (transformers selects masked keys there, which its
 causal mask then removes: the same attention).
+Nothing is read on the host (no device sync, and fake tensors work): the taken candidates are gathered by
+position, not by a boolean mask, and with the queries' indices given as a ``range`` the key blocks to skip are
+known from Python ints. Candidate sets chosen apart (each rank's keys, a decoded row's own keys) merge into the
+global top-k with :func:`merge_topk` (:func:`streaming_topk_scores` returns the scores for it): the ``k`` best of
+a union are among the ``k`` best of each part, under the same order.
 
 Sparse attention (:func:`sparse_latent_attention`): per query block, the selected latent rows
 ``[b, query_block, k, w]`` are gathered and attended (softmax over at most ``k`` keys, in at least float32);
 under autograd each block runs under a non-reentrant checkpoint, so between forward and backward only the inputs
 are kept (the gathered rows are re-gathered in backward), and the latent's gradient is the scatter-add of the
-selected rows' gradients (autograd through the gather).
+selected rows' gradients (autograd through the gather). :func:`selected_attention` is the same softmax over
+rows already gathered, with the log-sum-exp, for partial attentions merged across ranks (decoding).
 """
 
 from __future__ import annotations
