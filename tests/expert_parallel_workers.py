@@ -42,15 +42,70 @@ def _local_rows(model, name: str, full: torch.Tensor) -> torch.Tensor:
     return full[owner.first_expert:owner.first_expert + len(owner.local_experts)]
 
 
-def _check_model(rank, world, group, config, memory, skew=False):
+class _KeysRead:
+    """``safe_open`` as :mod:`lightning_longctx.models.hf_io` uses it, recording the keys whose data it read."""
+
+    def __init__(self, real):
+        self.real, self.keys = real, []
+
+    def __call__(self, *args, **kwargs):
+        spy, handle = self, self.real(*args, **kwargs)
+
+        class Handle:
+            def __enter__(self):
+                self.f = handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def keys(self):
+                return self.f.keys()
+
+            def get_tensor(self, key):
+                spy.keys.append(key)
+                return self.f.get_tensor(key)
+
+            def get_slice(self, key):
+                spy.keys.append(key)
+                return self.f.get_slice(key)
+
+        return Handle()
+
+
+def _read_expert_shard(reference, memory, rank, world):
+    """``reference`` saved as a transformers checkpoint, read back with ``expert_shard=(rank, world)``; checks
+    that no other rank's expert was read."""
+    import tempfile
+
+    from lightning_longctx.models import DecoderLM, hf_io
+
+    directory = tempfile.mkdtemp(prefix=f"ep_shard_rank{rank}_")
+    reference.save_pretrained(directory)
+    spy, real = _KeysRead(hf_io.safe_open), hf_io.safe_open
+    hf_io.safe_open = spy
+    try:
+        model = DecoderLM.from_pretrained(directory, memory, expert_shard=(rank, world))
+    finally:
+        hf_io.safe_open = real
+    per_rank = reference.config.n_routed_experts // world
+    mine = range(rank * per_rank, (rank + 1) * per_rank)
+    read = {int(k.split(".mlp.experts.")[1].split(".")[0]) for k in spy.keys if ".mlp.experts." in k}
+    assert read == set(mine), f"rank {rank} read experts {sorted(read)}, owns {list(mine)}"
+    return model
+
+
+def _check_model(rank, world, group, config, memory, skew=False, read_shard=False):
+    """EP forward / backward == one process; ``read_shard``: the EP model read from a checkpoint with
+    ``from_pretrained(expert_shard=(rank, world))`` (each rank reads only its experts) instead of sliced."""
     reference = mla_model(config)
     if skew:
         _skew(reference)
     ids, labels = random_batch(config, seq=22)
+    model = _read_expert_shard(reference, memory, rank, world) if read_shard else copy_model(reference, memory)
     out = reference(ids, labels=labels)
     out.loss.backward()
     want_loss, want = out.loss.detach(), grads(reference)
-    model = copy_model(reference, memory)
     set_sequence_parallel_group(model, group)
     sharded = enable_expert_parallel(model, group)
     assert sharded == sum(isinstance(m, Experts) for m in reference.modules()) > 0
@@ -99,6 +154,7 @@ def check_all(rank, world):
         cases.append((mla_config(), MemoryConfig(activation_checkpointing=True, mlp_chunk_size=3), False))
     for config, memory, skew in cases:
         _check_model(rank, world, group, config, memory, skew)
+    _check_model(rank, world, group, qwen_moe_config(), MemoryConfig(), read_shard=True)
     _check_decode(rank, world, group)
     return True
 

@@ -260,11 +260,12 @@ class DecoderLM(nn.Module):
 
     # ------------------------------------------------------------------------------------- checkpoints
     @classmethod
-    def from_pretrained(cls, path, memory: MemoryConfig | None = None, *, dtype: torch.dtype | None = None):
+    def from_pretrained(cls, path, memory: MemoryConfig | None = None, *, dtype: torch.dtype | None = None,
+                        expert_shard: tuple[int, int] | None = None):
         """Load a local HF directory (llama, qwen2, qwen3, qwen3_5_text / qwen3_5_moe_text and a qwen3_5 / qwen3_5_moe
-        checkpoint's text tower, deepseek_v3, glm4_moe_lite, glm_moe_dsa, deepseek_v32); see
-        :func:`.hf_io.load_pretrained`."""
-        return hf_io.load_pretrained(cls, path, memory=memory, dtype=dtype)
+        checkpoint's text tower, deepseek_v3, glm4_moe_lite, glm_moe_dsa, deepseek_v32); ``expert_shard=(p, P)``
+        reads only expert-parallel rank ``p``'s routed experts; see :func:`.hf_io.load_pretrained`."""
+        return hf_io.load_pretrained(cls, path, memory=memory, dtype=dtype, expert_shard=expert_shard)
 
     def save_pretrained(self, path, *, max_shard_size: int | None = None) -> None:
         """Write a directory transformers loads back; see :func:`.hf_io.save_pretrained`. Refused with unmerged

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from . import hf_moe
 from .config import LINEAR_ATTENTION, MLA_MODEL_TYPES, MODEL_TYPES, DecoderConfig
+from .moe import Experts
 from .rope import rope_fields_from_hf, rope_fields_to_hf
 
 logger = logging.getLogger(__name__)
@@ -237,9 +238,10 @@ def _check_safetensors_header(file: Path) -> None:
         f.keys()
 
 
-def _read_tensors(path: Path, hf: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _read_tensors(path: Path, hf: dict, experts: range | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The decoder's tensors of the checkpoint at ``path``, under DecoderLM names (see :func:`checkpoint_key`),
-    and the file each came from (for the errors)."""
+    and the file each came from (for the errors). ``experts``: read only these routed experts (per-expert keys of
+    the others are never read; a fused ``[X, ...]`` weight is read as those rows, ``safe_open``'s slice)."""
     if (path / SINGLE_FILE).exists():
         files = [path / SINGLE_FILE]
     elif (path / INDEX_FILE).exists():
@@ -261,11 +263,18 @@ def _read_tensors(path: Path, hf: dict) -> tuple[dict[str, torch.Tensor], dict[s
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 name = checkpoint_key(hf, key)
-                if name is not None:
+                if name is None:
+                    if not key.endswith(_IGNORED_KEYS):
+                        skipped.append(key)
+                    continue
+                index = hf_moe.expert_index(name)
+                if experts is not None and index is not None and index not in experts:
+                    continue  # another rank's expert: never read
+                if experts is not None and hf_moe.fused_experts(name):
+                    tensors[name] = f.get_slice(key)[experts.start:experts.stop]  # this rank's rows only
+                else:
                     tensors[name] = f.get_tensor(key)
-                    sources[name] = file.name
-                elif not key.endswith(_IGNORED_KEYS):
-                    skipped.append(key)
+                sources[name] = file.name
     if skipped:
         groups = sorted({".".join(k.split(".")[:2]) if k.startswith("model.") else k.split(".")[0] for k in skipped})
         logger.info("%s: skipped %d tensors outside the text decoder (%s)", path, len(skipped), ", ".join(groups))
@@ -280,7 +289,24 @@ def _dtype_mismatch(stored: torch.dtype, expected: torch.dtype) -> bool:
     return stored != expected
 
 
-def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None):
+def _expert_slice(config: DecoderConfig, expert_shard: tuple[int, int] | None) -> range | None:
+    """The routed experts ``expert_shard = (p, P)`` reads (see :func:`load_pretrained`), checked."""
+    if expert_shard is None:
+        return None
+    rank, ranks = expert_shard
+    if not config.has_moe:
+        raise ValueError(f"expert_shard={expert_shard}: the {config.shape_model_type()} model has no routed experts")
+    if not (isinstance(ranks, int) and ranks >= 1 and isinstance(rank, int) and 0 <= rank < ranks):
+        raise ValueError(f"expert_shard={expert_shard} must be (rank, ranks) with 0 <= rank < ranks")
+    if config.n_routed_experts % ranks:
+        raise ValueError(f"expert_shard={expert_shard}: n_routed_experts={config.n_routed_experts} is not divisible "
+                         f"by {ranks} expert-parallel ranks")
+    per_rank = config.n_routed_experts // ranks
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None,
+                    expert_shard: tuple[int, int] | None = None):
     """Build ``cls(config, memory)`` from a local HF directory, with the checkpoint's weights.
 
     Args:
@@ -289,6 +315,11 @@ def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None)
             (a multimodal ``qwen3_5`` checkpoint loads its text decoder; see :func:`checkpoint_key`).
         memory: optional :class:`~lightning_longctx.models.MemoryConfig`.
         dtype: cast every parameter to this dtype; None keeps the stored dtype.
+        expert_shard: ``(p, P)``: read only expert-parallel rank ``p``'s routed experts of each MoE layer,
+            ``[p X / P, (p + 1) X / P)`` (a rank of a 671B DeepSeek-V3 job reads its 1/P of the experts, not all
+            of them); the model's :class:`~lightning_longctx.models.moe.Experts` then hold that slice and run
+            once expert parallelism over a group of ``P`` gives them their group (``UlyssesStrategy(
+            expert_parallel=True)``: ``p`` is the rank's SP index). None reads every expert.
     Raises:
         ValueError: unsupported model type or field (see :func:`config_from_hf`), or weights that do not
             match the architecture (missing, unexpected or wrongly shaped tensors, named).
@@ -304,13 +335,18 @@ def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None)
     except KeyError as err:
         raise ValueError(f"{path / 'config.json'} has no field {err.args[0]!r}, which model_type="
                          f"{hf.get('model_type')!r} needs") from err
-    tensors, sources = _read_tensors(path, hf)
+    experts = _expert_slice(config, expert_shard)
+    tensors, sources = _read_tensors(path, hf, experts)
     if config.has_moe:  # one module per expert on disk, two 3-D weights per layer in the model
-        tensors = hf_moe.merge_experts(tensors, config.n_routed_experts)
+        tensors = hf_moe.merge_experts(tensors, experts or range(config.n_routed_experts))
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied: the embedding matrix is the output matrix
     with torch.device("meta"):
         model = cls(config, memory)
+        if experts is not None:
+            for module in model.modules():
+                if isinstance(module, Experts):
+                    module.keep_experts(experts)
     tied = config.tie_word_embeddings
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     missing = sorted(set(expected) - set(tensors))
@@ -338,6 +374,11 @@ def save_pretrained(model, path, *, max_shard_size: int | None = None) -> None:
         max_shard_size: bytes per file; larger models are split into ``model-0000i-of-0000n.safetensors``
             with an index. None = one file.
     """
+    sliced = [name for name, m in model.named_modules() if isinstance(m, Experts) and m.sharded]
+    if sliced:  # a checkpoint of one rank's experts would load as a wrong model
+        raise ValueError(f"{sliced[0]} (and {len(sliced) - 1} more) hold one expert-parallel rank's slice of the "
+                         "routed experts; save from a model with every expert (longctx-export of the run's "
+                         "distributed checkpoint gathers them)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config

@@ -199,8 +199,21 @@ def skipped_key(hf: dict, key: str) -> bool:
     return match is not None and int(match.group(1)) >= layers
 
 
-def merge_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint tensors -> the model's ``experts.gate_up_proj`` / ``experts.down_proj``.
+def expert_index(key: str) -> int | None:
+    """The routed expert a per-expert checkpoint key belongs to (``...mlp.experts.{j}.gate_proj.weight`` -> j)."""
+    match = _EXPERT_KEY.match(key)
+    return int(match.group(2)) if match else None
+
+
+def fused_experts(key: str) -> bool:
+    """Whether ``key`` is a fused ``[X, ...]`` expert weight (the model's layout, also read from disk)."""
+    return key.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+
+
+def merge_experts(tensors: dict[str, torch.Tensor], experts: range) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors of the routed experts ``experts`` (all of them: ``range(X)``; one rank's
+    slice under expert parallelism) -> the model's ``experts.gate_up_proj`` / ``experts.down_proj`` (rows in
+    ``experts`` order).
 
     Raises:
         ValueError: a layer whose experts are incomplete (naming the layer and the missing ones)."""
@@ -214,12 +227,12 @@ def merge_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[st
         prefix, index, kind = match.group(1), int(match.group(2)), match.group(3)
         per_layer.setdefault(prefix, {}).setdefault(kind, {})[index] = tensor
     for prefix, kinds in per_layer.items():
-        missing = {kind: sorted(set(range(num_experts)) - set(kinds.get(kind, {})))
+        missing = {kind: sorted(set(experts) - set(kinds.get(kind, {})))
                    for kind in ("gate_proj", "up_proj", "down_proj")}
         missing = {k: v for k, v in missing.items() if v}
         if missing:
-            raise ValueError(f"{prefix}: the checkpoint lacks experts {missing} of n_routed_experts={num_experts}")
-        stacked = {kind: torch.stack([kinds[kind][j] for j in range(num_experts)]) for kind in kinds}
+            raise ValueError(f"{prefix}: the checkpoint lacks experts {missing} of {experts}")
+        stacked = {kind: torch.stack([kinds[kind][j] for j in experts]) for kind in kinds}
         out[f"{prefix}.gate_up_proj"] = torch.cat((stacked["gate_proj"], stacked["up_proj"]), dim=1)
         out[f"{prefix}.down_proj"] = stacked["down_proj"]
     return out

@@ -294,26 +294,51 @@ class Experts(nn.Module):
         """The global ids of the experts this rank holds."""
         return range(self.first_expert, self.first_expert + self.experts_per_rank)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank holds only its slice of the routed experts (:meth:`shard_experts`, or read so by
+        ``DecoderLM.from_pretrained(expert_shard=...)``)."""
+        return self.experts_per_rank != self.num_experts
+
+    def keep_experts(self, experts: range) -> None:
+        """Keep only the routed experts ``experts`` (contiguous global ids): the weights become their rows
+        (``[len(experts), 2I, E]`` / ``[len(experts), E, I]``; on the meta device too, as the checkpoint reader
+        builds them). The EP group is set by :meth:`shard_experts`; until then the module refuses to run."""
+        if self.sharded:
+            raise ValueError(f"keep_experts: the experts are already the slice {self.local_experts}")
+        if experts.step != 1 or not 0 <= experts.start < experts.stop <= self.num_experts:
+            raise ValueError(f"keep_experts({experts}) must be a contiguous range inside [0, {self.num_experts})")
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(self, name)
+            local = nn.Parameter(full.detach()[experts.start:experts.stop].clone(), requires_grad=full.requires_grad)
+            setattr(self, name, local)
+        self.first_expert, self.experts_per_rank = experts.start, len(experts)
+
     def shard_experts(self, group: dist.ProcessGroup | None) -> None:
         """Keep only this rank's contiguous slice of the routed experts (expert parallelism over ``group``, the
         SP group): rank ``p`` of ``P`` keeps experts ``[p X / P, (p + 1) X / P)``. Run it before the optimizer
-        and FSDP2 see the parameters (it replaces them); ``requires_grad`` is kept."""
+        and FSDP2 see the parameters (it replaces them); ``requires_grad`` is kept. Experts read as this rank's
+        slice (``from_pretrained(expert_shard=(p, P))``) only join the group: their slice must be rank ``p``'s."""
         world, rank = group_size(group), group_rank(group)
         if self.expert_group is not None:
             raise ValueError("shard_experts: the experts are already sharded")
         if self.num_experts % world:
             raise ValueError(f"expert parallelism over {world} ranks needs n_routed_experts divisible by {world}, "
                              f"got {self.num_experts}")
+        per_rank = self.num_experts // world
+        owned = range(rank * per_rank, (rank + 1) * per_rank)
+        if self.sharded and self.local_experts != owned:
+            read = self.local_experts
+            raise ValueError(f"the experts were read as [{read.start}, {read.stop}) but rank {rank} of an "
+                             f"expert-parallel group of {world} owns [{owned.start}, {owned.stop}): read the "
+                             f"checkpoint with expert_shard=({rank}, {world})")
         if world == 1:
             return
-        per_rank = self.num_experts // world
-        start = rank * per_rank
+        if not self.sharded:
+            self.keep_experts(owned)
         for name in ("gate_up_proj", "down_proj"):
-            full = getattr(self, name)
-            local = nn.Parameter(full.detach()[start:start + per_rank].clone(), requires_grad=full.requires_grad)
-            mark_expert_shard(local, group)
-            setattr(self, name, local)
-        self.expert_group, self.first_expert, self.experts_per_rank = group, start, per_rank
+            mark_expert_shard(getattr(self, name), group)
+        self.expert_group = group
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate_up_proj, std=self.std)
@@ -335,6 +360,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``sum_j weights[n, j] * expert_{indices[n, j]}(x[n])``: ``x [N, E]``, ``indices, weights [N, k]`` ->
         ``[N, E]`` in ``x``'s dtype; the matmuls in :func:`compute_dtype`."""
+        if self.sharded and self.expert_group is None:
+            raise RuntimeError(f"experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1} of "
+                               f"{self.num_experts} were read as one rank's slice: run them under expert parallelism "
+                               "(UlyssesStrategy(expert_parallel=True), or shard_experts(group))")
         dtype = compute_dtype(x)
         if not _TOKENS_REPLICATED and training_pass():  # the load of training forwards (not decoding, no recompute)
             self._count(indices)

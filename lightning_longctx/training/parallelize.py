@@ -252,13 +252,13 @@ def register_prefix_state_methods(roots: list[nn.Module]) -> int:
 def broadcast_replicas(module: nn.Module, src: int = 0) -> None:
     """Make every replica equal to rank ``src``'s (``"replicate"`` mode: ranks may have initialised apart).
 
-    Expert-parallel experts already sharded (:meth:`~lightning_longctx.models.moe.Experts.shard_experts`) are
-    not replicas: each rank holds its own slice (and under FSDP2 its own shard of it), so they keep what the
-    rank made, as every parameter does under ``sharding="fsdp"``; broadcasting rank ``src``'s slice would
-    overwrite the other ranks' experts with its own."""
+    Expert-parallel experts already sharded (:meth:`~lightning_longctx.models.moe.Experts.shard_experts`, or read
+    as this rank's slice by ``from_pretrained(expert_shard=...)``) are not replicas: each rank holds its own slice
+    (and under FSDP2 its own shard of it), so they keep what the rank made, as every parameter does under
+    ``sharding="fsdp"``; broadcasting rank ``src``'s slice would overwrite the other ranks' experts with its own."""
     from torch.distributed.tensor import DTensor
 
-    sharded_experts = {id(p) for m in module.modules() if isinstance(m, Experts) and m.expert_group is not None
+    sharded_experts = {id(p) for m in module.modules() if isinstance(m, Experts) and m.sharded
                        for p in m.parameters(recurse=False)}
     locals_ = [p.to_local() if isinstance(p, DTensor) else p.data for p in module.parameters()
                if id(p) not in sharded_experts]
