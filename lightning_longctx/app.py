@@ -90,8 +90,10 @@ def _attach_lora(model, lora) -> None:
                    on_prompt=bool(lora.get("on_prompt", True)))
 
 
-def build_model(cfg: DictConfig):
-    """The model for ``cfg``.
+def build_model(cfg: DictConfig, expert_shard: tuple[int, int] | None = None):
+    """The model for ``cfg``. ``expert_shard=(p, P)``: a ``model.pretrained`` checkpoint's routed experts are read
+    only for expert-parallel rank ``p`` of ``P`` (``DecoderLM.from_pretrained(expert_shard=...)``; a random init
+    builds them all and the strategy slices them).
 
     Without ``model._target_``: ``DecoderLM`` from ``cfg.model`` (random init, or ``model.pretrained``) with
     ``cfg.memory``'s knobs (:func:`model_memory_knobs`), and LoRA adapters when ``model.lora.r`` is set.
@@ -118,7 +120,7 @@ def build_model(cfg: DictConfig):
             _attach_lora(model, lora)
         return model
     if cfg.model.pretrained:
-        model = DecoderLM.from_pretrained(cfg.model.pretrained, memory=memory)
+        model = DecoderLM.from_pretrained(cfg.model.pretrained, memory=memory, expert_shard=expert_shard)
     else:
         model = DecoderLM(decoder_config(cfg.model), memory)
     _attach_lora(model, lora)  # a frozen base, trainable adapters (model.lora.r=16)

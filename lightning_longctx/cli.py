@@ -211,21 +211,25 @@ def run_train(cfg: DictConfig) -> Any:
     if ckpt_path is not None and _is_rank_zero():
         log.info("resuming from %s", ckpt_path)
     loggers = build_loggers(cfg)  # a logger whose package is missing (mlflow, wandb) stops here, before the model
-    pl.seed_everything(cfg.seed, workers=True)
-    model = build_model(cfg)
-    module, data = build_task(cfg, model)
-    if cfg.task.mode == "longstraw" and getattr(module, "progress", "") is None:
-        # log lines with an ETA for phases longer than 30 s (a bar would fight Lightning's own progress bar)
-        module.progress = PhaseProgress(mode="log", min_interval_s=30.0)
     cluster = cfg.cluster
+    expert_parallel = expert_parallel_choice(cfg)
     strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
                                sharding=cluster.sharding, process_group_backend=cluster.process_group_backend,
-                               timeout=timeout, on_nonfinite=cfg.on_nonfinite,
-                               expert_parallel=expert_parallel_choice(cfg))
+                               timeout=timeout, on_nonfinite=cfg.on_nonfinite, expert_parallel=expert_parallel)
     trainer = pl.Trainer(
         strategy=strategy, accelerator=cluster.accelerator, devices=cluster.devices, num_nodes=cluster.num_nodes,
         precision=precision, logger=loggers, **kwargs,
     )
+    # expert parallelism: each rank reads only its routed experts (its EP index = its SP index: the mesh is
+    # (dp, sp) with sp innermost); the Trainer knows this process' rank before any process group exists
+    sp = strategy.sp_size
+    expert_shard = (trainer.global_rank % sp, sp) if expert_parallel and sp > 1 else None
+    pl.seed_everything(cfg.seed, workers=True)
+    model = build_model(cfg, expert_shard=expert_shard)
+    module, data = build_task(cfg, model)
+    if cfg.task.mode == "longstraw" and getattr(module, "progress", "") is None:
+        # log lines with an ETA for phases longer than 30 s (a bar would fight Lightning's own progress bar)
+        module.progress = PhaseProgress(mode="log", min_interval_s=30.0)
     try:
         untrusted = not cfg.trust_checkpoint  # weights-only resume (lightning_longctx.safe_load)
         if isinstance(data, pl.LightningDataModule):

@@ -336,6 +336,9 @@ def load_pretrained(cls, path, *, memory=None, dtype: torch.dtype | None = None,
         raise ValueError(f"{path / 'config.json'} has no field {err.args[0]!r}, which model_type="
                          f"{hf.get('model_type')!r} needs") from err
     experts = _expert_slice(config, expert_shard)
+    if experts is not None:
+        logger.info("%s: reading routed experts [%d, %d) of %d (expert-parallel rank %d of %d)", path, experts.start,
+                    experts.stop, config.n_routed_experts, *expert_shard)
     tensors, sources = _read_tensors(path, hf, experts)
     if config.has_moe:  # one module per expert on disk, two 3-D weights per layer in the model
         tensors = hf_moe.merge_experts(tensors, experts or range(config.n_routed_experts))
