@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_module
 from distributed import run_distributed
 from lightning_longctx import cli
 from lightning_longctx.config_checks import ConfigError
-from traps_workers import prompt_order
+from traps_workers import prompt_order, shard_refusal
 
 pytestmark = pytest.mark.usefixtures("leave_no_process_group")  # tests/conftest.py (also hf_dir, qa_jsonl)
 
@@ -109,6 +109,17 @@ def test_each_dp_rank_reads_and_tokenizes_only_its_shard_and_resumes_exactly(hf_
         resumed.load_state_dict(state)
         assert epoch_of(resumed, 0) == full[2:4] and epoch_of(resumed, 1) == full[4:]
     assert shards == [rows[:4], rows[4:] + rows[4:5]]
+
+
+def test_a_prompt_one_rank_refuses_stops_every_rank_at_once(hf_dir, tmp_path):
+    """Rows 2-3 are rank 1's shard of dp=2 and row 3 is too long: rank 1 refuses it naming the row of the whole
+    data set, and rank 0 stops with it in setup (instead of waiting in the next collective for a timeout)."""
+    rows = [{"prompt": "the magic word is ember ."}] * 3 + [{"prompt": " ".join(["word"] * 80)}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    first, second = run_distributed(shard_refusal, 2, str(hf_dir), str(path), timeout=120.0)
+    assert second.startswith("1 prompt(s) longer than task.seq_len=50 tokens: row 3 ("), second
+    assert first == f"rank 1 refused its shard of task.data: {second}", first
 
 
 def test_the_text_tasks_without_the_text_extra_name_it(monkeypatch, qa_jsonl, hf_dir):

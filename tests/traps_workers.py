@@ -27,3 +27,20 @@ def prompt_order(rank: int, world: int, hf_dir: str, data_path: str, shuffle: bo
                          enable_model_summary=False)
     trainer.fit(module, data)
     return seen
+
+
+def shard_refusal(rank: int, world: int, hf_dir: str, data_path: str) -> str:
+    """What ``TextPromptData.setup`` raises on this dp rank (the process group is up; the Trainer's dp layout
+    stands in as its ``distributed_sampler_kwargs``), or ``"no error"``."""
+    from types import SimpleNamespace
+
+    from lightning_longctx.tasks.text_data import TextPromptData
+
+    data = TextPromptData(data_path, seq_len=50, tokenizer_path=hf_dir)
+    data.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": world,
+                                                                                        "rank": rank}))
+    try:
+        data.setup("fit")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
