@@ -16,6 +16,7 @@ import torch
 from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step, sample
 from lightning_longctx.longstraw.offload import DeferredStreams, HostStager, simulated_streams
 from lightning_longctx.longstraw.step import prefill_for_step
+from lightning_longctx.ops import host_pages
 from models_common import single_thread  # noqa: F401 - autouse fixture
 from test_longstraw import make_group, tiny_model
 
@@ -53,7 +54,7 @@ def float_model(chunk=1, seed=0, hybrid=False):
 def run_step(offload: bool, streams=None, *, prefilled: bool = False, **options):
     """Loss, log-probs and every parameter gradient of one exact step (a fresh model, same seed)."""
     model = float_model(options.pop("chunk", 1), hybrid=options.pop("hybrid", False))
-    prompt, responses, advantages = make_group(3, prompt_len=23)
+    prompt, responses, advantages = make_group(3, prompt_len=options.pop("prompt_len", 23))
     memory = StepMemory(offload_prompt_cache=offload, measure_memory=False, **options)
     with simulated_streams(streams):
         state = None
@@ -77,12 +78,12 @@ def test_deferred_copies_land_only_when_waited_on():
     stager = HostStager("cpu", streams)
     t = torch.arange(6.0)
     host = stager.to_host(t)
-    assert torch.isnan(host).all()  # in flight
+    assert torch.isnan(host.to("cpu")).all()  # in flight (host pages, read as they are now)
     stager.prefetch("k", [host])
     copy, = stager._inflight["k"][0]
     assert torch.isnan(copy).all()
     fetched, = stager.fetch("k", [host])  # waits for its event: the host copy first (FIFO), then the prefetch
-    assert fetched is copy and torch.equal(fetched, t) and torch.equal(host, t)
+    assert fetched is copy and torch.equal(fetched, t) and torch.equal(host.to("cpu"), t)
 
 
 @pytest.mark.parametrize("options", [
@@ -91,6 +92,23 @@ def test_deferred_copies_land_only_when_waited_on():
 ])
 def test_offload_on_and_off_give_bitwise_equal_steps(options):
     assert_bitwise_equal(run_step(False, **options), run_step(True, **options))
+
+
+@pytest.mark.parametrize("options", [
+    dict(chunk=1, keep_attention_output="host"),
+    dict(chunk=1, hybrid=True, offload_checkpoints=True, prompt_len=150, state_segment=64, prompt_checkpoint_every=2),
+])
+def test_offload_over_many_small_pages_gives_bitwise_the_same_step(monkeypatch, options):
+    """256-byte host pages: every host copy (K/V, their sums, kept attention outputs, checkpoints, the linear
+    layers' segment states) spans many pages and a partial last one, each copied on its own and landing
+    late; the step is still bitwise the one without offload."""
+    monkeypatch.setattr(host_pages, "PAGE_BYTES", 256)
+    made = []
+    real = host_pages.PagedHostTensor.empty
+    monkeypatch.setattr(host_pages.PagedHostTensor, "empty",
+                        classmethod(lambda cls, *a, **k: made.append(real(*a, **k)) or made[-1]))
+    assert_bitwise_equal(run_step(False, **options), run_step(True, **options))
+    assert max(len(h.pages) for h in made) > 4
 
 
 def test_the_unordered_host_copies_of_issue_22_are_caught():

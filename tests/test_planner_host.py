@@ -1,7 +1,7 @@
 """The planner's host budget, segment checkpoints of the prompt and the detached step's plan (issue 25):
 ``planner/host.py``, ``planner/longstraw.py``, ``planner/budget.py``.
 
-Formulas by hand (the per-rank host budget, pinned blocks as torch's caching host allocator rounds them, the
+Formulas by hand (the per-rank host budget, pinned pages as ``ops.host_pages`` allocates them, the
 live layer inputs of a segmented grouped backward), the structure (the host budget stops a plan and bounds the
 longest context; ``auto`` picks 1 when it fits, else the least memory), and the tracker: on the tiny preset the
 planned peak of the step with segments and of the detached step (``prompt_grad="none"``, prefix-frozen LoRA) is
@@ -18,11 +18,13 @@ import pytest
 import torch
 
 from lightning_longctx.planner import GIB, ClusterShape, MemoryKnobs, PlanError, check_budget, max_context, plan
+from lightning_longctx.ops import host_pages
+from lightning_longctx.ops.host_pages import PagedHostTensor
 from lightning_longctx.planner.host import (
+    PAGE_BYTES,
     host_budget_bytes,
     live_checkpoints,
     pinned_block,
-    pinned_round_threshold,
     recomputed_layers,
 )
 from lightning_longctx.planner.longstraw import choose_prompt_checkpoint_every
@@ -49,16 +51,85 @@ def test_host_budget_per_rank_is_the_nodes_share_less_the_reserve():
         MemoryKnobs(prompt_checkpoint_every=0)
 
 
-def test_pinned_blocks_are_powers_of_two_on_gpus_unless_over_the_round_threshold():
-    """torch's CachingHostAllocator rounds each pinned request up to a power of two (``PowerOf2Ceil``) up to
-    ``pinned_max_round_threshold_mb`` (unlimited by default): a 2.49 GiB layer input holds a 4 GiB block."""
+def test_pinned_pages_hold_less_than_one_page_more_than_the_tensor():
+    """A tensor offloaded to a GPU cluster's host is pages of 64 MiB and its rest in one power-of-two block, so
+    Qwen3.5-27B's 2.49 GiB layer input at 2,088,960 tokens on 8 ranks holds 2.5 GiB (not the 4 GiB block the
+    caching host allocator's ``PowerOf2Ceil`` would give one request), and Llama3-8B's 5 GiB one at 5,242,880
+    exactly 5 GiB (not 8)."""
     gpu, cpu = ClusterShape(devices=8), ClusterShape(accelerator="cpu")
-    checkpoint = 261_120 * 5120 * 2  # Qwen3.5-27B's layer input at 2,088,960 prompt tokens on 8 ranks
-    assert pinned_block(checkpoint, gpu, {}) == 4 * GIB and pinned_block(checkpoint, cpu, {}) == checkpoint
-    assert pinned_block(GIB, gpu, {}) == GIB and pinned_block(GIB + 1, gpu, {}) == 2 * GIB
-    conf = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,pinned_max_round_threshold_mb:64"}
-    assert pinned_round_threshold(conf) == 64 * 2**20 and pinned_round_threshold({}) is None
-    assert pinned_block(checkpoint, gpu, conf) == checkpoint and pinned_block(3 * 2**20, gpu, conf) == 4 * 2**20
+    checkpoint = 261_120 * 5120 * 2
+    assert pinned_block(checkpoint, gpu) == 2.5 * GIB and pinned_block(checkpoint, cpu) == checkpoint
+    assert pinned_block(655_360 * 4096 * 2, gpu) == 5 * GIB
+    assert pinned_block(GIB + 1, gpu) == GIB + 1 and pinned_block(3 * 2**20, gpu) == 4 * 2**20
+    assert pinned_block(PAGE_BYTES + 5 * 2**20, gpu) == PAGE_BYTES + 8 * 2**20
+
+
+SIZES = [1, 3, 1000, 2**20, 3 * 2**20 + 7, 2**26 - 1, 2**26, 2**26 + 1, 5 * 2**26 + 3 * 2**24 + 5, 40 * 2**27 + 1]
+
+
+def test_the_planner_charges_the_pages_the_host_store_allocates():
+    """``planner.host.pinned_block`` (torch-free arithmetic) against ``ops.host_pages``: the page size, the
+    page sizes of each tensor, and the bytes of the pages a :class:`PagedHostTensor` really allocates (small
+    ones here: a real 2.5 GiB tensor is not made on a test machine)."""
+    gpu = ClusterShape(devices=8)
+    assert PAGE_BYTES == host_pages.PAGE_BYTES
+    assert all(pinned_block(n, gpu) == host_pages.host_bytes(n) for n in SIZES)
+    for n in (1, 1000, 3 * 2**20 + 7):
+        t = PagedHostTensor.empty((n,), torch.uint8, pin_memory=False)
+        assert sum(p.numel() for p in t.pages) == pinned_block(n, gpu), n
+    over = pinned_block(5 * 2**26 + 3, gpu)
+    assert host_pages.page_sizes(5 * 2**26 + 3) == [2**26] * 5 + [4] and over == 5 * 2**26 + 4
+
+
+def test_a_paged_host_copy_round_trips_every_dtype_over_page_boundaries(monkeypatch):
+    """With 64-byte pages a tensor spans many pages and a partial last one: copied in page by page and back,
+    it is the same tensor (bitwise), for floating, integer, bool and empty tensors, contiguous or not."""
+    monkeypatch.setattr(host_pages, "PAGE_BYTES", 64)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(7, 13, generator=gen, dtype=torch.float64), torch.randn(3, 50, generator=gen).t(),
+               torch.randn(77, generator=gen).bfloat16(), torch.randint(-9, 9, (41,), generator=gen),
+               torch.rand(99, generator=gen) > 0.5, torch.empty(0, 4), torch.tensor(2.5)]
+    for t in tensors:
+        host = host_pages.paged_copy(t)
+        assert [p.numel() for p in host.pages] == host_pages.page_sizes(t.numel() * t.element_size())
+        back = host.to("cpu")
+        assert back.shape == t.shape and back.dtype == t.dtype and torch.equal(back, t)
+    with pytest.raises(ValueError, match=r"pairs with a contiguous tensor of that shape and dtype, not \(3,\)"):
+        host_pages.paged_copy(torch.zeros(4)).copy_(torch.zeros(3))
+
+
+def test_offloaded_sft_checkpoints_are_the_pages_the_planner_charges(monkeypatch):
+    """SFT with ``offload_activation_checkpoints`` on the tiny preset: the pages ``saved_on_host`` allocates for
+    the step's activation checkpoints (a spy on ``host_pages.paged_copy``; 8 KiB pages so each 90-token layer
+    input spans pages and a partial rest) are the planner's ``activation_checkpoints`` pinned bytes on a GPU
+    cluster (with the planner's pages as small), and the loss and every gradient equal the step without
+    offload."""
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+    from lightning_longctx.planner import host as planner_host
+
+    monkeypatch.setattr(host_pages, "PAGE_BYTES", 8192)
+    monkeypatch.setattr(planner_host, "PAGE_BYTES", 8192)
+    made = []
+    real = host_pages.paged_copy
+    monkeypatch.setattr(host_pages, "paged_copy", lambda t: made.append(real(t)) or made[-1])
+
+    def step(offload):
+        torch.manual_seed(0)
+        model = DecoderLM(DecoderConfig(**TINY), MemoryConfig(activation_checkpointing=True,
+                                                               offload_checkpoints=offload))
+        ids = torch.randint(0, 64, (1, 90), generator=torch.Generator().manual_seed(1))
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters()}
+
+    loss, grads = step(True)
+    want_loss, want = step(False)
+    assert loss == want_loss and all(torch.equal(grads[n], want[n]) for n in want)
+    pages = sum(p.numel() for host in made for p in host.pages)
+    p = plan(TINY, ClusterShape(devices=1, sharding="replicate"), dict(FP32_EAGER, activation_checkpointing=True,
+                                                                        offload_checkpoints=True), seq_len=90)
+    assert len(made) == TINY["num_hidden_layers"] and p.host_bytes == sum(h.nbytes for h in made)
+    assert pages == p.host_pinned_bytes == 2 * (2 * 8192 + 8192), (pages, p.host_pinned_bytes)
 
 
 def test_segments_keep_ceil_l_over_k_plus_the_segments_other_inputs():

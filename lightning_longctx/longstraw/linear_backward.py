@@ -57,6 +57,8 @@ def linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads, boundaries
     ``linear_output_side``, ``linear_stage_inputs``), which FSDP2 wraps like ``forward``.
     """
     gdn = layer.linear_attn
+    if boundaries is not None:  # offloaded (host pages): this layer's states on the device for its backward
+        boundaries = boundaries.to(hidden_in.device, non_blocking=True)
     normed = layer.input_norm(hidden_in)
     h = normed.detach().requires_grad_()
     grad_o = None

@@ -1,7 +1,9 @@
 """Host-resident prompt state, brought to the device one layer at a time (``offload_prompt_cache``).
 
 The prompt K/V cache and its fp32 gradient sums are the largest things a LongStraw step holds (at 2M tokens,
-tens of GiB per rank). With offload they live in (pinned, on CUDA) host memory:
+tens of GiB per rank). With offload they live in host memory, in pinned pages on CUDA
+(:class:`~lightning_longctx.ops.host_pages.PagedHostTensor`: no power-of-two rounding of whole tensors; every
+host<->device copy here is one copy per page):
 
 - prefill: each attention layer's K/V go to the host as they are made;
 - replay: layer ``l``'s keys and values are copied to the device when the branch's forward reaches layer
@@ -25,18 +27,19 @@ blocks are safe to drop (PyTorch's host allocator records an event for each non-
 host read of a host buffer (``PromptState.cache_grad``) calls :meth:`HostStager.synchronize` first.
 
 On a CPU-only machine there are no streams: every copy is a no-op and the path runs unchanged. The tests
-swap in :class:`DeferredStreams`, a CPU stand-in whose copies land only when their event is waited on (a
-read before that sees NaN), so an ordering bug fails a CPU test.
+swap in :class:`DeferredStreams`, a CPU stand-in with the same paged host layout (CPU pages) whose per-page
+copies land only when their event is waited on (a read before that sees NaN), so an ordering bug fails a CPU
+test.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 
 import torch
 
+from ..ops.host_pages import PagedHostTensor, page_pairs, paged_copy
 from ..ops.transfers import record_transfer
 
 
@@ -47,24 +50,27 @@ class CudaStreams:
         self.device = torch.device(device)
         self.side = torch.cuda.Stream(self.device)
 
-    def host_empty(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
+    def host_empty(self, like) -> PagedHostTensor:
+        return PagedHostTensor.empty(like.shape, like.dtype, pin_memory=True)
 
-    def device_empty(self, like: torch.Tensor) -> torch.Tensor:
+    def device_empty(self, like) -> torch.Tensor:
         return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        """``dst.copy_(src)`` on the side stream once the compute stream's queued work is done; returns the
-        event that marks the copy done (:meth:`wait` on it before the compute stream reads ``dst``)."""
+    def copy(self, dst, src):
+        """Copy ``src`` into ``dst`` (a device tensor and a :class:`PagedHostTensor`, either way round; one copy
+        per page) on the side stream once the compute stream's queued work is done; returns the event that marks
+        the copies done (:meth:`wait` on it before the compute stream reads ``dst``)."""
         current = torch.cuda.current_stream(self.device)
         self.side.wait_stream(current)
         with torch.cuda.stream(self.side):
-            dst.copy_(src, non_blocking=True)
+            pairs = page_pairs(dst, src)  # a non-contiguous device source is made contiguous here, on the side
+            for d, s in pairs:
+                d.copy_(s, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.side)
         for t in (dst, src):
-            if t.device.type == "cuda":  # allocated on (or last used by) the compute stream, in use on the side one
-                t.record_stream(self.side)
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":  # made on (or last used by) the compute
+                t.record_stream(self.side)  # stream, in use on the side one
         return done
 
     def wait(self, event) -> None:
@@ -77,38 +83,32 @@ class CudaStreams:
 class DeferredStreams:
     """A CPU stand-in for :class:`CudaStreams` whose copies really defer (for tests and the CPU smoke bench).
 
-    Both "devices" are the CPU. :meth:`copy` only queues the copy: it lands (reading ``src`` then, as an
-    asynchronous copy does) when an event at or after it is :meth:`wait`-ed on, or at :meth:`synchronize`.
-    New buffers are NaN-filled (integers: their largest value), so whatever reads a copy before its wait sees
-    garbage. The copies report themselves to :mod:`lightning_longctx.ops.transfers` (``to_host`` tells the
-    direction: the CPU cannot)."""
+    Both "devices" are the CPU; the host buffers are :class:`PagedHostTensor` s of CPU pages, the layout the
+    CUDA path pins. :meth:`copy` only queues the copies (one per page): they land (reading ``src`` then, as an
+    asynchronous copy does) when an event at or after them is :meth:`wait`-ed on, or at :meth:`synchronize`.
+    New buffers hold garbage (every byte 255: NaN in a floating dtype), so whatever reads a copy before its
+    wait sees it. The copies report themselves to :mod:`lightning_longctx.ops.transfers` (the host buffer
+    tells the direction: the CPU cannot)."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
-        self._queue: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._queue: list[tuple[torch.Tensor, torch.Tensor]] = []  # per-page copies (destination, source)
         self._landed = 0  # copies [0, _landed) of all ever queued have landed
-        self._host: dict[int, weakref.ref] = {}  # the buffers standing for host memory, by id
+
+    def host_empty(self, like) -> PagedHostTensor:
+        return PagedHostTensor.empty(like.shape, like.dtype, pin_memory=False, fill=255)
 
     @staticmethod
-    def _garbage(like: torch.Tensor) -> torch.Tensor:
+    def is_host(t) -> bool:
+        return isinstance(t, PagedHostTensor)
+
+    def device_empty(self, like) -> torch.Tensor:
         fill = float("nan") if like.is_floating_point() else torch.iinfo(like.dtype).max
         return torch.full(like.shape, fill, dtype=like.dtype)
 
-    def host_empty(self, like: torch.Tensor) -> torch.Tensor:
-        host = self._garbage(like)
-        self._host[id(host)] = weakref.ref(host)
-        return host
-
-    def is_host(self, t: torch.Tensor) -> bool:
-        ref = self._host.get(id(t))
-        return ref is not None and ref() is t
-
-    def device_empty(self, like: torch.Tensor) -> torch.Tensor:
-        return self._garbage(like)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+    def copy(self, dst, src) -> int:
         record_transfer("d2h" if self.is_host(dst) else "h2d", src.numel() * src.element_size())
-        self._queue.append((dst, src))
+        self._queue.extend(page_pairs(dst, src))
         return self._landed + len(self._queue)
 
     def wait(self, event: int) -> None:
@@ -136,20 +136,20 @@ def simulated_streams(streams: DeferredStreams | None = None) -> Iterator[Deferr
 
 
 def to_host(t: torch.Tensor, streams=None) -> torch.Tensor:
-    """A host copy of ``t``, in flight (pinned on CUDA).
+    """A host copy of ``t`` (a :class:`PagedHostTensor`, pinned on CUDA), in flight.
 
     ``streams`` (a :class:`HostStager`'s): the copy runs on its side stream, FIFO with the stager's other
     copies; read it through :meth:`HostStager.fetch` or after :meth:`HostStager.synchronize`. None: on the
     current (compute) stream, so only reads ordered on that stream may use it (the grouped backward's later
     ``.to(device, non_blocking=True)`` of the layer checkpoints, linear states and kept attention outputs); a
-    CPU tensor is then itself."""
+    CPU tensor is then itself, but inside :func:`simulated_streams` a copy in CPU pages (the layout, checked)."""
     if streams is not None:
         host = streams.host_empty(t)
         streams.copy(host, t)
         return host
-    if t.device.type == "cpu":
+    if t.device.type == "cpu" and not _simulated:
         return t
-    return t.to("cpu", non_blocking=True).pin_memory()
+    return paged_copy(t)  # straight into (pinned, from CUDA) pages, in flight on this stream
 
 
 class HostStager:

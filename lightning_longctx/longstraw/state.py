@@ -12,6 +12,7 @@ from ..models.dsa import DSAState
 from ..models.fused_attention import PrefixCache
 from ..models.gated_deltanet import LinearState
 from ..models.mla import MLAState
+from ..ops.host_pages import PagedHostTensor
 from ..parallel import group_rank, group_size, shard_sequence
 from .grads import CacheGradSink, StagedGradSink, move_grad_into
 from .latent import latent_grad, latent_leaf
@@ -90,14 +91,15 @@ class PromptState:
 
     def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
         """The gradient summed over the group so far of layer ``layer``'s state tensor ``which`` (attention:
-        0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail); on the host when offloaded
-        (its copies landed: this waits for them)."""
+        0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail); offloaded: a CPU tensor read
+        from its host pages (their copies landed: this waits for them)."""
         if isinstance(self.caches[layer], _LATENT_STATES):
             return latent_grad(self, layer, which)
         if (layer, which) in self.grads:
             if self.stager is not None:
                 self.stager.synchronize()
-            return self.grads[(layer, which)]
+            grad = self.grads[(layer, which)]
+            return grad.to("cpu") if isinstance(grad, PagedHostTensor) else grad
         cache = self.caches[layer]
         return cache[which].grad if isinstance(cache, LinearState) else None
 

@@ -304,8 +304,8 @@ class MemoryConfig:
             C); None = all local heads at once. Must divide ``num_attention_heads / sp_size`` and divide or
             be a multiple of the query heads per K/V head.
         activation_checkpointing: keep only each layer's input; recompute the layer in backward.
-        offload_checkpoints: keep those layer inputs in host memory (pinned when CUDA is available; on a
-            CPU-only machine they simply stay in CPU memory). Needs ``activation_checkpointing``.
+        offload_checkpoints: keep those layer inputs in host memory, in pages (``ops.host_pages``: pinned
+            from a CUDA device; on a CPU-only machine plain CPU pages). Needs ``activation_checkpointing``.
         mlp_chunk_size: tokens per tile of the MLP (tiled MLP); None = untiled.
         logits_chunk_size: tokens per chunk of lm_head + cross-entropy, so ``[seq, vocab]`` logits are never
             materialised when labels are given; None = plain logits.

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..ops.host_pages import saved_on_host
 from ..ops.losses import IGNORE_INDEX, chunked_cross_entropy, chunked_token_logprobs
 from ..parallel import group_rank, group_size
 from ..parallel import shift_labels as shift_hf_labels
@@ -178,10 +179,9 @@ class DecoderLM(nn.Module):
         if not (self.memory.activation_checkpointing and torch.is_grad_enabled()):
             return layer(hidden, position_ids, **extra)
         offload = self.memory.offload_checkpoints
-        # The checkpoint saves only the layer's inputs, through the ambient saved-tensor hooks: save_on_cpu
-        # keeps them in (pinned, with CUDA) host memory and brings them back for the recomputation.
-        hooks = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload
-                 else contextlib.nullcontext())
+        # The checkpoint saves only the layer's inputs, through the ambient saved-tensor hooks: saved_on_host
+        # keeps the hidden states in (pinned, from CUDA) host pages and brings them back for the recomputation.
+        hooks = saved_on_host() if offload else contextlib.nullcontext()
         with hooks:
             return checkpoint(layer, hidden, position_ids, lora_mask=layer.adapter_mask(position_ids),
                               use_reentrant=False, **extra)

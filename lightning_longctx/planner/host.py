@@ -1,17 +1,18 @@
-"""Host memory of a step on one rank: the per-rank host budget, pinned blocks as torch allocates them, and the
+"""Host memory of a step on one rank: the per-rank host budget, pinned pages as the offloads allocate them, and the
 prompt's segment checkpoints (``memory.prompt_checkpoint_every``).
 
 **Budget.** A node's ``cluster.host_memory_gib`` is shared by its ``devices`` ranks; each rank leaves
 ``memory.host_reserve_gib`` of its share for what no term counts (its Python process, CUDA's host side, the
 dataloader, the page cache): ``host_memory_gib / devices - host_reserve_gib`` per rank.
 
-**Pinned blocks.** What LongStraw and SFT offload lives in pinned host memory (``Tensor.pin_memory()``,
-``torch.empty(..., pin_memory=True)``, ``save_on_cpu(pin_memory=True)``), which torch's caching host allocator
-hands out in blocks rounded up to a power of two (``ATen/core/CachingHostAllocator.h``: ``roundSize =
-PowerOf2Ceil(size)`` for requests up to ``pinned_max_round_threshold_mb``, unlimited by default), so a 2.5 GiB
-checkpoint holds a 4 GiB block. Setting ``pinned_max_round_threshold_mb:<n>`` in ``PYTORCH_CUDA_ALLOC_CONF``
-leaves larger requests unrounded; the planner reads the variable as the ranks will. On a CPU cluster nothing
-is pinned (the "host" is the compute device): no rounding.
+**Pinned pages.** What LongStraw and SFT offload lives in pinned host memory, in pages
+(``ops.host_pages``): a tensor's bytes fill pages of :data:`PAGE_BYTES` (64 MiB) and the rest one block of its
+power of two, because torch's caching host allocator rounds every pinned request up to a power of two
+(``ATen/core/CachingHostAllocator.h``: ``PowerOf2Ceil``), which would make a 5 GiB layer input an 8 GiB block,
+while pages and the small remainder are powers of two it hands out exactly. So a tensor of ``n`` bytes holds
+:func:`pinned_block` ``(n)`` < ``n + 64 MiB`` (``tests/test_planner_host.py`` checks this against the bytes
+``ops.host_pages`` allocates). On a CPU cluster nothing is pinned (the "host" is the compute device): the
+bytes themselves.
 
 **Segments.** With ``k = prompt_checkpoint_every`` the prefill keeps the input of layers ``0, k, 2k, ...``
 (``n = ceil(L / k)`` checkpoints). The grouped backward takes the segments top-down: it re-runs the segment's
@@ -24,33 +25,20 @@ forward of the layers that are not the last of their segment (:func:`recomputed_
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Mapping
 
 from .reserve import GPU_ACCELERATORS
 from .shapes import GIB, ClusterShape, MemoryKnobs
 
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+PAGE_BYTES = 1 << 26  # ``ops.host_pages.PAGE_BYTES``: the planner imports no torch, a test holds them equal
 
 
-def pinned_round_threshold(environ: Mapping[str, str] | None = None) -> int | None:
-    """Bytes up to which the pinned allocator rounds a request to a power of two: ``pinned_max_round_threshold_mb``
-    of ``PYTORCH_CUDA_ALLOC_CONF`` in MiB, None (no limit, torch's default) when it is not set."""
-    conf = (os.environ if environ is None else environ).get(ALLOC_CONF) or ""
-    options = dict(part.split(":", 1) for part in conf.replace(" ", "").split(",") if ":" in part)
-    value = options.get("pinned_max_round_threshold_mb")
-    return None if value is None else int(value) * 2**20
-
-
-def pinned_block(nbytes: int, cluster: ClusterShape, environ: Mapping[str, str] | None = None) -> int:
-    """The host bytes one pinned tensor of ``nbytes`` holds: its block, a power of two (up to the round
-    threshold, :func:`pinned_round_threshold`) on a GPU cluster, the bytes themselves on a CPU one."""
+def pinned_block(nbytes: int, cluster: ClusterShape) -> int:
+    """The host bytes one offloaded tensor of ``nbytes`` holds: on a GPU cluster its pinned pages (full pages
+    of :data:`PAGE_BYTES`, the rest in one block of its power of two), on a CPU one the bytes themselves."""
     if nbytes <= 0 or cluster.accelerator not in GPU_ACCELERATORS:
         return max(nbytes, 0)
-    threshold = pinned_round_threshold(environ)
-    if threshold is not None and nbytes > threshold:
-        return nbytes
-    return 1 << (nbytes - 1).bit_length()
+    full, rest = divmod(nbytes, PAGE_BYTES)
+    return full * PAGE_BYTES + (1 << (rest - 1).bit_length() if rest else 0)
 
 
 def host_budget_bytes(cluster: ClusterShape, knobs: MemoryKnobs) -> int | None:
@@ -83,5 +71,5 @@ def checkpoint_every_candidates(layers: int) -> list[int]:
     return sorted({1} | {k for k in range(max(2, root - 1), root + 3) if k <= layers})
 
 
-__all__ = ["checkpoint_every_candidates", "host_budget_bytes", "live_checkpoints", "pinned_block",
-           "pinned_round_threshold", "recomputed_layers", "segments"]
+__all__ = ["PAGE_BYTES", "checkpoint_every_candidates", "host_budget_bytes", "live_checkpoints", "pinned_block",
+           "recomputed_layers", "segments"]

@@ -95,7 +95,8 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
     host = 0
     if knobs.activation_checkpointing:
         ckpt = (model.num_hidden_layers + 1) * s_l * e * b
-        host = ckpt if knobs.offload_checkpoints else 0
+        # offloaded: the layers' inputs (the last layer's output, the final norm's input, stays on the device)
+        host = model.num_hidden_layers * s_l * e * b if knobs.offload_checkpoints else 0
         comp.update(saved_activations=0, checkpoints=0 if host else ckpt)
         kept = comp["checkpoints"]
         below = kept - (0 if host else s_l * e * b)  # in backward the last layer's output is no longer needed
