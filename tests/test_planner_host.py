@@ -17,9 +17,9 @@ import weakref
 import pytest
 import torch
 
-from lightning_longctx.planner import GIB, ClusterShape, MemoryKnobs, PlanError, check_budget, max_context, plan
 from lightning_longctx.ops import host_pages
 from lightning_longctx.ops.host_pages import PagedHostTensor
+from lightning_longctx.planner import GIB, ClusterShape, MemoryKnobs, PlanError, check_budget, max_context, plan
 from lightning_longctx.planner.host import (
     PAGE_BYTES,
     host_budget_bytes,

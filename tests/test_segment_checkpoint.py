@@ -6,7 +6,8 @@ Exact: ``longstraw_step(prompt_grad="full")`` equals plain autograd over every `
 relative, every parameter) for k = 1, 2, 3 (3 does not divide the 4 layers) and every model family (dense
 attention, the Qwen3.5 hybrid with Gated DeltaNet layers, MLA with MoE layers), with the checkpoints on the
 device or offloaded, on 1, 2 and 4 ranks and with FSDP2-sharded parameters. A spy on the host copies counts
-the layer inputs alive at once: ``ceil(L/k) + k - 1`` at most.
+the layer inputs alive at once: ``ceil(L/k) + k - 1`` at most; and the Gated DeltaNet layers' states every
+``state_segment`` tokens, which with k > 1 the segment forwards rebuild: one segment's at once.
 """
 
 from __future__ import annotations
@@ -91,6 +92,42 @@ def test_host_holds_at_most_ceil_l_over_k_plus_k_minus_1_layer_inputs(monkeypatc
     # the planner's count (``planner.host.live_checkpoints``: what it charges) is what the host held
     assert spy.most == live_checkpoints(layers, every) == (layers if every == 1 else spy.most), spy.most
     assert spy.most <= math.ceil(layers / every) + every - 1
+
+
+class StateSpy(HostSpy):
+    """Stands in for ``to_host`` in ``prefix`` and ``state``: counts the Gated DeltaNet layers' segment states
+    ``[n, 1, Hv, Dk, Dv]`` alive at once on the host (their only 5-d host copies)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return super().__call__(x) if x.dim() == 5 else x.detach().clone()
+
+
+SIX = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention",
+       "full_attention"]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_the_segment_forward_rebuilds_the_linear_layers_states(monkeypatch, every):
+    """Four Gated DeltaNet layers of six, a 150-token prompt in states of 64 tokens, offloaded checkpoints: with
+    k = 1 the prefill keeps every linear layer's states (4 on the host at once); with k > 1 it keeps none and
+    each segment's forward rebuilds its own (k = 2: segments of 2, 1, 1 linear layers), the
+    planner's count (``planner.host.live_linear_states``, what it charges); the step stays exact. (k = 2 puts a
+    linear layer on top of two segments: its scan runs again for its states.)"""
+    from lightning_longctx.longstraw import state as state_module
+    from lightning_longctx.planner.host import live_linear_states
+
+    spy = StateSpy()
+    monkeypatch.setattr(prefix_module, "to_host", spy)
+    monkeypatch.setattr(state_module, "to_host", spy)
+    config = tiny_config("hybrid", vocab_size=61, num_hidden_layers=6, layer_types=SIX)
+    prompt, responses, advantages = make_group(2, prompt_len=150)
+    want_loss, want = reference(random_model(config), prompt, responses, advantages, loss_type="token_mean")
+    model = random_model(config, MemoryConfig(prompt_checkpoint_every=every))
+    out = longstraw_step(model, prompt, responses, advantages,
+                         memory=StepMemory(offload_checkpoints=True, state_segment=64, measure_memory=False))
+    assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want, label=f"k={every}")
+    assert spy.most == live_linear_states(SIX, every) == {1: 4, 2: 2}[every], spy.most
 
 
 def test_a_bad_segment_length_is_refused_before_any_work():

@@ -73,7 +73,8 @@ def prefill(
     """Run the cached part of the prompt once without autograd, keeping per layer its state and checkpoint.
 
     ``checkpoint_every`` (with ``keep_checkpoints``): keep the input of layers ``0, k, 2k, ...`` only (None in
-    ``PromptState.checkpoints`` elsewhere); :func:`grouped_backward` rebuilds the others segment by segment.
+    ``PromptState.checkpoints`` elsewhere); :func:`grouped_backward` rebuilds the others segment by segment, and
+    with ``k > 1`` also the linear layers' states every ``state_segment`` tokens (not kept here).
 
     ``grad_dtype``: the dtype the cache gradients accumulate in over the group (see :class:`PromptState`).
     ``state_segment``: with ``keep_checkpoints``, linear layers also keep their state every that many tokens
@@ -90,6 +91,7 @@ def prefill(
     world = group_size(group)
     cached = world * ((prompt_ids.numel() - 1) // world)
     every = state_segment if keep_checkpoints else None
+    state_every = every if checkpoint_every == 1 else None  # k > 1: the segment forwards rebuild them
     state = PromptState(prompt_ids=prompt_ids, cached_length=cached, group=group, grad_dtype=grad_dtype,
                         state_segment=every, stager=HostStager(prompt_ids.device) if offload_prompt_cache else None,
                         checkpoint_every=checkpoint_every, offload_checkpoints=offload_checkpoints)
@@ -110,11 +112,11 @@ def prefill(
                 kept = []
                 prompt_pass = PromptPass(keep=_keeper(kept, keep_attention_output == "host"))
             if index < last:
-                hidden, cache = layer(hidden, pos, return_state=True, state_every=every,
+                hidden, cache = layer(hidden, pos, return_state=True, state_every=state_every,
                                       **({} if kept is None else {"prefix_state": prompt_pass}),
                                       **prefill_dsa_arguments(layer, selections))
             else:  # nothing reads the last layer's output at prompt positions: only its state
-                cache = layer.prompt_state(hidden, pos, state_every=every)
+                cache = layer.prompt_state(hidden, pos, state_every=state_every)
             state.add_cache(cache, cache_requires_grad, offload=offload_checkpoints)
             state.attention_outputs.append(kept)
             if progress is not None:
@@ -253,8 +255,10 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
     Segment checkpoints (``PromptState.checkpoint_every = k > 1``, the prefill kept the input of every k-th
     layer): the segments top-down, each first re-running its forward from its checkpoint without autograd
     (:func:`_segment_inputs`; under FSDP2 each layer's parameters are gathered for it once) to rebuild its other
-    layers' inputs, then back-propagating its layers top-down. Each input is dropped after its layer, so at most
-    ``ceil(L/k) + k - 1`` layer inputs are alive (on the host when the checkpoints are offloaded).
+    layers' inputs and its Gated DeltaNet layers' states every ``state_segment`` tokens, then back-propagating
+    its layers top-down. Each input and state is dropped after its layer, so at most ``ceil(L/k) + k - 1``
+    layer inputs and one segment's linear-layer states are alive (on the host when the checkpoints are
+    offloaded).
 
     ``layer_grad_sync(layer, enabled)`` (FSDP2-sharded models): a Gated DeltaNet layer's backward is several
     backward passes (output side, each head stage, the input norm); its gradient reduce-scatter is switched off
@@ -270,7 +274,8 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
     selections = PromptSelections(layers, state.checkpoints, pos)  # DSA: the prompt's own top-k per full layer
     for start in reversed(range(0, len(layers), every)):
         segment = range(start, min(start + every, len(layers)))
-        _segment_inputs(layers, state, segment, pos, ids.device, selections)
+        if every > 1:
+            _segment_inputs(layers, state, segment, pos, ids.device, selections)
         for index in reversed(segment):
             grad_hidden = _layer_backward(layers[index], index, state, pos, grad_hidden, layer_grad_sync,
                                           selections.for_layer(index))
@@ -284,19 +289,35 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
 
 
 def _segment_inputs(layers, state: PromptState, segment: range, pos, device, selections: PromptSelections) -> None:
-    """Rebuild the inputs of ``segment``'s layers after its first into ``state.checkpoints``: the segment's
-    forward from its checkpoint without autograd (each layer's plain forward: the same kernels, head stages
-    and MLP tiles as the prefill's), each output kept where the prefill keeps checkpoints (the host when
-    offloaded). The segment's last layer is not run: its output is the input of the segment above, done. DSA
-    layers take ``selections``' (their full layers' selections stay there for their backward)."""
-    if len(segment) == 1:
-        return
+    """Re-run ``segment``'s forward from its checkpoint without autograd (each layer's plain forward: the same
+    kernels, head stages and MLP tiles as the prefill's) and keep what its layers' backward needs where the
+    prefill keeps checkpoints (the host when offloaded): the inputs of its layers after the first (into
+    ``state.checkpoints``) and its Gated DeltaNet layers' states every ``state_segment`` tokens (into their
+    ``LinearState.boundaries``; the prefill kept only the final state and conv tail the branches read). The
+    segment's last layer's output is the input of the segment above, done: it is not run, but for a linear
+    layer whose states are wanted (``prompt_state``: its scan only, no MLP). DSA layers take ``selections``'
+    (their full layers' selections stay there for their backward)."""
+    if len(segment) == 1 and not isinstance(state.caches[segment.start], LinearState):
+        return  # nothing to rebuild
+    keep = to_host if state.offload_checkpoints else (lambda t: t)
     hidden = state.checkpoints[segment.start].to(device, non_blocking=True)
     with torch.no_grad():
-        for index in segment[:-1]:
-            dsa = selections.for_layer(index)
-            hidden = layers[index](hidden, pos, **({} if dsa is None else {"dsa_indices": dsa}))
-            state.checkpoints[index + 1] = to_host(hidden) if state.offload_checkpoints else hidden
+        for index in segment:
+            layer, top = layers[index], index == segment[-1]
+            linear = isinstance(state.caches[index], LinearState)
+            if top and not linear:
+                break
+            if top:
+                rebuilt = layer.prompt_state(hidden, pos, state_every=state.state_segment)
+            elif linear:
+                hidden, rebuilt = layer(hidden, pos, return_state=True, state_every=state.state_segment)
+            else:
+                dsa = selections.for_layer(index)
+                hidden = layer(hidden, pos, **({} if dsa is None else {"dsa_indices": dsa}))
+            if linear and rebuilt.boundaries is not None:  # the same leaves, now with their segment states
+                state.caches[index] = state.caches[index]._replace(boundaries=keep(rebuilt.boundaries))
+            if not top:
+                state.checkpoints[index + 1] = keep(hidden)
 
 
 def _layer_backward(layer, index: int, state: PromptState, pos, grad_hidden, layer_grad_sync, dsa_indices=None):

@@ -19,13 +19,18 @@ bytes themselves.
 forward from its checkpoint without autograd to rebuild the inputs of its other layers, then back-propagates
 its layers top-down, each input freed after its layer. So at most ``n + (k - 1)`` layer inputs are alive
 (:func:`live_checkpoints`); ``k = 1`` keeps all ``L`` and re-runs nothing. The extra cost is one no-grad
-forward of the layers that are not the last of their segment (:func:`recomputed_layers`).
+forward of the layers that are not the last of their segment (:func:`recomputed_layers`). With ``k > 1`` the
+segment forward also rebuilds its Gated DeltaNet layers' states every ``state_segment`` tokens (a segment's
+last layer, when linear, runs its scan for them), so only one segment's are alive (:func:`live_linear_states`)
+instead of every linear layer's from the prefill.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+from .fields import LINEAR_ATTENTION
 from .reserve import GPU_ACCELERATORS
 from .shapes import GIB, ClusterShape, MemoryKnobs
 
@@ -64,6 +69,16 @@ def recomputed_layers(layers: int, every: int) -> int:
     return layers - math.ceil(layers / every)
 
 
+def live_linear_states(layer_types: Sequence[str], every: int) -> int:
+    """Gated DeltaNet layers whose states every ``state_segment`` prompt tokens are alive at once: all of them
+    with ``every = 1`` (kept from the prefill), else the most in one segment (its segment forward rebuilds
+    them; each layer's backward drops its own)."""
+    linear = [kind == LINEAR_ATTENTION for kind in layer_types]
+    if every == 1:
+        return sum(linear)
+    return max(sum(linear[seg.start:seg.stop]) for seg in segments(len(linear), every))
+
+
 def checkpoint_every_candidates(layers: int) -> list[int]:
     """The segment lengths ``prompt_checkpoint_every=auto`` weighs: 1 (no re-run) and those around ``sqrt(L)``,
     where ``ceil(L / k) + k - 1`` (the live inputs) is smallest."""
@@ -71,5 +86,5 @@ def checkpoint_every_candidates(layers: int) -> list[int]:
     return sorted({1} | {k for k in range(max(2, root - 1), root + 3) if k <= layers})
 
 
-__all__ = ["PAGE_BYTES", "checkpoint_every_candidates", "host_budget_bytes", "live_checkpoints", "pinned_block",
-           "recomputed_layers", "segments"]
+__all__ = ["PAGE_BYTES", "checkpoint_every_candidates", "host_budget_bytes", "live_checkpoints",
+           "live_linear_states", "pinned_block", "recomputed_layers", "segments"]

@@ -12,7 +12,14 @@ import itertools
 import math
 from dataclasses import replace
 
-from .host import checkpoint_every_candidates, host_budget_bytes, live_checkpoints, pinned_block, segments
+from .host import (
+    checkpoint_every_candidates,
+    host_budget_bytes,
+    live_checkpoints,
+    live_linear_states,
+    pinned_block,
+    segments,
+)
 from .layers import (
     A,
     attention_output_bytes,
@@ -162,12 +169,17 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     # one layer input [1, s_l, E]; the prefill keeps every ``every``-th (ceil(L/k)), the grouped backward's
     # segment forwards rebuild the others of one segment at a time (:mod:`.host`)
     one_ckpt = s_l * e * b if full else 0
-    seg_states = segment_state_bytes(model, sp, cached) if full else 0  # kept (and offloaded) with the checkpoints
+    # the linear layers' states every STATE_SEGMENT tokens: kept (and offloaded) with the checkpoints from the
+    # prefill (k = 1), or rebuilt by each segment's forward (k > 1: one segment's alive, ``live_linear_states``)
+    seg_states = segment_state_bytes(model, sp, cached) if full else 0
+    seg_one = seg_states // model.linear_layers if model.linear_layers else 0  # one layer's
+    rebuilt = every > 1
     host = {}  # what lives on the host, by component (bytes of the tensors; :func:`host_blocks` their blocks)
     if knobs.offload_checkpoints and full:
         host["prompt_checkpoints"] = live_checkpoints(layers_n, every) * one_ckpt
-        host["segment_states"] = seg_states
-    ckpt_dev = 0 if knobs.offload_checkpoints else math.ceil(layers_n / every) * one_ckpt + seg_states
+        host["segment_states"] = live_linear_states(model.layer_types, every) * seg_one
+    ckpt_dev = 0 if knobs.offload_checkpoints else \
+        math.ceil(layers_n / every) * one_ckpt + (0 if rebuilt else seg_states)
     acc = (kv // b * max(A, b) + state) if full else 0  # the sums are float32 (float64 for a float64 model)
     if knobs.offload_prompt_cache and model.full_layers:
         # K/V and their float32 gradient sums on the host; on the device two layers of each (double buffering)
@@ -199,10 +211,19 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     layer_state = recurrent_state_bytes(model, knobs, sp) // model.linear_layers if model.linear_layers else 0
     staged = bool(knobs.offload_prompt_cache and model.full_layers)
     ckpt_dev_one = 0 if knobs.offload_checkpoints else one_ckpt  # one layer input on the device
-    seg_layer = [0] * layers_n  # a linear layer's states every STATE_SEGMENT tokens, on the device
-    if full and not knobs.offload_checkpoints and model.linear_layers:
-        seg = seg_states // model.linear_layers
-        seg_layer = [seg if k == LINEAR_ATTENTION else 0 for k in model.layer_types]
+    seg_layer = [0] * layers_n  # a linear layer's states every STATE_SEGMENT tokens, on the device from the prefill
+    if full and not knobs.offload_checkpoints and model.linear_layers and not rebuilt:
+        seg_layer = [seg_one if k == LINEAR_ATTENTION else 0 for k in model.layer_types]
+    # rebuilt (k > 1, on the device): in the grouped backward those of the linear layers of the segment up to one
+    rebuilt_one = seg_one if full and rebuilt and not knobs.offload_checkpoints else 0
+    linear_below = list(itertools.accumulate(k == LINEAR_ATTENTION for k in model.layer_types))
+
+    def rebuilt_states(upto: int, through: int) -> int:
+        """Device bytes of the rebuilt states of the linear layers from ``upto``'s segment start to ``through``."""
+        start = upto // every * every
+        if through < start:
+            return 0
+        return rebuilt_one * (linear_below[through] - (linear_below[start - 1] if start else 0))
 
     def inputs_alive(upto: int, grouped: bool) -> int:
         """Layer inputs alive at layer ``upto``: the prefill's checkpoints at layers ``0, k, ...`` up to it; in the
@@ -215,9 +236,11 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     attention_below = list(itertools.accumulate(k == FULL_ATTENTION for k in model.layer_types))
     mla_below = list(itertools.accumulate(k == MLA_ATTENTION for k in model.layer_types))
 
-    def prompt_state(upto: int, grouped: bool, inputs: int | None = None) -> int:
+    def prompt_state(upto: int, grouped: bool, inputs: int | None = None, states_upto: int | None = None) -> int:
         alive = inputs_alive(upto, grouped) if inputs is None else inputs
         total = alive * ckpt_dev_one + kept_below[upto]
+        if grouped:  # the segment's rebuilt linear-layer states, up to ``states_upto`` (default: ``upto``)
+            total += rebuilt_states(upto, upto if states_upto is None else states_upto)
         attention, mla = attention_below[upto], mla_below[upto]  # MLA: the latent stays on the device, its sums too
         total += mla * (layer_latent + (latent_acc if grouped else 0))
         total += (upto + 1 - attention - mla) * layer_state * (2 if grouped and full else 1)
@@ -311,7 +334,8 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
             # "host": the layer's kept outputs come to the device for its backward
             fetched = out_layer[i] if keep == "host" else 0
             return attention_recompute_bytes(model, knobs, sp, s_l, kept=out_layer[i] > 0) + fetched
-        return linear_recompute_bytes(model, knobs, sp, s_l)
+        # offloaded states: the layer's come to the device for its backward
+        return linear_recompute_bytes(model, knobs, sp, s_l) + (seg_one if knobs.offload_checkpoints else 0)
 
     seed = s_l * e * b * (2 if knobs.offload_checkpoints else 1)
     recompute_cost = _per_layer(recompute, [(k, model.is_sparse(i), i == last, out_layer[i]) for i, k in
@@ -320,10 +344,15 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     # segment forwards (``every > 1``): layer m of a segment re-run without autograd from the inputs rebuilt so
     # far, the prompt state of the layers up to the segment's top alive (their sums too), and the gradient
     # arriving from the segment above (+ the input's device copy when the checkpoints are offloaded)
-    rerun = [prompt_state(seg[-1], True, inputs=inputs_alive(m, True)) + prefill_cost[m] + seed
-             for seg in segments(layers_n, every) for m in seg[:-1]] if full else []
+    # (a segment's last layer, when linear, runs its scan for its states: ``linear_prefill_bytes(top=True)``)
+    top_scan = linear_prefill_bytes(model, knobs, sp, s_l, top=True) if model.linear_layers else 0
+    rerun_cost = {m: prefill_cost[m] for seg in segments(layers_n, every) for m in seg[:-1]}
+    rerun_cost.update({seg[-1]: top_scan for seg in segments(layers_n, every) if every > 1 and seg_one
+                       and model.layer_types[seg[-1]] == LINEAR_ATTENTION})
+    rerun = [prompt_state(seg[-1], True, inputs=inputs_alive(m, True), states_upto=m - 1) + rerun_cost[m] + seed
+             for seg in segments(layers_n, every) for m in seg if m in rerun_cost] if full else []
     if rerun:
-        comp["segment_forward"] = max(prefill_cost[m] for seg in segments(layers_n, every) for m in seg[:-1])
+        comp["segment_forward"] = max(rerun_cost.values())
     comp.update(mlp_tiles=max(mlp_tiles.values()), layer_recompute=max(recompute_cost))
     # rollouts (``longstraw.sample`` over the step's own prefill, before any replay): the prompt state as the
     # prefill left it (no gradient sums yet) plus every response's own cache, this rank's heads: G rows of
