@@ -116,7 +116,7 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     Persistent through the step: ``static``, the KV cache of the cached prompt ``S' = P floor((S-1)/P)``
     (:func:`.phases.kv_cache_bytes`), the recurrent states of linear layers, and with ``prompt_grad="full"``
     the accumulated cache gradients (``longstraw_accumulators``: as many elements as the cache, float32) and
-    one ``E b`` checkpoint per layer and local token, plus the linear layers' states every ``STATE_SEGMENT``
+    one ``E b`` checkpoint per layer and local token, plus the linear layers' states every ``knobs.state_segment``
     tokens (host memory when offloaded). With ``offload_prompt_cache`` the K/V cache and its accumulators
     live on the host and the device holds two layers of each (the staged layer and the one in flight).
     Under ``bf16-mixed`` with replicas every phase also holds autocast's cached bf16 weight copies
@@ -169,9 +169,9 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     # one layer input [1, s_l, E]; the prefill keeps every ``every``-th (ceil(L/k)), the grouped backward's
     # segment forwards rebuild the others of one segment at a time (:mod:`.host`)
     one_ckpt = s_l * e * b if full else 0
-    # the linear layers' states every STATE_SEGMENT tokens: kept (and offloaded) with the checkpoints from the
+    # the linear layers' states every state_segment tokens: kept (and offloaded) with the checkpoints from the
     # prefill (k = 1), or rebuilt by each segment's forward (k > 1: one segment's alive, ``live_linear_states``)
-    seg_states = segment_state_bytes(model, sp, cached) if full else 0
+    seg_states = segment_state_bytes(model, sp, cached, knobs.state_segment) if full else 0
     seg_one = seg_states // model.linear_layers if model.linear_layers else 0  # one layer's
     rebuilt = every > 1
     host = {}  # what lives on the host, by component (bytes of the tensors; :func:`host_blocks` their blocks)
@@ -211,7 +211,7 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     layer_state = recurrent_state_bytes(model, knobs, sp) // model.linear_layers if model.linear_layers else 0
     staged = bool(knobs.offload_prompt_cache and model.full_layers)
     ckpt_dev_one = 0 if knobs.offload_checkpoints else one_ckpt  # one layer input on the device
-    seg_layer = [0] * layers_n  # a linear layer's states every STATE_SEGMENT tokens, on the device from the prefill
+    seg_layer = [0] * layers_n  # a linear layer's states every state_segment tokens, on the device from the prefill
     if full and not knobs.offload_checkpoints and model.linear_layers and not rebuilt:
         seg_layer = [seg_one if k == LINEAR_ATTENTION else 0 for k in model.layer_types]
     # rebuilt (k > 1, on the device): in the grouped backward those of the linear layers of the segment up to one
@@ -412,9 +412,9 @@ def host_blocks(host: dict[str, int], model: ModelShape, cluster: ClusterShape, 
     heads = kv_cache_bytes(model, knobs, sp, cached) // (2 * model.full_layers) if model.full_layers else 0
     stages = max(1, (model.num_attention_heads // sp) // max(1, knobs.head_chunk_size or model.num_attention_heads))
     stage_out = attention_output_bytes(model, knobs, sp, cached) // stages if model.full_layers else 0
-    sizes = {"prompt_checkpoints": one, "segment_states": segment_state_bytes(model, sp, cached) // max(
-        1, model.linear_layers), "prompt_kv": heads, "prompt_kv_grad_sums": heads // b * max(A, b),
-        "attention_outputs": stage_out}
+    layer_states = segment_state_bytes(model, sp, cached, knobs.state_segment) // max(1, model.linear_layers)
+    sizes = {"prompt_checkpoints": one, "segment_states": layer_states, "prompt_kv": heads,
+             "prompt_kv_grad_sums": heads // b * max(A, b), "attention_outputs": stage_out}
     out = {}
     for name, total in host.items():
         size = sizes.get(name) or total

@@ -26,6 +26,7 @@ from .shapes import (
     FULL_ATTENTION,
     INT64,
     MLA_ATTENTION,
+    STATE_SEGMENT,
     ClusterShape,
     MemoryKnobs,
     ModelShape,
@@ -211,9 +212,6 @@ def recurrent_state_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int
     state = nv * model.linear_key_head_dim * model.linear_value_head_dim * FLOAT32
     conv = (model.linear_conv_kernel_dim - 1) * (2 * model.linear_qk_dim + model.linear_v_dim) * knobs.dtype_bytes
     return model.linear_layers * (2 * state + math.ceil(conv / sp))
-
-
-STATE_SEGMENT = 16384  # longstraw_step's default state_segment (tokens between stored linear-layer states)
 
 
 def segment_state_bytes(model: ModelShape, sp: int, cached: int, segment: int = STATE_SEGMENT) -> int:

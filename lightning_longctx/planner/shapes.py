@@ -19,6 +19,7 @@ from .pretrained import check_explicit, config_json, pretrained_decoder_config
 GIB = 2**30
 FLOAT32 = 4
 INT64 = 8
+STATE_SEGMENT = 16384  # longstraw_step's default state_segment (tokens between stored linear-layer states)
 # Lightning precision -> (bytes of parameters, gradients and optimizer states; bytes of the compute dtype)
 PRECISIONS = {"bf16-mixed": (4, 2), "bf16-true": (2, 2), "32-true": (4, 4), "64-true": (8, 8)}
 # the removed ``memory.dtype`` values and the precision each meant (bfloat16 ran as bf16-true)
@@ -384,6 +385,8 @@ class MemoryKnobs:
     ``prompt_checkpoint_every``: LongStraw's exact step keeps the input of every that many prompt layers (a
     segment); the grouped backward re-runs each segment's forward from its checkpoint (:mod:`.host`). 1 = every
     layer's input (no extra forward); ``"auto"``: :func:`.longstraw.choose_prompt_checkpoint_every`.
+    ``state_segment``: prompt tokens between the Gated DeltaNet states LongStraw's grouped backward restarts its
+    scan from (``StepMemory.state_segment``; ``longstraw_step``'s default).
     """
 
     budget_gib: float = 80.0
@@ -403,6 +406,7 @@ class MemoryKnobs:
     prompt_checkpoint_every: int | str = 1
     expert_parallel: str = "off"
     expert_parallel_size: int = 1  # resolved: P when expert parallelism runs over the SP group (``.budget``)
+    state_segment: int = STATE_SEGMENT
 
     @classmethod
     def from_config(cls, cfg: Any, mode: str = "sft") -> MemoryKnobs:
@@ -435,6 +439,7 @@ class MemoryKnobs:
             host_reserve_gib=float(config_value(cfg, "host_reserve_gib", 0.0)),
             prompt_checkpoint_every=_checkpoint_every(config_value(cfg, "prompt_checkpoint_every", 1)),
             expert_parallel=_expert_parallel_setting(config_value(cfg, "expert_parallel", "off")),
+            state_segment=int(config_value(cfg, "state_segment", STATE_SEGMENT)),
         )
 
     def __post_init__(self) -> None:
