@@ -111,6 +111,26 @@ def test_offload_over_many_small_pages_gives_bitwise_the_same_step(monkeypatch, 
     assert max(len(h.pages) for h in made) > 4
 
 
+def test_a_device_tensor_goes_to_the_host_once_straight_into_pinned_pages(monkeypatch):
+    """``offload.to_host`` of a (fake) CUDA tensor: one non-blocking device-to-host copy per page, its bytes
+    once, no host sync, into pinned pages (it was a pageable copy then ``pin_memory()``: twice the host bytes,
+    a synchronous copy; ``pin_memory`` has no fake kernel, so that raised here). (The way back, a copy into a
+    view of a fake CUDA tensor, does not run on a CPU-only build: it is checked on CPU tensors.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_longctx.longstraw.offload import to_host
+    from lightning_longctx.ops.transfers import TransferCounter
+    from lightning_longctx.ops.step_phase import phase
+
+    monkeypatch.setattr(host_pages, "PAGE_BYTES", 1024)
+    with FakeTensorMode(), TransferCounter() as counter, phase("offload"):
+        x = torch.empty(3, 1000, device="cuda")  # 12,000 bytes: 11 pages and a 1,024-byte rest block
+        host = to_host(x)
+    c = counter.phases["offload"]
+    assert isinstance(host, host_pages.PagedHostTensor) and [p.numel() for p in host.pages] == [1024] * 12
+    assert (c.d2h_bytes, c.d2h_copies, c.h2d_copies, c.syncs) == (12_000, 12, 0, 0)
+
+
 def test_the_unordered_host_copies_of_issue_22_are_caught():
     loss, _, grads = run_step(True, UnorderedHostCopies())
     assert any(not torch.isfinite(g).all() for g in grads.values()) or loss != run_step(False)[0]
