@@ -119,8 +119,8 @@ def test_a_device_tensor_goes_to_the_host_once_straight_into_pinned_pages(monkey
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lightning_longctx.longstraw.offload import to_host
-    from lightning_longctx.ops.transfers import TransferCounter
     from lightning_longctx.ops.step_phase import phase
+    from lightning_longctx.ops.transfers import TransferCounter
 
     monkeypatch.setattr(host_pages, "PAGE_BYTES", 1024)
     with FakeTensorMode(), TransferCounter() as counter, phase("offload"):

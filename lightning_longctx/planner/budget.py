@@ -177,7 +177,7 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         comp, phases, host_total = sft_phases(model, held, knobs, seq_len)
         local = math.ceil(seq_len / cluster.sp)
         host = {"activation_checkpoints": host_total} if host_total else {}
-        one = local * model.hidden_size * knobs.dtype_bytes  # save_on_cpu: each layer input its own block
+        one = local * model.hidden_size * knobs.dtype_bytes  # saved_on_host: each layer input in its own pages
         blocks = {"activation_checkpoints": (host_total // one) * pinned_block(one, cluster)} if host_total else {}
         every = 1
     else:
