@@ -7,11 +7,15 @@ ranks) would hold an 8 GiB block. Its ``pinned_max_round_threshold_mb`` option l
 but on its own it is unsafe there: the free list is bucketed by ``log2`` of the size and ``get_free_block``
 returns any block of the bucket, so a cached unrounded 5 GiB block can be handed out for a 7 GiB request. Only
 with ``pinned_max_cached_size_mb`` as well is it safe, and then no large block is cached: every offloaded
-tensor is ``cudaHostAlloc``-ed and ``cudaFreeHost``-ed again each step, process-wide. Here instead a tensor's
-bytes go into pages of :data:`PAGE_BYTES` (a power of two: the allocator hands it out exactly and reuses it
-from its free list, events and all) and the remainder into one block of its own power of two, which is less
-than a page: the waste is below one page per tensor, and :func:`host_bytes` is what a tensor holds (the
-planner's ``planner.host.pinned_block`` charges the same; ``tests/test_planner_host.py`` holds them together).
+tensor is ``cudaHostAlloc``-ed and ``cudaFreeHost``-ed again each step, process-wide.
+``pinned_use_cuda_host_register`` changes only how a block is pinned (``malloc`` and ``cudaHostRegister`` of
+the rounded size, its pages pre-faulted by ``pinned_num_register_threads`` threads): the same rounding.
+
+Here instead a tensor's bytes go into pages of :data:`PAGE_BYTES` (a power of two: the allocator hands it out
+exactly and reuses it from its free list, events and all) and the remainder into one block of its own power
+of two, which is less than a page: the waste is below one page per tensor, and :func:`host_bytes` is what a
+tensor holds (the planner's ``planner.host.pinned_block`` charges the same; ``tests/test_planner_host.py``
+holds them together).
 
 **Copies.** One copy per page (``Tensor.narrow`` of the device tensor's bytes), on the stream they are issued
 on; a non-blocking copy into or out of a pinned page records the stream with the allocator, so a page dropped
