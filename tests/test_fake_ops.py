@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_longctx.ops import gated_delta
 from lightning_longctx.ops.attention import blockwise_backward, blockwise_forward
-from lightning_longctx.ops.gated_delta import gated_delta_rule, scan_backward, scan_forward
+from lightning_longctx.ops.gated_delta import gated_delta_rule, recurrent_steps, scan_backward, scan_forward
 from lightning_longctx.ops.tracker import MemoryTracker
 
 # (tokens, chunk, group_chunks, (Hk, Hv), dtype, initial state, state_every): several groups and a tail, one
@@ -135,6 +135,13 @@ def test_no_grad_scan_keeps_no_group_states():
         return tracker.peak_bytes - v.numel() * 4
 
     assert beyond_output(512) == beyond_output(128)
+
+
+@pytest.mark.parametrize("tokens, dtype, with_state", [(1, torch.bfloat16, True), (9, torch.float32, False),
+                                                      (5, torch.float64, True)])
+def test_decode_steps_op_matches_its_kernel(tokens, dtype, with_state):
+    q, k, v, g, beta, state = _scan_inputs(tokens, 2, 4, dtype, with_state)
+    _check_op(torch.ops.longctx.gated_delta_steps, recurrent_steps, (q, k, v, g, beta, state))
 
 
 # (s_q, s_k, causal, dtype, block): several blocks and a tail, causal and not, half inputs, one short block

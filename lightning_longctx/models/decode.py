@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from ..ops.attention import attention_forward
-from ..ops.gated_delta import l2norm
+from ..ops.gated_delta import gated_delta_steps
 from ..ops.merge import merge_attention_outputs
 from ..parallel import group_rank, group_size
 from ..parallel.head_stages import Stage, check_head_layout, head_schedule
@@ -239,28 +239,13 @@ def attention_decode(attn, hidden, position_ids, prompt_kv, cache: AttentionDeco
 def delta_rule_steps(q, k, v, g, beta, state):
     """The gated delta rule token by token (``T`` is 1 or the short prompt tail): per value head
     ``S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T (q / sqrt(Dk))``, q and k l2-normalised,
-    value head ``j`` reading key head ``j // (c / nk)``, as :func:`lightning_longctx.ops.gated_delta_rule`.
+    value head ``j`` reading key head ``j // (c / nk)``, as :func:`lightning_longctx.ops.gated_delta_rule`: the
+    registered op ``longctx::gated_delta_steps`` (:func:`lightning_longctx.ops.gated_delta.recurrent_steps`).
 
     Args: ``q, k [B, T, nk, Dk]``, ``v [B, T, c, Dv]``, ``g, beta [B, T, c]``, ``state [B, c, Dk, Dv]`` in the
     compute dtype (float64 for float64 inputs, else float32) or None (zeros).
     Returns: ``o [B, T, c, Dv]`` in v's dtype and the new state."""
-    acc = torch.float64 if torch.float64 in (q.dtype, v.dtype, g.dtype) else torch.float32
-    b, t, nk, dk = q.shape
-    c, out_dtype = v.shape[2], v.dtype
-    if state is None:
-        state = torch.zeros(b, c, dk, v.shape[3], dtype=acc, device=v.device)
-    state = state.to(acc)
-    q, k = l2norm(q.to(acc)) * dk ** -0.5, l2norm(k.to(acc))
-    q, k = q.repeat_interleave(c // nk, dim=2), k.repeat_interleave(c // nk, dim=2)  # [B, T, c, Dk]
-    v, g, beta = v.to(acc), g.to(acc), beta.to(acc)
-    outs = []
-    for i in range(t):
-        state = state * g[:, i].exp()[..., None, None]
-        k_i = k[:, i]
-        u = beta[:, i, :, None] * (v[:, i] - torch.einsum("bhkv,bhk->bhv", state, k_i))
-        state = state + k_i[..., :, None] * u[..., None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, i]))
-    return torch.stack(outs, dim=1).to(out_dtype), state
+    return gated_delta_steps(q, k, v, g, beta, state)
 
 
 def linear_decode(lin, hidden, cache: LinearDecodeCache) -> torch.Tensor:

@@ -260,6 +260,44 @@ def _backward_scan(ctx, d_out, d_state, _d_boundaries, _d_starts):
 gated_delta_forward.register_autograd(_backward_scan, setup_context=_setup_scan)
 
 
+def recurrent_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token, without a graph (decoding: ``T`` is 1 or a short prompt tail).
+
+    Args: ``q, k [B, T, nk, Dk]``, ``v [B, T, c, Dv]``, ``g, beta [B, T, c]``, ``state [B, c, Dk, Dv]`` in the
+    compute dtype (float64 for float64 inputs, else float32) or None (zeros); value head ``j`` reads key head
+    ``j // (c / nk)``. Returns ``o [B, T, c, Dv]`` in v's dtype and the new state."""
+    acc = torch.float64 if torch.float64 in (q.dtype, v.dtype, g.dtype) else torch.float32
+    b, t, nk, dk = q.shape
+    c, out_dtype = v.shape[2], v.dtype
+    if state is None:
+        state = torch.zeros(b, c, dk, v.shape[3], dtype=acc, device=v.device)
+    state = state.to(acc)
+    q, k = l2norm(q.to(acc)) * dk ** -0.5, l2norm(k.to(acc))
+    q, k = q.repeat_interleave(c // nk, dim=2), k.repeat_interleave(c // nk, dim=2)  # [B, T, c, Dk]
+    v, g, beta = v.to(acc), g.to(acc), beta.to(acc)
+    outs = []
+    for i in range(t):
+        state = state * g[:, i].exp()[..., None, None]
+        k_i = k[:, i]
+        u = beta[:, i, :, None] * (v[:, i] - torch.einsum("bhkv,bhk->bhv", state, k_i))
+        state = state + k_i[..., :, None] * u[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, i]))
+    return torch.stack(outs, dim=1).to(out_dtype), state
+
+
+# the token loop as one op (decoding's prompt tail runs it over tens of tokens per layer and stage)
+gated_delta_steps = torch.library.custom_op("longctx::gated_delta_steps", recurrent_steps, mutates_args=())
+
+
+@gated_delta_steps.register_fake
+def _gated_delta_steps_fake(q, k, v, g, beta, state):
+    acc = torch.float64 if torch.float64 in (q.dtype, v.dtype, g.dtype) else torch.float32
+    b, t, _, dk = q.shape
+    c, dv = v.shape[2], v.shape[3]
+    return v.new_empty(b, t, c, dv), v.new_empty(b, c, dk, dv, dtype=acc)
+
+
 # ------------------------------------------------------------------ what the ops hold beyond their outputs
 def _forward_transient(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, group_chunks,
                        state_every, keep_starts) -> int:
@@ -292,6 +330,12 @@ def scan_flops(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> int:
     return b * hv * chunks * (c * c * (5 * dk + 3 * dv) + 6 * c * dk * dv)
 
 
+def _steps_transient(q, k, v, g, beta, state) -> int:
+    """:func:`recurrent_steps`' peak beyond its inputs and outputs, measured at its own length (a few tokens)."""
+    return cached_transient(recurrent_steps, q, k, v, g, beta, state)
+
+
+declare_transient(torch.ops.longctx.gated_delta_steps.default, _steps_transient)
 declare_transient(torch.ops.longctx.gated_delta_forward.default, _forward_transient)
 declare_transient(torch.ops.longctx.gated_delta_backward.default, _backward_transient)
 
