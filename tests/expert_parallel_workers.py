@@ -230,18 +230,22 @@ def _assert_ep_grads(model, want, world, label):
 
 def longstraw_checks(rank, world):
     """``longstraw_step(loss=LossOptions(prompt_grad="full"))`` with expert parallelism == full autograd over
-    cat(P, r_i) (float64, 1e-8): MLA + MoE (random and skewed routing), Qwen3.5-MoE, and (2 ranks) FSDP2 with
+    cat(P, r_i) (float64, 1e-8): MLA + MoE (random and skewed routing), Qwen3.5-MoE, GLM-5's DSA + MoE, and
+    (2 ranks) FSDP2 with
     the experts' 2-D shards; the global grad norm == the one process' norm; greedy ``sample`` == greedy full
     forwards."""
+    from dsa_workers import GLM, dsa_config, dsa_model
     from lightning_longctx.longstraw import longstraw_step, sample
     from lightning_longctx.parallel.grad_norm import global_grad_norm
     from test_longstraw import MAX_LEN, make_group, reference
     from test_longstraw_mla import _greedy_by_full_forward
 
     group = dist.group.WORLD
-    cases = [(mla_config(), 3, 23, False), (mla_config(), 2, 17, True), (qwen_moe_config(), 3, 70, False)]
-    for case, (config, g, prompt_len, skew) in enumerate(cases):
-        reference_model = mla_model(config)
+    cases = [(mla_model, mla_config(), 3, 23, False), (mla_model, mla_config(), 2, 17, True),
+             (mla_model, qwen_moe_config(), 3, 70, False),
+             (dsa_model, dsa_config(**GLM), 3, 23, False)]  # GLM-5 DSA (IndexShare) + MoE
+    for case, (build, config, g, prompt_len, skew) in enumerate(cases):
+        reference_model = build(config)
         if skew:
             _skew(reference_model)
         model = copy_model(reference_model, MemoryConfig(head_chunk_size=1))
