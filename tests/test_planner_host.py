@@ -98,6 +98,23 @@ def test_a_paged_host_copy_round_trips_every_dtype_over_page_boundaries(monkeypa
         host_pages.paged_copy(torch.zeros(4)).copy_(torch.zeros(3))
 
 
+def test_a_kept_attention_output_and_its_lse_are_each_in_their_own_pages():
+    """``keep_attention_output=host``: per layer and stage the output ``[1, S', C, d]`` and the LSE ``[1, C, S']``
+    are two host tensors, so each holds its own pages (Qwen3.5-27B, 8 ranks, one head per stage, 2,088,960
+    tokens: 0.996 GiB and 7.97 MiB, in 1 GiB and 8 MiB)."""
+    from lightning_longctx.planner import ModelShape
+    from lightning_longctx.planner.longstraw import host_blocks
+
+    model, cluster = ModelShape.from_config(QWEN36_27B), ClusterShape(devices=8)
+    knobs = MemoryKnobs.from_config(dict(H20, keep_attention_output="host"), "longstraw")
+    cached = 2_088_952
+    out, lse = cached * 256 * 2, cached * 4
+    units = 15 * 3  # attention layers below the top x stages
+    blocks = host_blocks({"attention_outputs": units * (out + lse)}, model, cluster, knobs, 2_088_960)
+    assert blocks["attention_outputs"] == units * (pinned_block(out, cluster) + pinned_block(lse, cluster))
+    assert pinned_block(out, cluster) == GIB and pinned_block(lse, cluster) == 8 * 2**20
+
+
 def test_offloaded_sft_checkpoints_are_the_pages_the_planner_charges(monkeypatch):
     """SFT with ``offload_activation_checkpoints`` on the tiny preset: the pages ``saved_on_host`` allocates for
     the step's activation checkpoints (a spy on ``host_pages.paged_copy``; 8 KiB pages so each 90-token layer

@@ -402,24 +402,26 @@ def grouped_backward_runs(model: ModelShape, prompt_grad: str) -> bool:
 
 def host_blocks(host: dict[str, int], model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int,
                 ) -> dict[str, int]:
-    """The pinned host blocks (:func:`.host.pinned_block`) of a LongStraw plan's ``host`` components: each
-    component is tensors of one size (a layer input, a layer's segment states, a layer's keys or values and
-    their sums, a stage's kept output and LSE), each in its own block."""
+    """The pinned host blocks (:func:`.host.pinned_block`: each tensor in its own pages) of a LongStraw plan's
+    ``host`` components: each component is units of the same tensors (a layer input; a layer's segment states;
+    a layer's keys or values; their sums; a stage's kept output and, apart, its LSE)."""
     sp = cluster.sp
     cached = sp * ((seq_len - 1) // sp)
     b = knobs.dtype_bytes
     one = max(cached // sp, 1) * model.hidden_size * b
     heads = kv_cache_bytes(model, knobs, sp, cached) // (2 * model.full_layers) if model.full_layers else 0
     stages = max(1, (model.num_attention_heads // sp) // max(1, knobs.head_chunk_size or model.num_attention_heads))
-    stage_out = attention_output_bytes(model, knobs, sp, cached) // stages if model.full_layers else 0
+    stage_heads = (model.num_attention_heads // sp) // stages
     layer_states = segment_state_bytes(model, sp, cached, knobs.state_segment) // max(1, model.linear_layers)
-    sizes = {"prompt_checkpoints": one, "segment_states": layer_states, "prompt_kv": heads,
-             "prompt_kv_grad_sums": heads // b * max(A, b), "attention_outputs": stage_out}
+    units = {"prompt_checkpoints": [one], "segment_states": [layer_states], "prompt_kv": [heads],
+             "prompt_kv_grad_sums": [heads // b * max(A, b)],
+             "attention_outputs": [cached * stage_heads * model.head_dim * b, cached * stage_heads * max(A, b)]}
     out = {}
     for name, total in host.items():
-        size = sizes.get(name) or total
-        count = total // size if size else 0
-        out[name] = count * pinned_block(size, cluster) + pinned_block(total - count * size, cluster)
+        sizes = [size for size in units.get(name, []) if size] or [total]
+        count = total // sum(sizes) if total else 0
+        out[name] = (count * sum(pinned_block(size, cluster) for size in sizes)
+                     + pinned_block(total - count * sum(sizes), cluster))
     return out
 
 
