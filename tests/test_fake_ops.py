@@ -204,3 +204,28 @@ def test_compiled_scan_equals_eager():
         torch._dynamo.reset()
     for got, want in zip(compiled, run(scan)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_segmented_scan_backward_op_matches_the_autograd_loop():
+    """LongStraw's per-segment scan backward (longstraw/linear_backward.py, autograd per segment) on real tensors
+    vs its op (``longctx::gated_delta_segmented_backward``, taken for fake tensors): equal gradients from the op's
+    kernel, and the fake op's tracked peak equals the loop's (tracker inside) within 2%."""
+    from lightning_longctx.longstraw import linear_backward
+    from lightning_longctx.ops.gated_delta import segmented_scan_backward
+
+    tokens, segment = 200, 64  # three full segments and a tail
+    q, k, v, g, beta, _ = _scan_inputs(tokens, 1, 2, torch.float32, False, dk=16, dv=16)
+    boundaries = scan_forward(q, k, v, g, beta, None, 0.25, True, 64, 4, segment, False)[2]
+    gen = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(v.shape, generator=gen)
+    grad_state = torch.randn(boundaries.shape[1:], generator=gen)
+    args = ((q, k, v, g, beta), grad_out, grad_state, boundaries, segment, "torch")
+    looped, want = _peak(linear_backward._segmented_scan_backward, *args)
+    for got, expected in zip(segmented_scan_backward(q, k, v, g, beta, grad_out, grad_state, boundaries, segment),
+                             want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (q, k, v, g, beta, grad_out, grad_state, boundaries)]
+        faked, out = _peak(linear_backward._segmented_scan_backward, fake[:5], *fake[5:], segment, "torch")
+    assert _layout(out) == _layout(want)
+    assert abs(faked - looped) <= 0.02 * looped, f"fake op peak {faked} vs the loop's {looped} bytes"

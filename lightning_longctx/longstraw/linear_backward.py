@@ -23,8 +23,10 @@ states), whatever the prompt length.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from ..ops.gated_delta import gated_delta_rule
+from ..ops.gated_delta import gated_delta_rule, gated_delta_segmented_backward, segmented_transient
+from ..ops.tracker import tracking_memory
 from ..parallel import seq_to_head
 
 DEFAULT_STATE_SEGMENT = 16384  # tokens between stored states: 128 states per layer for a 2M-token prompt
@@ -103,10 +105,15 @@ def _segmented_scan_backward(inputs, grad_out, grad_state, boundaries, segment, 
     length = inputs[0].shape[1]
     if grad_out is None and grad_state is None:
         return [None] * len(inputs)
-    grads = [torch.zeros_like(t) for t in inputs]
     starts = list(range(0, length, segment))
     if boundaries is not None and boundaries.shape[0] != len(starts) - 1:
         raise ValueError(f"{boundaries.shape[0]} stored states for {len(starts)} segments of {segment} tokens")
+    if is_fake(inputs[0]):  # a rehearsal: the loop below as one op (ops/gated_delta.py::segmented_scan_backward)
+        args = (*(t.detach() for t in inputs), grad_out, grad_state, boundaries, segment)
+        if tracking_memory():  # measured here (it differentiates with torch.func): the tracker reads it
+            segmented_transient(*args)
+        return list(gated_delta_segmented_backward(*args))
+    grads = [torch.zeros_like(t) for t in inputs]
     for index in reversed(range(len(starts))):
         a, b = starts[index], min(starts[index] + segment, length)
         pieces = [t[:, a:b].detach().requires_grad_() for t in inputs]

@@ -41,6 +41,7 @@ from .tracker import declare_transient, tracking_memory
 GATED_DELTA_BACKENDS = ("auto", "torch", "fla")
 _L2NORM_EPS = 1e-6
 _DEFAULT_GROUP_TOKENS = 256  # tokens per recomputed group (one saved state each) unless checkpoint_chunks
+_DEFAULT_CHUNK = 64  # gated_delta_rule's chunk_size
 
 
 class GatedDeltaOutput(NamedTuple):
@@ -260,6 +261,55 @@ def _backward_scan(ctx, d_out, d_state, _d_boundaries, _d_starts):
 gated_delta_forward.register_autograd(_backward_scan, setup_context=_setup_scan)
 
 
+def segmented_scan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            grad_out: torch.Tensor | None, grad_state: torch.Tensor | None,
+                            boundaries: torch.Tensor | None, segment: int) -> list[torch.Tensor]:
+    """The gradients of ``(q, k, v, g, beta)`` (full length, zeros where nothing reached them) of a scan run
+    segment by segment, walking the segments of ``segment`` tokens in reverse, each recomputed (the torch path,
+    :func:`gated_delta_rule`'s defaults) from its stored start state ``boundaries[i - 1]``, seeded with
+    ``grad_out [b, T, Hv, Dv]`` (or None) on its output and the carried state gradient (``grad_state [b, Hv, Dk,
+    Dv]`` or None at the end). What ``longstraw.linear_backward`` runs with autograd per segment, as one op for
+    fake tensors (``longctx::gated_delta_segmented_backward``): with 2M-token prompts, 128 segments per layer
+    stage."""
+    group = max(1, _DEFAULT_GROUP_TOKENS // _DEFAULT_CHUNK)
+    opts = (q.shape[-1] ** -0.5, True, _DEFAULT_CHUNK, group)
+    grads = [torch.zeros_like(t) for t in (q, k, v, g, beta)]
+    tokens = q.shape[1]
+    for index in reversed(range(-(-tokens // segment))):
+        sl = slice(index * segment, min((index + 1) * segment, tokens))
+        pieces = [t[:, sl] for t in (q, k, v, g, beta)]
+        start = None if index == 0 else boundaries[index - 1].to(q.device)
+        out, final, _, starts = scan_forward(*pieces, start, *opts, None, True)
+        d_out = torch.zeros_like(out) if grad_out is None else grad_out[:, sl].to(out.dtype)
+        d_state = torch.zeros_like(final) if grad_state is None else grad_state.to(final.dtype)
+        got = scan_backward(d_out, d_state, *pieces, starts, *opts, [True] * 5, index > 0)
+        for total, piece in zip(grads, got):
+            total[:, sl] += piece
+        grad_state = got[5] if index > 0 else None
+        del out, final, starts, d_out, d_state, got, pieces
+    return grads
+
+
+gated_delta_segmented_backward = torch.library.custom_op("longctx::gated_delta_segmented_backward",
+                                                         segmented_scan_backward, mutates_args=())
+
+
+@gated_delta_segmented_backward.register_fake
+def _segmented_backward_fake(q, k, v, g, beta, grad_out, grad_state, boundaries, segment):
+    return [torch.empty_like(t) for t in (q, k, v, g, beta)]
+
+
+def segmented_transient(q, k, v, g, beta, grad_out, grad_state, boundaries, segment) -> int:
+    """:func:`segmented_scan_backward`'s peak beyond its inputs and outputs, at two full segments and the tail
+    (it differentiates with torch.func: call it outside a dispatch mode's handler first, the tracker reads the
+    cached figure)."""
+    short = reduced_length(q.shape[1], segment)
+    parts = -(-short // segment)
+    return cached_transient(segmented_scan_backward, *(x[:, :short] for x in (q, k, v, g, beta)),
+                            None if grad_out is None else grad_out[:, :short], grad_state,
+                            None if boundaries is None else boundaries[:parts - 1], segment)
+
+
 def recurrent_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule token by token, without a graph (decoding: ``T`` is 1 or a short prompt tail).
@@ -336,6 +386,7 @@ def _steps_transient(q, k, v, g, beta, state) -> int:
 
 
 declare_transient(torch.ops.longctx.gated_delta_steps.default, _steps_transient)
+declare_transient(torch.ops.longctx.gated_delta_segmented_backward.default, segmented_transient)
 declare_transient(torch.ops.longctx.gated_delta_forward.default, _forward_transient)
 declare_transient(torch.ops.longctx.gated_delta_backward.default, _backward_transient)
 
