@@ -52,10 +52,10 @@ class Plan:
     ``peak_phase`` the largest; ``total_bytes`` = its total + the reserve (:attr:`reserve_bytes`).
     ``host_breakdown``: what the step puts on this rank's host, by component (offloaded checkpoints, the
     prompt cache and its gradient sums, kept attention outputs), bytes of the tensors; ``host_bytes`` their sum.
-    ``host_pinned_bytes``: the pinned blocks torch allocates for them (:func:`.host.pinned_block`: powers of
-    two on a GPU cluster), checked against ``host_budget_bytes`` (:func:`.host.host_budget_bytes`; None = not
-    budgeted). ``prompt_checkpoint_every``: the LongStraw prompt's segment length planned (1 = every layer's
-    input kept).
+    ``host_pinned_bytes``: the pinned memory they hold (:func:`.host.pinned_block`: each tensor in 64 MiB
+    pages on a GPU cluster, ``ops.host_pages``), checked against ``host_budget_bytes``
+    (:func:`.host.host_budget_bytes`; None = not budgeted). ``prompt_checkpoint_every``: the LongStraw
+    prompt's segment length planned (1 = every layer's input kept).
     """
 
     mode: str
