@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from ..training.completions import CompletionLog
 from ..training.dataloader import ResumableDataLoader
 from ..training.longstraw_module import LongStrawModule
-from .signatures import merged_signature
+from .signatures import KeywordSignature
 
 PAD, KEY_MARK, QUERY_MARK = 0, 2, 3
 KEYS = range(4, 12)
@@ -144,4 +144,4 @@ class NeedleGRPO(LongStrawModule):
         self.completion_log.write(self.trainer.default_root_dir, self.loggers)
 
 
-NeedleGRPO.__signature__ = merged_signature(NeedleGRPO, LongStrawModule)
+NeedleGRPO.__signature__ = KeywordSignature()  # its keywords and LongStrawModule's (config checks)

@@ -32,7 +32,7 @@ from ..longstraw.sampling import StopIds
 from ..training.completions import CompletionLog
 from ..training.longstraw_module import LongStrawModule
 from .rewards import RewardFunctionError, RewardFunctions
-from .signatures import merged_signature
+from .signatures import KeywordSignature
 from .text_data import is_conversation, load_tokenizer, stop_ids
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,6 @@ class TextGRPOModule(LongStrawModule):
         return super().training_step(batch, batch_idx)
 
 
-TextGRPOModule.__signature__ = merged_signature(TextGRPOModule, LongStrawModule)
+TextGRPOModule.__signature__ = KeywordSignature()  # its keywords and LongStrawModule's (config checks)
 
 __all__ = ["TextGRPOModule"]
