@@ -103,12 +103,15 @@ class Run:
                 return target.exists()
             return target.is_symlink() and os.readlink(target) == link
 
+        scanned = 0.0
         while not there():
             assert self.proc.poll() is None, f"the run ended (rc {self.proc.returncode}) before {path}:\n" + \
                 self.output[-4000:]
             assert time.monotonic() < deadline, f"no {path} after {timeout} s:\n{self.output[-4000:]}"
             time.sleep(0.05)
-            self.processes()
+            if time.monotonic() - scanned >= 1.0:  # remember the ranks for survivors(); a scan of every process
+                self.processes()  # costs ~4 ms of CPU: once a second, not every poll (signal() scans again)
+                scanned = time.monotonic()
         return time.monotonic()
 
     def signal(self, index: int, signum: int) -> int:
