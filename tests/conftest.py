@@ -20,19 +20,22 @@ if "torch" in sys.modules:  # imported by a plugin before this file: set it dire
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Approximate seconds each of the costliest files takes in the default run on the 2-core machine (see
-# pytest_collection_modifyitems): test_faults' seven longctx-train launches and their fault waits, test_config's
-# three preset-combination tests (~40 s of CPU each, Hydra's compose), ... A file not listed is estimated at
-# SECONDS_PER_TEST per test. Only the order matters: re-measure when a file grows a launch or a heavy fixture.
+# pytest_collection_modifyitems): test_faults' launches of longctx-train and their fault waits, the bench
+# smoke runs, test_resume_export's 2-process runs, ...: each file's CPU seconds (its processes and theirs, one
+# OpenMP thread each; measured 2026-12-02), plus test_faults' waits for timeouts. A file not listed is
+# estimated at SECONDS_PER_TEST per test. Only the order matters: re-measure when a file grows a launch or a
+# heavy fixture.
 FILE_SECONDS = {
-    "test_faults.py": 180,
-    "test_config.py": 130,
-    "test_resume_export.py": 100,
-    "test_cli.py": 90,
-    "test_bench_gpu.py": 66,
-    "test_rehearse.py": 60,
-    "test_disk_full.py": 50,
+    "test_faults.py": 150,
+    "test_bench_gpu.py": 60,
+    "test_resume_export.py": 55,
+    "test_config.py": 50,
+    "test_rehearse.py": 50,
+    "test_cli.py": 45,
+    "test_disk_full.py": 40,
     "test_readme.py": 40,
-    "test_bench_run_all.py": 40,
+    "test_input_validation.py": 35,
+    "test_bench_run_all.py": 20,
 }
 SECONDS_PER_TEST = 0.5
 
