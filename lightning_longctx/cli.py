@@ -50,6 +50,7 @@ from .config_plan import (
     explicit_model_fields,
     longstraw_choices,
     model_shape,
+    plan_knobs,
     plan_request,
 )
 from .export import ExportError, export_checkpoint
@@ -100,7 +101,7 @@ def format_plan(cfg: DictConfig, overrides: list[str] | None = None) -> str:
     ``model.pretrained``'s config.json), the layout, the plan at the task's context, and the longest contexts."""
     apply_renamed_keys(cfg)  # memory.attention_backend -> memory.planned_attention_backend (with a warning)
     check_schema_keys(cfg)  # a key added with + that the schema does not have: named, not ignored
-    model, knobs = model_shape(cfg), MemoryKnobs.from_config(cfg.memory, cfg.task.mode)
+    model, knobs = model_shape(cfg), plan_knobs(cfg)
     ClusterShape.from_config(cfg.cluster).validate()  # devices >= 1, sp_size divides them: before any arithmetic
     cluster = cfg.cluster
     world = cluster.devices * cluster.num_nodes
@@ -124,23 +125,25 @@ def format_plan(cfg: DictConfig, overrides: list[str] | None = None) -> str:
         f"precision={knobs.precision}, "
         + ", ".join(f"{k}={cfg.memory[k]}" for k in knob_names),
         "",
-        make_plan(model, cfg.cluster, cfg.memory, **plan_request(cfg)).table(),
+        make_plan(model, cfg.cluster, knobs, **plan_request(cfg)).table(),
     ]
     if cfg.task.mode == "longstraw":
         lines.append(longstraw_choices_line(cfg, model, knobs))
     lines += ["", "longest context that fits (per sequence, all ranks of an SP group together):"]
-    sft = max_context(model, cfg.cluster, cfg.memory, mode="sft")
+    sft = max_context(model, cfg.cluster, plan_knobs(cfg, "sft"), mode="sft")
     lines.append(f"  SFT:       {sft:>14,} tokens")
     request = plan_request(cfg, mode="longstraw")
     request.pop("mode"), request.pop("seq_len")
-    ls = max_context(model, cfg.cluster, cfg.memory, mode="longstraw", **request)
+    longstraw_knobs = plan_knobs(cfg, "longstraw")
+    ls = max_context(model, cfg.cluster, longstraw_knobs, mode="longstraw", **request)
     held = ClusterShape.from_config(cfg.cluster).sharding if world > 1 else "replicate"
     how = f"FSDP-sharded over the {world} ranks" if held == "fsdp" else "replicated"
     lines.append(f"  LongStraw: {ls:>14,} prompt tokens (G={request['group_size']}, responses of "
                  f"{request['response_len']:,} tokens, prompt_grad={request['prompt_grad']}; parameters, "
                  f"gradients and optimizer states {how}, as LongStrawModule runs)")
     if world > 1 and held != "fsdp":
-        sharded = max_context(model, cfg.cluster, cfg.memory, mode="longstraw", param_sharding="fsdp", **request)
+        sharded = max_context(model, cfg.cluster, longstraw_knobs, mode="longstraw", param_sharding="fsdp",
+                              **request)
         lines.append(f"  LongStraw: {sharded:>14,} prompt tokens if those states were FSDP-sharded over the "
                      f"{world} ranks")
     return "\n".join(lines)

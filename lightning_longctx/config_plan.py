@@ -37,6 +37,15 @@ def plan_request(cfg: DictConfig, *, mode: str | None = None, seq_len: int | Non
     return request
 
 
+def plan_knobs(cfg: DictConfig, mode: str | None = None) -> MemoryKnobs:
+    """The planner's :class:`MemoryKnobs` for ``cfg``: ``cfg.memory``'s for ``mode`` (None = the task's), with
+    the task's knob the step takes from the task, not from ``memory``: ``task.state_segment`` (hybrids'
+    Gated DeltaNet states every that many prompt tokens; a task without it: the step's default)."""
+    knobs = MemoryKnobs.from_config(cfg.memory, mode or cfg.task.mode)
+    segment = cfg.task.get("state_segment")
+    return knobs if segment is None else replace(knobs, state_segment=int(segment))
+
+
 def _parsed_overrides(overrides: list[str] | None) -> list[Any]:
     """``overrides`` parsed by Hydra (None = this Hydra run's command line; outside one: none)."""
     if overrides is None:
@@ -94,7 +103,7 @@ def model_shape(cfg: DictConfig, overrides: list[str] | None = None) -> ModelSha
 def check_plan(cfg: DictConfig, model: ModelShape | None = None) -> Plan:
     """Run the planner for ``cfg`` (``model``: its :func:`model_shape`, computed when None) and raise
     :class:`PlanError` (what to change) when it is over budget."""
-    return check_budget(model or model_shape(cfg), cfg.cluster, cfg.memory, **plan_request(cfg))
+    return check_budget(model or model_shape(cfg), cfg.cluster, plan_knobs(cfg), **plan_request(cfg))
 
 
 def expert_parallel_choice(cfg: DictConfig, model: ModelShape | None = None,
@@ -103,7 +112,7 @@ def expert_parallel_choice(cfg: DictConfig, model: ModelShape | None = None,
     or with ``auto`` (the default) the planner's choice at the task's context
     (:func:`~.planner.budget.choose_expert_parallel`: on when that plan fits where the other does not, or fits
     in less memory). A model without routed experts: off, without planning."""
-    knobs = knobs or MemoryKnobs.from_config(cfg.memory, cfg.task.mode)
+    knobs = knobs or plan_knobs(cfg)
     if knobs.expert_parallel == "off":
         return False
     model = model or model_shape(cfg)
@@ -125,7 +134,7 @@ def resolved_knobs(cfg: DictConfig, model: ModelShape, knobs: MemoryKnobs) -> Me
 def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
                        knobs: MemoryKnobs | None = None) -> dict[str, Any]:
     """What a LongStraw step of ``cfg`` runs with, as the planner chooses it at the task's prompt, G and response
-    length (``model``, ``knobs``: :func:`model_shape` and ``cfg.memory``'s, computed when None):
+    length (``model``, ``knobs``: :func:`model_shape` and :func:`plan_knobs`, computed when None):
 
     - ``keep_attention_output``: ``memory.keep_attention_output``, or with ``auto`` (the default)
       :func:`~.planner.longstraw.choose_keep_attention_output` (``device`` when it fits the budget, else ``off``);
@@ -145,7 +154,7 @@ def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
     request = plan_request(cfg, mode="longstraw")
     model = model or model_shape(cfg)
     cluster = ClusterShape.from_config(cfg.cluster)
-    knobs = resolved_knobs(cfg, model, knobs or MemoryKnobs.from_config(cfg.memory, "longstraw"))
+    knobs = resolved_knobs(cfg, model, knobs or plan_knobs(cfg, "longstraw"))
     knobs = expert_parallel_knobs(model, cluster, knobs)
     args = (model, cluster, knobs, request["seq_len"], request["group_size"], request["response_len"],
             request["prompt_grad"])
@@ -156,4 +165,4 @@ def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
 
 __all__ = ["DEMO_DEFAULTS", "check_plan", "demo_default_groups", "expert_parallel_choice", "explicit_model_fields",
            "longstraw_choices", "model_shape",
-           "plan_request", "resolved_knobs"]
+           "plan_knobs", "plan_request", "resolved_knobs"]

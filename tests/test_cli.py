@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from lightning_longctx import cli
-from lightning_longctx.planner import PlanError, max_context, plan
+from lightning_longctx.planner import MemoryKnobs, PlanError, max_context, plan
 
 BIN = Path(sys.executable).parent
 
@@ -57,6 +58,22 @@ def test_plan_shows_longstraw_accumulators_and_kv_for_the_hybrid(tmp_path):
     assert "KV 64 KiB/token in bfloat16" in text and "16 full attention, 48 linear attention" in text
     for component in ("kv_cache", "recurrent_state", "longstraw_accumulators", "replay_branch"):
         assert component in text, text
+
+
+def test_plan_and_budget_check_take_the_tasks_state_segment_as_the_step_does():
+    """``task.state_segment`` (the module's, so the step's) reaches the planner's ``MemoryKnobs.state_segment``
+    in longctx-plan's table and longctx-train's check: the hybrid's Gated DeltaNet states every 128 prompt
+    tokens, not the step's default 16,384."""
+    cfg = compose_cfg("model=qwen3_5_27b", "cluster=node_8gpu", "memory=h20_96g", "plan.seq_len=1048576",
+                      "plan.response_len=1024", "task.state_segment=128", config_name="plan")
+    assert cfg.task.module.state_segment == 128
+    knobs = MemoryKnobs.from_config(cfg.memory, "longstraw")
+    default = plan(cfg.model, cfg.cluster, knobs, **cli.plan_request(cfg))
+    segmented = plan(cfg.model, cfg.cluster, replace(knobs, state_segment=128), **cli.plan_request(cfg))
+    assert segmented.breakdown != default.breakdown  # more states to rebuild: a bigger layer_recompute
+    text = cli.format_plan(cfg)
+    assert segmented.table() in text and default.table() not in text, text
+    assert cli.check_plan(cfg).breakdown == segmented.breakdown
 
 
 def test_budget_check_refuses_an_impossible_plan_before_any_process_group(console, tmp_path):

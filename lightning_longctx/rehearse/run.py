@@ -34,11 +34,11 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ..ops.step_phase import phase
 from . import config as _config  # noqa: F401  (registers rehearse_schema)
@@ -233,7 +233,7 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     """Rehearse ``cfg`` (see the module docstring); returns the measured and planned figures."""
     from ..app import check_config
     from ..cli import model_shape, plan_request, trainer_precision
-    from ..config_plan import expert_parallel_choice
+    from ..config_plan import expert_parallel_choice, plan_knobs
     from ..ops.transfers import TransferCounter
     from ..planner import plan as make_plan
 
@@ -247,12 +247,12 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     cluster = cfg.cluster
     device = world_device(cluster.accelerator)
     notes = []
-    memory = cfg.memory
+    knobs = plan_knobs(cfg)
     if cluster.accelerator in ("gpu", "cuda") and device.type == "cpu":
         # the step runs this package's CPU kernels: plan what runs (the GPU's reserve terms stay in the plan)
-        memory = OmegaConf.merge(cfg.memory, {"planned_attention_backend": "eager"})
+        knobs = replace(knobs, attention_backend="eager")
         notes.append(STAND_IN)
-    planned = make_plan(shape, cluster, memory, **plan_request(cfg))
+    planned = make_plan(shape, cluster, knobs, **plan_request(cfg))
     sp = cluster.sp_size or cluster.devices
     if sp > 1 and expert_parallel_choice(cfg):  # the UlyssesStrategy(expert_parallel=...) longctx-train builds
         raise NotImplementedError(
