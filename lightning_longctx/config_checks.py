@@ -292,6 +292,23 @@ def check_module_base(cfg: DictConfig) -> None:
                           "(or drop those keys)")
 
 
+def check_task_env(cfg: DictConfig) -> None:
+    """``task.env._target_`` (a multi-turn task's environment) names a class with callable ``reset`` and
+    ``step`` (a factory function is checked on what it returns, when the module is built). Raises
+    :class:`ConfigError` naming the target and the methods it lacks."""
+    node = cfg.task.get("env")
+    path = node.get("_target_") if isinstance(node, DictConfig) else None
+    if not isinstance(path, str):
+        return
+    target = locate(path, "task.env._target_")
+    lacking = [m for m in ("reset", "step") if not callable(getattr(target, m, None))]
+    if isinstance(target, type) and lacking:
+        kind = "text" if cfg.task.get("name") == "text_grpo" else "token ids"
+        raise ConfigError(f"task.env._target_={path!r}: an environment needs reset(example) -> context and "
+                          f"step(turn) -> (observation, reward, done) (in {kind}); {target.__qualname__} lacks "
+                          f"{lacking}")
+
+
 _PATH_KEYS = ("path", "tokenizer_path")  # local files the built-in tasks read (tasks/text_data.py)
 
 
@@ -375,6 +392,7 @@ def check_config(cfg: DictConfig) -> None:
     check_task(cfg)
     check_trainer_keys(cfg.trainer)
     check_targets(cfg)
+    check_task_env(cfg)
     check_module_base(cfg)
     check_model_fields(cfg)
     check_module_arguments(cfg)

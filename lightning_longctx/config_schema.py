@@ -309,7 +309,7 @@ TASK_SCHEMAS = {
     "text_grpo": task_schema("text_grpo", "longstraw", ((TextGRPOModule, ""), (TextPromptData, ""), _EVAL), (
         "seq_len", *_LONGSTRAW_KNOBS, "reward_funcs", "reward_weights", "check_rewards",
         "log_completions_every_n_steps", "eval_every_n_steps", "eval_samples", "eval_greedy",
-        "eval_pass_threshold", "eval_data"), _DECLARED),
+        "eval_pass_threshold", "eval_data", "env", "max_turn_tokens", "turn_end"), _DECLARED),
     # multi-turn tool rollouts: env (a _target_ node, deep-copied per branch), max_turn_tokens, turn_end_ids
     "calculator_grpo": task_schema("calculator_grpo", "longstraw", ((LongStrawModule, ""),
                                                                     (calculator_dataloader, ""), _EVAL), (

@@ -492,7 +492,7 @@ def test_each_knob_reaches_the_module_as_the_yaml_or_the_signature_says(task):
                         value = preset[root].get(name, _schema_defaults(schema_of[root]).get(name))
                     else:  # ${seed}, ${tokenizer.path}: the run's, not a preset's
                         value = OmegaConf.select(cfg, value[2:-1])
-                if isinstance(value, dict) and "_target_" in value:  # a node of its own (task.env): instantiated
+                if isinstance(value, dict) and value.get("_target_"):  # a node of its own (task.env): instantiated
                     built = type(got[key])
                     assert f"{built.__module__}.{built.__qualname__}" == value["_target_"], (task, key, built)
                     continue

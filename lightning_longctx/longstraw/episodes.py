@@ -55,13 +55,15 @@ class Environment(Protocol):
 @dataclass
 class Episode:
     """One branch of a multi-turn rollout: ``response [T]`` (the prompt's dtype and device), ``mask [T]`` (bool,
-    True where the model drew the token), the sum of the environment's rewards and the number of turns the
-    environment answered (the last included)."""
+    True where the model drew the token), the sum of the environment's rewards, the number of turns the
+    environment answered (the last included) and the environment object itself (its state after the episode,
+    for a reward that reads it; under SP only the group's first rank called it: elsewhere it is an unused copy)."""
 
     response: torch.Tensor
     mask: torch.Tensor
     reward: float
     turns: int
+    environment: Any = None
 
 
 class EnvironmentFailure(RuntimeError):
@@ -191,7 +193,7 @@ def sample_episodes(
                           top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, group=group, generator=generator,
                           prompt_state=prompt_state, prompt_cache=prompt_cache, turns=turns, sync_group=sync_group,
                           on_step=on_step)
-    return [Episode(r, m, answers.rewards[i], answers.turns[i])
+    return [Episode(r, m, answers.rewards[i], answers.turns[i], envs[i])
             for i, (r, m) in enumerate(zip(decoded.responses, decoded.masks))]
 
 

@@ -233,10 +233,17 @@ class RewardFunctions:
         return out
 
 
+def environment_reward(env_rewards: list[float], **kwargs: Any) -> list[float]:
+    """The environment's own rewards (``task=text_grpo`` with ``task.env``: per completion the sum of what its
+    ``step`` returned), as a reward function: ``task.reward_funcs=[lightning_longctx.tasks.rewards.
+    environment_reward, ...]``."""
+    return list(env_rewards)
+
+
 def combine_rewards(per_function: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``[G]``: ``nansum_f weights[f] * per_function[f, g]`` (``per_function [F, G]``, ``weights [F]``)."""
     return (per_function * weights.to(per_function.dtype)[:, None]).nansum(0)
 
 
 __all__ = ["RewardFunctionError", "RewardFunctions", "RewardTimeoutError", "call_with_timeout", "check_timeout",
-           "combine_rewards", "import_object", "resolve_reward_func", "reward_func_name"]
+           "combine_rewards", "environment_reward", "import_object", "resolve_reward_func", "reward_func_name"]

@@ -45,9 +45,10 @@ from .needle import collate_prompt_groups
 log = logging.getLogger(__name__)
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-# Batch keys with a meaning of their own: LongStrawModule's (given responses), TRL's reward-call keywords.
+# Batch keys with a meaning of their own: LongStrawModule's (given responses, episodes), TRL's reward-call keywords
+# (and a multi-turn rollout's, tasks/text_env.py).
 RESERVED_COLUMNS = ("prompt_ids", "responses", "old_logprobs", "prompt", "prompts", "completions", "completion_ids",
-                    "trainer_state")
+                    "trainer_state", "episodes", "observations", "env_rewards", "environments")
 ROW_COLUMN = "__longctx_row__"  # each row's index in the whole data set, carried through the shard (for errors)
 TRUNCATE = (None, "left")
 

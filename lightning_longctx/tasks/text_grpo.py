@@ -14,26 +14,41 @@ broadcasts its ``[G]`` rewards, so the functions run once per group (a remote ju
 per-function metrics are logged from that rank (``rank_zero_only=True``: global rank 0's values reach the
 logger, as for the base module's own metrics).
 
+Multi-turn tool rollouts (``env``: ``task.env``, an environment written in text, :mod:`.text_env`): the
+environment, wrapped with the run's tokenizer (:class:`~.text_env.TokenizedEnvironment`), answers between the
+generation turns; a turn ends at a stop id, at ``turn_end`` (text, e.g. ``"</tool_call>"``: one token) or after
+``max_turn_tokens``. Its tokens carry loss mask 0. The reward functions then get, per completion:
+``completions`` with the observations in them (the whole response decoded; for a chat prompt TRL's message list,
+``assistant`` and ``tool`` turns), ``completion_ids`` (the model's and the environment's tokens),
+``observations`` (the environment's texts, as written), ``env_rewards`` (the sum of what its ``step`` returned)
+and ``environments`` (the environment objects after their episodes: TRL's keyword).
+:func:`~.rewards.environment_reward` is the function that returns ``env_rewards``.
+
 Before the first prefill (``check_rewards=True``) the functions get one dry call on the first batch's first
-row with G empty completions: a function that does not accept the keywords, raises, or returns the wrong
+row with G empty completions (with an environment: no observations, ``env_rewards`` 0, G copies of the
+environment reset on that row): a function that does not accept the keywords, raises, or returns the wrong
 number of rewards stops the run there, naming it, instead of after a million-token prefill and sampling.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from types import SimpleNamespace
 from typing import Any
 
+import hydra.utils
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
 
-from ..longstraw.sampling import StopIds
+from ..longstraw.sampling import StopIds, stop_token_ids
 from ..training.completions import CompletionLog
 from ..training.longstraw_module import LongStrawModule
 from .rewards import RewardFunctionError, RewardFunctions
 from .signatures import KeywordSignature
 from .text_data import is_conversation, load_tokenizer, stop_ids
+from .text_env import TokenizedEnvironment, episode_texts, turn_end_id
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +76,10 @@ class TextGRPOModule(LongStrawModule):
             (:class:`~lightning_longctx.training.completions.CompletionLog`); None or 0 = off.
         completions_max_rows, completions_max_chars: the table's bound: rows per logged step, characters per
             completion (the prompt's last 300 characters).
+        env: the text environment (see the module docstring): an object, or a ``_target_`` node instantiated
+            here; None (or a node whose ``_target_`` is null) = single-turn.
+        turn_end: the text of the token that ends a turn (a tool call's end marker), or None; one token with this
+            tokenizer, else ``ValueError`` naming it (``turn_end_ids`` in ids is the alternative, not both).
         **kwargs: :class:`~lightning_longctx.LongStrawModule`'s (``group_size``, ``max_new_tokens``, ``lr``, ...).
     """
 
@@ -68,7 +87,8 @@ class TextGRPOModule(LongStrawModule):
                  reward_funcs: Any = None, reward_weights: Any = None, eos_token_id: StopIds = None,
                  generation_config_path: str | None = None, check_rewards: bool = True,
                  reward_timeout_s: float | None = None, log_completions_every_n_steps: int | None = None,
-                 completions_max_rows: int = 16, completions_max_chars: int = 2000, **kwargs: Any) -> None:
+                 completions_max_rows: int = 16, completions_max_chars: int = 2000, env: Any = None,
+                 turn_end: str | None = None, **kwargs: Any) -> None:
         completions = CompletionLog(log_completions_every_n_steps, max_rows=completions_max_rows,
                                     max_chars=completions_max_chars)  # bad bounds: before the tokenizer loads
         tok = load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path, what="tokenizer_path")
@@ -81,7 +101,14 @@ class TextGRPOModule(LongStrawModule):
                             "max_new_tokens")
         if "clip_eps" in kwargs:
             kwargs["clip_eps"] = tuple(float(x) for x in kwargs["clip_eps"])
-        super().__init__(model, eos_token_id=eos_token_id, **kwargs)
+        if turn_end is not None:
+            if kwargs.get("turn_end_ids") is not None:
+                raise ValueError(f"turn_end={turn_end!r} and turn_end_ids={kwargs['turn_end_ids']!r}: give one")
+            kwargs["turn_end_ids"] = [turn_end_id(tok, turn_end)]
+        env = _instantiate_env(env)
+        if env is not None:
+            env = TokenizedEnvironment(env, tok, stop_token_ids(eos_token_id))
+        super().__init__(model, eos_token_id=eos_token_id, env=env, **kwargs)
         self.tokenizer, self.rewards, self.check_rewards = tok, rewards, check_rewards
         self.completion_log = completions
         # the dry call's empty completion ends with the first stop id (the tokenizer's EOS when it has one)
@@ -89,6 +116,14 @@ class TextGRPOModule(LongStrawModule):
         self.last_reward_metrics: dict[str, float] = {}
         self.last_reward_per_function = torch.empty(0)  # [F, G] of the last reward() call
         self._rewards_checked = not check_rewards
+
+    @staticmethod
+    def check_arguments(**arguments) -> None:
+        """:meth:`LongStrawModule.check_arguments` and ``turn_end`` (one token of the tokenizer at
+        ``tokenizer_path``), before any model is built."""
+        LongStrawModule.check_arguments(**arguments)
+        if arguments.get("turn_end") is not None:
+            turn_end_id(load_tokenizer(arguments.get("tokenizer_path"), what="tokenizer_path"), arguments["turn_end"])
 
     # ------------------------------------------------------------------------------------------ rewards
     def _trainer_state(self) -> SimpleNamespace:
@@ -98,18 +133,35 @@ class TextGRPOModule(LongStrawModule):
         return SimpleNamespace(global_step=trainer.global_step, epoch=trainer.current_epoch,
                                max_steps=trainer.max_steps)
 
-    def score_completions(self, prompt: Any, completion_ids: list[list[int]], fields: dict[str, Any]):
+    def score_completions(self, prompt: Any, completion_ids: list[list[int]], fields: dict[str, Any],
+                          episode_fields: dict[str, list] | None = None):
         """``(total [G], per_function [F, G])`` for G completions (token id lists) of one prompt; ``fields``: this
-        row's other columns (one value each, repeated G times for the call)."""
+        row's other columns (one value each, repeated G times for the call); ``episode_fields``: a multi-turn
+        rollout's keywords (:meth:`episode_keywords`, with ``messages`` for a chat prompt's completions)."""
         g = len(completion_ids)
+        extra = dict(episode_fields or {})
+        messages = extra.pop("messages", None)
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversation(prompt) else texts
+        if is_conversation(prompt):
+            completions = messages or [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            completions = texts
         columns = {name: [value] * g for name, value in fields.items()}
         preview = repr(prompt if isinstance(prompt, str) else str(prompt))
         preview = preview if len(preview) <= 60 else preview[:57] + "..."
         context = ", ".join(c for c in (self.reward_context, f"prompt {preview}") if c)  # for the errors
         return self.rewards(prompts=[prompt] * g, completions=completions, completion_ids=completion_ids,
-                            columns=columns, trainer_state=self._trainer_state(), context=context)
+                            columns=columns, trainer_state=self._trainer_state(), context=context, **extra)
+
+    def episode_keywords(self, episodes: list) -> dict[str, list]:
+        """The reward functions' keywords of G episodes: ``observations``, ``env_rewards``, ``environments`` (the
+        user's text environments) and ``messages`` (TRL's conversational completions, :func:`~.text_env.
+        episode_texts`)."""
+        parts = [episode_texts(self.tokenizer, e.response, e.mask) for e in episodes]
+        return {"observations": [observations for _, observations, _ in parts],
+                "env_rewards": [float(e.reward) for e in episodes],
+                "environments": [getattr(e.environment, "env", e.environment) for e in episodes],
+                "messages": [messages for _, _, messages in parts]}
 
     def reward(self, prompt_ids: torch.Tensor, responses: list[torch.Tensor], prompt: Any = None,
                **fields: Any) -> torch.Tensor:
@@ -118,7 +170,9 @@ class TextGRPOModule(LongStrawModule):
         if prompt is None:
             prompt = self.tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=True)
         ids = [r.tolist() for r in responses]
-        total, per = self.score_completions(prompt, ids, fields)
+        episodes = fields.pop("episodes", None)
+        total, per = self.score_completions(prompt, ids, fields,
+                                            None if episodes is None else self.episode_keywords(episodes))
         self.last_reward_per_function = per
         if self.evaluating:  # rollout_rewards: the evaluation logs its own val/ metrics
             return total
@@ -153,8 +207,15 @@ class TextGRPOModule(LongStrawModule):
         """Call every reward function once with G empty completions (``completion_ids`` = ``[[eos]]``) of ``prompt``
         and ``fields``; raises :class:`~.rewards.RewardFunctionError` naming the function on any failure."""
         ids = [[self.eos_token_id] if self.eos_token_id is not None else [] for _ in range(self.group_size)]
+        episode_fields = None
+        if self.env is not None:
+            envs = [copy.deepcopy(self.env) for _ in ids]
+            for env in envs:
+                env.env.reset({**fields, "prompt": prompt})
+            episode_fields = {"observations": [[] for _ in ids], "env_rewards": [0.0] * len(ids),
+                              "environments": [env.env for env in envs]}
         try:
-            self.score_completions(prompt, ids, fields)
+            self.score_completions(prompt, ids, fields, episode_fields)
         except RewardFunctionError as exc:
             raise RewardFunctionError(f"{exc} (dry call before training: {self.group_size} empty completions of the "
                                       "first row; task.check_rewards=false skips it)") from exc
@@ -188,6 +249,16 @@ class TextGRPOModule(LongStrawModule):
             self._check_rewards_on(batch)
             self._rewards_checked = True
         return super().training_step(batch, batch_idx)
+
+
+def _instantiate_env(env: Any) -> Any:
+    """``env`` as an object: a ``_target_`` node (dict or DictConfig) instantiated; None, an empty node or one
+    whose ``_target_`` is null (``task=text_grpo``'s default) = None."""
+    if isinstance(env, (dict, DictConfig)):
+        if env.get("_target_") is None:
+            return None
+        return hydra.utils.instantiate(OmegaConf.create(env) if isinstance(env, dict) else env)
+    return env
 
 
 TextGRPOModule.__signature__ = KeywordSignature()  # its keywords and LongStrawModule's (config checks)
