@@ -60,10 +60,6 @@ def locate(path: str, key: str) -> Any:
 
 def keyword_parameters(target: Any) -> tuple[set[str], bool] | None:
     """The keyword names ``target`` takes and whether it takes ``**kwargs`` (None: no inspectable signature)."""
-    if isinstance(target, type) and "__signature__" not in vars(target) and hasattr(target, "__signature__"):
-        # a base class's __signature__ (NeedleGRPO's merged one) describes the base: a user's subclass is called
-        # through its own __init__ (inspect.signature would return the inherited attribute)
-        target = target.__init__
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):
