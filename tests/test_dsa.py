@@ -24,6 +24,7 @@ from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig  # n
 from lightning_longctx.models.dsa import DSAIndexer  # noqa: E402
 from lightning_longctx.models.hf_io import config_from_hf, config_to_hf  # noqa: E402
 from lightning_longctx.ops.sparse_attention import sparse_latent_attention, streaming_topk  # noqa: E402
+from lightning_longctx.ops.tracker import MemoryTracker  # noqa: E402
 from models_common import assert_close_rel, assert_grads_match, grads, rel_err, rounding_tol, single_thread  # noqa: F401, E402
 
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -196,6 +197,40 @@ def test_index_share_under_activation_checkpointing_changes_no_number():
     for model in (plain, twin):
         model(ids, labels=ids).loss.backward()
     assert_grads_match(grads(twin), grads(plain), 1e-12, "checkpointed IndexShare vs plain (float64)")
+
+
+def test_a_forward_holds_only_the_selection_still_to_be_read():
+    """GLM-5.2's IndexShare pattern in small (``full, shared, full, shared``; dense MLPs, so every layer's
+    transients are alike): a no-grad forward over 4 layers peaks no higher than over the first 2, i.e. layer 0's
+    top-k ``[2, 256, 128]`` is gone once layer 1 (its last reader) has run, although it is a tenth of the peak."""
+    def model(layers):
+        config = config_from_hf({"model_type": "glm_moe_dsa", **SHAPE, "num_hidden_layers": layers,
+                                 "first_k_dense_replace": layers, "index_topk": 128, "index_topk_freq": 2,
+                                 "index_skip_topk_offset": 1})
+        assert config.indexer_types == ["full", "shared"] * (layers // 2)
+        torch.manual_seed(0)
+        lm = DecoderLM(config)
+        for layer in lm.layers:  # small tiles (memory only), so a selection is a visible part of the peak
+            layer.self_attn.query_block = 16
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.query_block, layer.self_attn.indexer.key_block = 16, 64
+        return lm
+
+    ids = _ids(seq=256)
+    held = []  # layer 0's selection's bytes (not the tensor: this test must not keep it alive)
+    two, four = model(2), model(4)
+    four.layers[0].self_attn.register_forward_hook(
+        lambda _m, _args, kwargs, _out: held.append(kwargs["dsa_indices"][0].untyped_storage().nbytes()),
+        with_kwargs=True)
+    peaks = []
+    for lm in (two, four):
+        with torch.no_grad(), MemoryTracker() as mem:
+            lm(ids)
+        peaks.append(mem.peak_bytes)
+    held = held[0]
+    assert held == 2 * 256 * 128 * torch.int32.itemsize and held > peaks[0] // 12, (held, peaks)
+    assert peaks[1] <= peaks[0] + held // 2, (f"4 layers peak at {peaks[1]} B, 2 layers at {peaks[0]} B: a "
+                                              f"{held} B selection outlived its last reader")
 
 
 @pytest.mark.parametrize("shards", [2, 4])

@@ -31,6 +31,7 @@ from ..parallel import group_rank, group_size
 from ..parallel import shift_labels as shift_hf_labels
 from . import hf_io, lora, lora_attach, lora_io
 from .config import DecoderConfig, MemoryConfig
+from .dsa import index_source, last_reader
 from .gated_deltanet import GatedDeltaNet
 from .layer import DecoderLayer  # noqa: F401  (re-exported: the layer lives in layer.py)
 from .lora import lora_modules
@@ -186,6 +187,27 @@ class DecoderLM(nn.Module):
             return checkpoint(layer, hidden, position_ids, lora_mask=layer.adapter_mask(position_ids),
                               use_reentrant=False, **extra)
 
+    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Every layer over ``hidden [batch, seq_local, E]``. DSA (IndexShare): each layer call gets its own
+        ``dsa_indices`` dict (a full layer stores its top-k ``[batch, seq_local, index_topk]`` in it, a shared
+        one finds its source's there), which a checkpoint keeps for that layer's recomputation; the forward's
+        own reference to a selection goes after the selection's last reader (:func:`~.dsa.last_reader`), so no
+        selection outlives its readers (a no-grad forward holds one at a time, not one per full layer)."""
+        if not self.config.is_dsa:
+            for layer in self.layers:
+                hidden = self._run_layer(layer, hidden, position_ids)
+            return hidden
+        types = self.config.indexer_types
+        selections: dict[int, torch.Tensor] = {}  # full layers' top-k not yet past their last reader
+        for index, layer in enumerate(self.layers):
+            source = index_source(types, index)
+            dsa_indices = {} if source == index else {source: selections[source]}
+            hidden = self._run_layer(layer, hidden, position_ids, dsa_indices)
+            selections.update(dsa_indices)
+            if last_reader(types, source) == index:
+                del selections[source]
+        return hidden
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -229,9 +251,7 @@ class DecoderLM(nn.Module):
         if position_ids is None:
             position_ids = default_position_ids(input_ids, self.sp_group)
         hidden = self.embed(input_ids)
-        dsa_indices = {} if self.config.is_dsa else None  # IndexShare: full layers' top-k for the shared ones
-        for layer in self.layers:
-            hidden = self._run_layer(layer, hidden, position_ids, dsa_indices)
+        hidden = self._run_layers(hidden, position_ids)
         hidden = self.final_hidden(hidden)
         if shift_labels is None:
             return DecoderOutput(loss=None, logits=self.lm_head(hidden))

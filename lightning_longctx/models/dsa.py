@@ -14,10 +14,13 @@ model's tables: interleaved for GLM, rotate-half for DeepSeek-V3.2 (``indexer_ro
 without autograd: the selection is piecewise constant, so no gradient reaches the indexer (as in transformers).
 
 IndexShare (GLM-5.2; ``indexer_types``): a ``"shared"`` layer has no indexer and reuses the top-k of the most
-recent ``"full"`` layer below it, handed over in ``dsa_indices`` (a dict of this forward's selections by layer
-index, which :class:`~.decoder.DecoderLM` creates per forward and activation checkpointing keeps for the
-recomputation: a checkpointed shared layer recomputes before its source in the top-down backward, and reads the
-selection its source made in the forward).
+recent ``"full"`` layer below it, handed over in ``dsa_indices`` (a dict of selections by layer index).
+:class:`~.decoder.DecoderLM` gives every layer call its own dict: empty for a full layer (which stores its
+selection there), ``{source: selection}`` for a shared one, and drops a selection after its :func:`last_reader`,
+so a forward holds at most the one selection still to be read. Activation checkpointing keeps each layer's dict
+for its recomputation: a checkpointed shared layer recomputes before its source in the top-down backward and
+reads the selection its source made in the forward (kept, not recomputed: recomputing would re-run the source's
+``O(s^2)`` indexer scoring once per reader); each selection dies with the last of those recomputations.
 
 Sequence parallelism (DSA_EP.md 2.1: not Ulysses heads for these layers): the queries stay sequence-local; the
 latent ``[b, s_l, w]`` is all-gathered (its backward sums every rank's gradient into the owner's rows, as in
@@ -136,6 +139,16 @@ def index_source(indexer_types: list[str], index: int) -> int:
         if indexer_types[j] == FULL:
             return j
     raise ValueError(f"indexer_types={indexer_types}: shared layer {index} has no full layer below it")
+
+
+def last_reader(indexer_types: list[str], source: int) -> int:
+    """The last layer that reads full layer ``source``'s selection: the top of the run of ``"shared"`` layers
+    right above it, or ``source`` itself (a shared layer reads the most recent full layer below it, so once the
+    next full layer runs no later layer needs the earlier selection)."""
+    top = source
+    while top + 1 < len(indexer_types) and indexer_types[top + 1] == SHARED:
+        top += 1
+    return top
 
 
 class DSAttention(MLAttention):
@@ -265,4 +278,5 @@ def prompt_state_bytes(config, layer_index: int, prompt_tokens: int, sp: int = 1
     return local * width * dtype_bytes
 
 
-__all__ = ["DSAIndexer", "DSAState", "DSAttention", "FULL", "SHARED", "index_source", "prompt_state_bytes"]
+__all__ = ["DSAIndexer", "DSAState", "DSAttention", "FULL", "SHARED", "index_source", "last_reader",
+           "prompt_state_bytes"]
