@@ -14,6 +14,7 @@ Sharded (2 and 4 gloo ranks, float64, :mod:`dsa_workers`): loss and every gradie
 """
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -199,23 +200,27 @@ def test_index_share_under_activation_checkpointing_changes_no_number():
     assert_grads_match(grads(twin), grads(plain), 1e-12, "checkpointed IndexShare vs plain (float64)")
 
 
-def test_a_forward_holds_only_the_selection_still_to_be_read():
-    """GLM-5.2's IndexShare pattern in small (``full, shared, full, shared``; dense MLPs, so every layer's
-    transients are alike): a no-grad forward over 4 layers peaks no higher than over the first 2, i.e. layer 0's
-    top-k ``[2, 256, 128]`` is gone once layer 1 (its last reader) has run, although it is a tenth of the peak."""
-    def model(layers):
-        config = config_from_hf({"model_type": "glm_moe_dsa", **SHAPE, "num_hidden_layers": layers,
-                                 "first_k_dense_replace": layers, "index_topk": 128, "index_topk_freq": 2,
-                                 "index_skip_topk_offset": 1})
-        assert config.indexer_types == ["full", "shared"] * (layers // 2)
-        torch.manual_seed(0)
-        lm = DecoderLM(config)
-        for layer in lm.layers:  # small tiles (memory only), so a selection is a visible part of the peak
-            layer.self_attn.query_block = 16
-            if layer.self_attn.indexer is not None:
-                layer.self_attn.indexer.query_block, layer.self_attn.indexer.key_block = 16, 64
-        return lm
+def _index_share_model(layers, memory=None, index_topk=128):
+    """A tiny GLM-5.2-patterned model, ``full, shared`` repeated, dense MLPs (every layer's transients alike),
+    small tiles (memory only, so a selection is a visible part of a forward's peak)."""
+    config = config_from_hf({"model_type": "glm_moe_dsa", **SHAPE, "num_hidden_layers": layers,
+                             "first_k_dense_replace": layers, "index_topk": index_topk, "index_topk_freq": 2,
+                             "index_skip_topk_offset": 1})
+    assert config.indexer_types == ["full", "shared"] * (layers // 2)
+    torch.manual_seed(0)
+    lm = DecoderLM(config, memory)
+    for layer in lm.layers:
+        layer.self_attn.query_block = 16
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.query_block, layer.self_attn.indexer.key_block = 16, 64
+    return lm
 
+
+def test_a_forward_holds_only_the_selection_still_to_be_read():
+    """GLM-5.2's IndexShare pattern in small (``full, shared, full, shared``): a no-grad forward over 4 layers
+    peaks no higher than over the first 2, i.e. layer 0's top-k ``[2, 256, 128]`` is gone once layer 1 (its last
+    reader) has run, although it is a tenth of the peak."""
+    model = _index_share_model
     ids = _ids(seq=256)
     held = []  # layer 0's selection's bytes (not the tensor: this test must not keep it alive)
     two, four = model(2), model(4)
@@ -231,6 +236,28 @@ def test_a_forward_holds_only_the_selection_still_to_be_read():
     assert held == 2 * 256 * 128 * torch.int32.itemsize and held > peaks[0] // 12, (held, peaks)
     assert peaks[1] <= peaks[0] + held // 2, (f"4 layers peak at {peaks[1]} B, 2 layers at {peaks[0]} B: a "
                                               f"{held} B selection outlived its last reader")
+
+
+def test_a_checkpointed_selection_dies_with_its_full_layers_recomputation():
+    """Under activation checkpointing every selection is kept for the backward (the shared layer above
+    recomputes first and reads it), and each goes once its own full layer's backward has run: layer 2's before
+    layers 1 and 0 recompute, not at the end of the whole backward."""
+    lm = _index_share_model(4, MemoryConfig(activation_checkpointing=True), index_topk=6)
+    alive = {}  # full layer -> a weak reference to its forward's selection
+    for i in (0, 2):
+        lm.layers[i].self_attn.register_forward_hook(
+            lambda _m, _args, kwargs, _out, i=i: alive.setdefault(i, weakref.ref(kwargs["dsa_indices"][i])) and None,
+            with_kwargs=True)
+    seen = {}  # layer -> which selections were alive when the gradient into its input arrived
+    hidden_in = []
+    lm.layers[2].register_forward_pre_hook(lambda _m, args: hidden_in.append(args[0]) and None)
+    loss = lm(_ids(), labels=_ids()).loss
+    assert all(ref() is not None for ref in alive.values()), "the forward must keep them for the recomputation"
+    hidden_in[0].register_hook(lambda _g: seen.update(after_layer_2={i: ref() is not None for i, ref in alive.items()}))
+    hidden_in.clear()
+    loss.backward()
+    assert seen["after_layer_2"] == {0: True, 2: False}, seen
+    assert all(ref() is None for ref in alive.values())
 
 
 @pytest.mark.parametrize("shards", [2, 4])
