@@ -23,6 +23,7 @@ every build.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -81,6 +82,14 @@ class GpuPathError(RuntimeError):
     code line)."""
 
 
+@functools.cache
+def _skipped(filename: str) -> bool:
+    """Whether a frame of ``filename`` is not the code being rehearsed: torch's, a library's, Python's own, the
+    rehearsal's measuring code (cached: ``realpath`` costs a few system calls, and every host read walks the
+    stack)."""
+    return filename.startswith((_REHEARSE, "<")) or os.path.realpath(filename).startswith(_LIBRARIES)
+
+
 def code_site() -> tuple[str, str]:
     """``(where, qualname)`` of the innermost frame of this package's or the user's code (not torch's, not a
     library's, not the rehearsal's own measuring code): ``where`` = ``"path:line function"``, a path in this
@@ -91,8 +100,7 @@ def code_site() -> tuple[str, str]:
         name = code.co_filename
         # a dispatch mode's own frame (the rehearsal's counters, ops/transfers.py's TransferCounter) is not the code
         # that made the read
-        if not name.startswith(_REHEARSE) and not os.path.realpath(name).startswith(_LIBRARIES) and \
-                not name.startswith("<") and code.co_name != "__torch_dispatch__":
+        if not _skipped(name) and code.co_name != "__torch_dispatch__":
             path = os.path.relpath(name, os.path.dirname(_PACKAGE)) if name.startswith(_PACKAGE) else name
             return f"{path}:{frame.f_lineno} {code.co_name}", code.co_qualname
         frame = frame.f_back
