@@ -136,3 +136,36 @@ def test_longctx_train_text_grpo_with_a_text_environment(hf_dir, qa_jsonl, tmp_p
         assert set(call["env_rewards"]) <= {0.0, 1.0}
     assert observed > 0
     assert trainer.callback_metrics["train/rewards/environment_reward/mean"] >= 0
+
+
+def test_a_chat_prompts_reward_functions_get_trl_messages_with_the_tool_turns(hf_dir, tokenizer, tmp_path,
+                                                                              monkeypatch):
+    """For a chat prompt ``completions`` are TRL's message lists (``assistant`` / ``tool``); the environment
+    object is copied per branch, the tokenizer shared."""
+    import copy
+
+    from lightning_longctx.longstraw.episodes import Episode
+    from lightning_longctx.models import DecoderLM
+    from lightning_longctx.tasks.text_grpo import TextGRPOModule
+
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    (tmp_path / "env_recorder_chat.py").write_text(RECORDER)
+    module = TextGRPOModule(DecoderLM.from_pretrained(hf_dir), tokenizer_path=str(hf_dir), group_size=2,
+                            reward_funcs=["env_recorder_chat.record"], env={"_target_": f"{__name__}.Echo"},
+                            turn_end="?", max_turn_tokens=4)
+    branch = copy.deepcopy(module.env)
+    assert isinstance(branch.env, Echo) and branch.env is not module.env.env and branch.tokenizer is module.tokenizer
+    branch.env.searches = ["word"]
+    ids = tokenizer.convert_tokens_to_ids(["the", "magic", "word", "?", "falcon", "<|im_end|>"])
+    mask = torch.tensor([True, True, False, False, True, True])
+    episodes = [Episode(torch.tensor(ids), mask, 1.0, 2, branch), Episode(torch.tensor(ids[:2]), mask[:2], 0.0, 1,
+                                                                          branch)]
+    module.reward(torch.tensor(ids[:1]), [e.response for e in episodes], prompt=[{"role": "user", "content": "q"}],
+                  episodes=episodes, answer="falcon")
+    (call,) = sys.modules.pop("env_recorder_chat").CALLS
+    assert call["completions"][0] == [{"role": "assistant", "content": "the magic"},
+                                      {"role": "tool", "content": "word?"},
+                                      {"role": "assistant", "content": "falcon"}]
+    assert call["completions"][1] == [{"role": "assistant", "content": "the magic"}]
+    assert call["observations"] == [["word?"], []] and call["env_rewards"] == [1.0, 0.0]
+    assert call["searches"] == [["word"], ["word"]] and call["answer"] == ["falcon", "falcon"]
