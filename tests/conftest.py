@@ -74,7 +74,8 @@ def console(monkeypatch, capsys, leave_no_process_group):
     launch itself (the script file, the exit status of a process) is tests/test_input_validation.py's
     ``test_console_scripts_print_the_message_alone`` and the longctx-train runs'. Put back afterwards:
     ``os.environ`` and the process group (:func:`leave_no_process_group`), ``sys.path`` (``importable_cwd``),
-    and the root logger's handlers (a Hydra run configures job logging into its run directory)."""
+    and the root logger's handlers (a Hydra run configures job logging into its run directory; during the call
+    the root logger has none, as in a fresh process, not one an earlier test left on a closed stream)."""
     from importlib.metadata import entry_points
 
     root = logging.getLogger()
@@ -84,6 +85,7 @@ def console(monkeypatch, capsys, leave_no_process_group):
     def run(script: str, *args: str) -> tuple[int, str, str]:
         (entry,) = entry_points(group="console_scripts", name=script)
         monkeypatch.setattr(sys, "argv", [script, *args])
+        root.handlers[:], root.level = [], logging.WARNING  # as in a fresh process: no handler left by a test
         capsys.readouterr()  # only what the script prints
         try:
             entry.load()()
