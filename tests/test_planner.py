@@ -425,6 +425,55 @@ def test_plan_matches_the_tracker_with_kept_attention_outputs(knobs):
     assert measured > 0 and abs(planned - measured) <= 0.02 * measured, (planned, measured)
 
 
+TINY_HYBRID = dict(TINY, num_hidden_layers=4, qk_norm=True, attn_output_gate=True, partial_rotary_factor=0.25,
+                   zero_centered_norms=True, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                   linear_conv_kernel_dim=4)  # conf/model/tiny_hybrid.yaml
+
+
+def hybrid_phase_ratios(seq: int) -> dict[str, float]:
+    """planned / measured per phase of one exact LongStraw step of :data:`TINY_HYBRID` on one rank, all value
+    heads in one stage (``head_chunk_size=None``), G=4 responses of 8 tokens; measured: the tracker's peak of the
+    phase (``PhaseTracker``), planned: the phase less the parameters and optimizer states the step never sees."""
+    from lightning_longctx.longstraw import StepMemory, longstraw_step
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+    from lightning_longctx.rehearse.measure import PhaseTracker
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(**TINY_HYBRID), MemoryConfig())
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (seq,), generator=gen)
+    responses = [torch.randint(0, 64, (8,), generator=gen) for _ in range(4)]
+    with PhaseTracker() as tracker:
+        longstraw_step(model, prompt, responses, torch.randn(4, generator=gen), memory=StepMemory(state_segment=64))
+    p = plan(TINY_HYBRID, ONE, dict(FP32_EAGER, state_segment=64), seq_len=seq, mode="longstraw", group_size=4,
+             response_len=8)
+    held = p.breakdown["params"] + p.breakdown["optimizer"]
+    return {name: (p.phases[name] - held) / peak for name, peak in tracker.device_peaks.items() if name in p.phases}
+
+
+# planned/measured, state_segment=64: prefill 1.22, replay 1.00, grouped backward 1.12 at 2,048 tokens (with the
+# default state_segment: prefill 1.21, grouped backward 0.97; at 4,096 tokens 1.21 and 1.10). The prefill's peak
+# is a linear layer's conv (the tracker's largest tensors: send, padded input, conv and silu outputs, qkv):
+# linear_prefill_bytes adds the stage's scan output on top (never alive with the conv's transients) and an
+# all-to-all receive buffer one rank does not allocate. Not fixed yet: xfail until it is.
+PREFILL_OVERESTIMATE = pytest.mark.xfail(strict=True, reason="the hybrid's all-heads prefill is planned 21% high")
+
+
+@PREFILL_OVERESTIMATE
+def test_plan_matches_the_tracker_per_phase_on_the_hybrid_with_all_heads_at_once():
+    ratios = hybrid_phase_ratios(2048)
+    assert {"prefill", "replay", "grouped backward"} <= set(ratios)
+    assert all(abs(r - 1) <= 0.10 for r in ratios.values()), ratios
+
+
+@pytest.mark.slow
+@PREFILL_OVERESTIMATE
+def test_plan_matches_the_tracker_per_phase_on_the_hybrid_with_all_heads_at_once_at_4096_tokens():
+    ratios = hybrid_phase_ratios(4096)
+    assert all(abs(r - 1) <= 0.10 for r in ratios.values()), ratios
+
+
 def test_keep_attention_output_auto_is_device_when_it_fits_and_host_is_host_memory():
     kwargs = dict(seq_len=4096, mode="longstraw", group_size=4, response_len=8)
     off, device = (plan(TINY, ONE, dict(FP32_EAGER, keep_attention_output=k), **kwargs) for k in ("off", "device"))
