@@ -38,8 +38,9 @@ def compose_cfg(*overrides: str, hydra_config: bool = False):
 
 
 def test_groups_have_the_presets_the_issue_names():
-    assert options("model") == ["deepseek_v3", "llama3_8b", "qwen3_32b", "qwen3_5_27b", "qwen3_5_35b_a3b", "qwen3_8b",
-                                "tiny", "tiny_hybrid", "tiny_hybrid_moe", "tiny_mla_moe"]
+    assert options("model") == ["deepseek_v3", "deepseek_v32", "glm5", "glm5_2", "llama3_8b", "qwen3_32b",
+                                "qwen3_5_27b", "qwen3_5_35b_a3b", "qwen3_8b", "tiny", "tiny_deepseek_v32", "tiny_glm5",
+                                "tiny_hybrid", "tiny_hybrid_moe", "tiny_mla_moe"]
     assert options("cluster") == ["cpu_2proc", "node_8gpu", "slurm_4x8gpu"]
     assert options("memory") == ["cpu", "h100_80g", "h200_141g", "h20_96g"]
     assert {"long_sft", "needle_grpo"} <= set(options("task"))
@@ -342,8 +343,8 @@ def test_help_lists_the_users_groups_and_their_options(monkeypatch, capsys, entr
     text = capsys.readouterr().out
     assert "== Configuration groups ==" in text and f"longctx-{entry}" in text
     groups = text.split("== Configuration groups ==")[1].split("== Config ==")[0]
-    for line in ("model: deepseek_v3, llama3_8b, qwen3_32b, qwen3_5_27b, qwen3_5_35b_a3b, qwen3_8b, tiny, tiny_hybrid, "
-                 "tiny_hybrid_moe, tiny_mla_moe",
+    for line in ("model: deepseek_v3, deepseek_v32, glm5, glm5_2, llama3_8b, qwen3_32b, qwen3_5_27b, qwen3_5_35b_a3b, "
+                 "qwen3_8b, tiny, tiny_deepseek_v32, tiny_glm5, tiny_hybrid, tiny_hybrid_moe, tiny_mla_moe",
                  "memory: cpu, h100_80g, h200_141g, h20_96g",
                  "task: calculator_grpo, long_sft, needle_grpo, text_grpo, text_sft",
                  "trainer: default, smoke", "checkpoint: default", "tokenizer: default"):

@@ -9,6 +9,10 @@ from collections.abc import Mapping
 from typing import Any
 
 FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION = "full_attention", "linear_attention", "mla_attention"
+# DeepSeek sparse attention (``models/dsa.py``): DecoderConfig's layer type of an MLA model with ``index_topk``; the
+# planner plans it as an MLA layer with the indexer's terms (:mod:`.dsa`), so its shape keeps ``MLA_ATTENTION``
+DSA_ATTENTION = "dsa_attention"
+INDEX_FULL = "full"  # indexer_types: a layer that runs its own lightning indexer ("shared": reuses one below)
 MLP_DENSE, MLP_SPARSE = "dense", "sparse"  # mlp_layer_types: a SwiGLU MLP or the mixture of experts
 PRESET = "*"  # in ModelShape.from_config's ``explicit``: the model preset itself was chosen (model=<name>)
 

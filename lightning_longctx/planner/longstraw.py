@@ -12,6 +12,7 @@ import itertools
 import math
 from dataclasses import replace
 
+from .dsa import index_key_bytes, indexer_bytes
 from .host import (
     checkpoint_every_candidates,
     host_budget_bytes,
@@ -187,8 +188,11 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
         kv_acc = acc - state if full else 0
         host.update(prompt_kv=kv, prompt_kv_grad_sums=kv_acc)
         kv, acc = min(kv, 2 * kv // layers), (min(kv_acc, 2 * kv_acc // layers) + state if full else 0)
+    # DSA: each full layer's index keys (float32, no gradient: the indexer is no-grad) beside its latent
+    index_keys = index_key_bytes(model, s_l)
     comp = dict(static, weight_copies=copies)
-    comp.update(kv_cache=kv, recurrent_state=state, checkpoints=ckpt_dev, longstraw_accumulators=acc)
+    comp.update(kv_cache=kv, index_keys=index_keys, recurrent_state=state, checkpoints=ckpt_dev,
+                longstraw_accumulators=acc)
     last = model.num_hidden_layers - 1
     # keep_attention_output: per layer, the attention outputs its prefill keeps for its grouped backward (not
     # the prompt's last layer: it does not attend), persistent until then
@@ -198,7 +202,7 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     out_dev = out_layer if keep == "device" else [0] * len(out_layer)
     if keep == "host":
         host["attention_outputs"] = sum(out_layer)
-    persistent = base + kv + state + ckpt_dev + sum(out_dev)
+    persistent = base + kv + index_keys + state + ckpt_dev + sum(out_dev)
     # what the layers 0..i hold of the prompt state on the device, per phase: their checkpoints (+ segment
     # states), the linear layers' states (and, in the grouped backward, their gradients), the attention
     # layers' K/V and, in the grouped backward, their float32 sums. Offloaded (``offload_prompt_cache``): no
@@ -206,6 +210,8 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     # (which recomputes them), and the sums of the layer being back-propagated and the one prefetched.
     layer_kv = kv_cache_bytes(model, knobs, sp, cached) // model.full_layers if model.full_layers else 0
     layer_latent = s_l * model.latent_width * b  # an MLA layer's sequence-sharded prompt latent
+    layer_index_keys = [index_key_bytes(model, s_l) // model.index_layers if model.has_indexer(i) else 0
+                        for i in range(layers_n)]
     latent_acc = layer_latent // b * max(A, b) if full else 0
     layer_acc = layer_kv // b * max(A, b) if full else 0
     layer_state = recurrent_state_bytes(model, knobs, sp) // model.linear_layers if model.linear_layers else 0
@@ -235,6 +241,7 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     kept_below = list(itertools.accumulate(s_ + o for s_, o in zip(seg_layer, out_dev)))
     attention_below = list(itertools.accumulate(k == FULL_ATTENTION for k in model.layer_types))
     mla_below = list(itertools.accumulate(k == MLA_ATTENTION for k in model.layer_types))
+    index_keys_below = list(itertools.accumulate(layer_index_keys))
 
     def prompt_state(upto: int, grouped: bool, inputs: int | None = None, states_upto: int | None = None) -> int:
         alive = inputs_alive(upto, grouped) if inputs is None else inputs
@@ -242,7 +249,7 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
         if grouped:  # the segment's rebuilt linear-layer states, up to ``states_upto`` (default: ``upto``)
             total += rebuilt_states(upto, upto if states_upto is None else states_upto)
         attention, mla = attention_below[upto], mla_below[upto]  # MLA: the latent stays on the device, its sums too
-        total += mla * (layer_latent + (latent_acc if grouped else 0))
+        total += mla * (layer_latent + (latent_acc if grouped else 0)) + index_keys_below[upto]
         total += (upto + 1 - attention - mla) * layer_state * (2 if grouped and full else 1)
         if not staged:
             return total + attention * (layer_kv + (layer_acc if grouped else 0))
@@ -265,7 +272,7 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
         mlp = prefill_moe if model.is_sparse(i) else prefill_mlp
         if model.layer_types[i] == MLA_ATTENTION:
             return mla_prefill_bytes(model, knobs, sp, s_l, top=True) if i == last else max(
-                mlp + layer_latent, mla_prefill_bytes(model, knobs, sp, s_l))
+                mlp + layer_latent + layer_index_keys[i], mla_prefill_bytes(model, knobs, sp, s_l, index=i))
         if model.layer_types[i] == FULL_ATTENTION:
             if i == last:
                 return attention_prefill_bytes(model, knobs, sp, s_l, top=True)
@@ -280,7 +287,7 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     gathered = 2 * layer * b if sharded else 0
     reduce_input = layer * knobs.param_bytes if sharded and not model.lora_r else 0
     nograd = base - static["grads"] - (static["fsdp_buffers"] - gathered)  # gradients are None until a backward
-    prefill_cost = _per_layer(prefill_layer, [(k, model.is_sparse(i), i == last) for i, k in
+    prefill_cost = _per_layer(prefill_layer, [(k, model.is_sparse(i), i == last, model.has_indexer(i)) for i, k in
                                               enumerate(model.layer_types)])
     # the layer's input is on the device whether or not it is kept (a kept one is that tensor, counted by the
     # layers above as a checkpoint; an offloaded one is a host copy of it)
@@ -338,8 +345,8 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
         return linear_recompute_bytes(model, knobs, sp, s_l) + (seg_one if knobs.offload_checkpoints else 0)
 
     seed = s_l * e * b * (2 if knobs.offload_checkpoints else 1)
-    recompute_cost = _per_layer(recompute, [(k, model.is_sparse(i), i == last, out_layer[i]) for i, k in
-                                            enumerate(model.layer_types)])
+    recompute_cost = _per_layer(recompute, [(k, model.is_sparse(i), i == last, out_layer[i], model.has_indexer(i))
+                                            for i, k in enumerate(model.layer_types)])
     grouped = [prompt_state(i, True) + recompute_cost[i] + seed for i in range(last + 1)] if full else [0]
     # segment forwards (``every > 1``): layer m of a segment re-run without autograd from the inputs rebuilt so
     # far, the prompt state of the layers up to the segment's top alive (their sums too), and the gradient
@@ -359,10 +366,15 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     # K/V for the prompt tail + ``response_len`` tokens per attention layer and a recurrent state per linear
     # layer; and per step the G rows' logits and restricted probabilities (float32, three [G, vocab] copies)
     rows = group_size
-    response_caches = rows * (kv_cache_bytes(model, knobs, sp, response_len + sp) + state)
+    response_caches = rows * (kv_cache_bytes(model, knobs, sp, response_len + sp) + state
+                              + index_key_bytes(model, math.ceil((response_len + sp) / sp)))
     comp["response_caches"] = response_caches
     comp["attention_outputs"] = sum(out_dev)
-    rollout = nograd + kv + state + ckpt_dev + sum(out_dev) + response_caches + 3 * rows * model.vocab_size * A
+    # DSA decoding: per token, the G rows' indexer over every prompt and response key (the gathered float32
+    # keys, the score tile: :func:`.dsa.indexer_bytes`)
+    comp["decode_indexer"] = indexer_bytes(model, knobs, rows, cached + response_len) if model.index_layers else 0
+    rollout = nograd + kv + index_keys + state + ckpt_dev + sum(out_dev) + response_caches + comp["decode_indexer"] \
+        + 3 * rows * model.vocab_size * A
     if staged:  # an offloaded cache read during the rollouts: fetched whole once, or streamed two layers at a time
         if rollout_prompt_cache is None:
             rollout_prompt_cache = choose_rollout_prompt_cache(model, cluster, knobs, seq_len, group_size, response_len,

@@ -14,6 +14,8 @@ MLA: the latent ``[s_l, L]`` is computed token-wise and *all-gathered* per layer
 its own heads' K/V ``[s, C, w]`` from it, stage by stage. More than one stage (or, in a LongStraw replay, a
 prompt latent) runs each stage under a checkpoint, so between a layer's forward and backward only the query
 input, the latent(s), RoPE's tables and the output stay; one stage's full-sequence tensors exist at a time.
+DSA (DeepSeek sparse attention, ``index_topk`` set: :mod:`.dsa`): no head stages (every head local, the queries
+sequence-local), the latent path as MLA's, the indexer's and the sparse attention's terms from :mod:`.dsa`.
 MoE: token-wise on the local tokens; the routed experts' saved tensors are ``k`` rows per token (the gathered
 input, gate/up, silu, product, the expert outputs), and the loop backend's expert-weight gradients are
 full-size (``select``'s backward). ``mlp_chunk_size`` tiles the MoE like a dense MLP (``tiled_mlp``), whose
@@ -23,6 +25,7 @@ backward sums each tile's parameter gradients in float32: for a MoE layer that i
 from __future__ import annotations
 
 from ..parallel.head_stages import check_head_layout
+from .dsa import dsa_backward_bytes, dsa_forward_bytes, dsa_token_saved, indexer_bytes
 from .layers import backward_top, mlp_saved, norm_bytes, residual_mlp
 from .phases import norm_saved
 from .shapes import FLOAT32, INT64, MemoryKnobs, ModelShape
@@ -37,7 +40,10 @@ def _half(b: int) -> bool:
 # --------------------------------------------------------------------------------------------------- MLA
 def mla_layout(model: ModelShape, sp: int, head_chunk_size: int | None) -> tuple[int, int]:
     """``(C, stages)``: query heads per rank and stage, stages per layer (``MLAttention.stages``: the latent is one
-    shared K/V head, ``check_head_layout(H, 1, P, C)``; raises with the numbers when it cannot run)."""
+    shared K/V head, ``check_head_layout(H, 1, P, C)``; raises with the numbers when it cannot run). DSA: every
+    head on every rank, one stage (``head_chunk_size`` is unused there)."""
+    if model.is_dsa:
+        return model.num_attention_heads, 1
     c = check_head_layout(model.num_attention_heads, 1, sp, head_chunk_size)
     return c, model.num_attention_heads // sp // c
 
@@ -49,7 +55,12 @@ def _dims(model: ModelShape) -> tuple[int, int, int, int, int]:
 
 def mla_weight_rows(model: ModelShape, knobs: MemoryKnobs, sp: int) -> int:
     """One stage's weight copies its ``F.linear`` calls keep: the query rows ``C P dq x (q or E)`` and this rank's
-    ``kv_b_proj`` rows ``C (n + dv) R`` (``index_select`` copies)."""
+    ``kv_b_proj`` rows ``C (n + dv) R`` (``index_select`` copies). DSA: none (its ``kv_b_proj`` weight is viewed
+    per head), but an adapter on ``kv_b_proj`` is folded into a copy ``H (n + dv) R``."""
+    if model.is_dsa:
+        folded = model.lora_r and "kv_b_proj" in model.lora_targets
+        return model.num_attention_heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank * \
+            knobs.dtype_bytes if folded else 0
     c, _ = mla_layout(model, sp, knobs.head_chunk_size)
     dq, dv, _, _, q = _dims(model)
     return (c * sp * dq * (q or model.hidden_size) + c * (model.qk_nope_head_dim + dv) * model.kv_lora_rank) \
@@ -62,12 +73,16 @@ def mla_token_saved(model: ModelShape, knobs: MemoryKnobs, sp: int, staged: bool
     ``k_rot``'s RoPE views) and its norm, the gathered latent ``P L b`` (the expansion's input), RoPE's cos/sin
     ``2 r b``, ``o_proj``'s input ``H dv b``; unstaged (one stage, no checkpoint) also the stage's tensors: the
     padded (exchanged) q, the padded k, v and the kernel's output ``4 H w b`` (the output is ``o_proj``'s input
-    when ``dv = w`` on one rank), the LSE ``a H`` (measured: the query projection itself is not kept)."""
+    when ``dv = w`` on one rank), the LSE ``a H`` (measured: the query projection itself is not kept). DSA (no
+    stages): the staged terms but the normed ``c_kv`` ``R b`` (only concatenated into the latent), plus
+    :func:`.dsa.dsa_token_saved` (over the ``index_topk`` keys a query selects)."""
     b, h = knobs.dtype_bytes, model.num_attention_heads
     dq, dv, w, lat, q = _dims(model)
     query = q * b + norm_saved(q, b) if q else 0
     saved = query + lat * b + norm_saved(model.kv_lora_rank, b) + sp * lat * b + 2 * model.qk_rope_head_dim * b
     o_in = h * dv * b
+    if model.is_dsa:  # the normed c_kv is only concatenated into the latent (nothing saves it)
+        return saved - model.kv_lora_rank * b + o_in + dsa_token_saved(model, knobs, sp, 0, model.index_topk)
     if staged:
         return saved + o_in
     shared_out = dv == w and sp == 1  # out[..., :dv].contiguous() and the one-rank exchange are the kernel's output
@@ -102,17 +117,24 @@ def mla_stage_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int,
     return stage + grads + mla_weight_rows(model, knobs, sp)
 
 
-def mla_prefill_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int, top: bool = False) -> int:
+def mla_prefill_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int, top: bool = False,
+                      index: int = 0) -> int:
     """An MLA layer's no-grad forward over the prompt beyond its input: the normed input ``E b``, the latent ``L b``
     and (``kv_a``'s output) ``L b``; not the top layer (``top``: only its latent): the query input ``q b``, the
-    gathered latent ``P L b``, the output ``H dv b`` and one stage's forward (:func:`mla_stage_bytes`)."""
+    gathered latent ``P L b``, the output ``H dv b`` and one stage's forward (:func:`mla_stage_bytes`). DSA
+    (``index``: the layer, a full one runs its indexer): the attention's tensors of a forward
+    (:func:`.dsa.dsa_token_saved`) and its transient (:func:`.dsa.dsa_forward_bytes`) in place of the stage's."""
     b, e = knobs.dtype_bytes, model.hidden_size
     dq, dv, w, lat, q = _dims(model)
     base = tokens * (e * b + 2 * lat * b)
     if top:
         return base
-    return base + tokens * (q * b + sp * lat * b + model.num_attention_heads * dv * b) + mla_stage_bytes(
-        model, knobs, sp, tokens, backward=False)
+    base += tokens * (q * b + sp * lat * b + model.num_attention_heads * dv * b)
+    if model.is_dsa:
+        keys = sp * tokens
+        return base + tokens * dsa_token_saved(model, knobs, sp, index, keys) + dsa_forward_bytes(
+            model, knobs, tokens, keys, index)
+    return base + mla_stage_bytes(model, knobs, sp, tokens, backward=False)
 
 
 def mla_replay_saved(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int) -> int:
@@ -124,9 +146,16 @@ def mla_replay_saved(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int
 def mla_replay_backward(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int, cached: int) -> int:
     """A branch backward's MLA transient: the recomputed ``_attend`` gathers the prompt latent again ``S' L b`` and
     its gradient ``S' L b`` (the gather's backward adds every rank's share into this rank's shard, summed into the
-    state's float32 sums), plus one stage's backward over the branch and the prefix (:func:`mla_stage_bytes`)."""
+    state's float32 sums), plus one stage's backward over the branch and the prefix (:func:`mla_stage_bytes`).
+    DSA: the sparse attention's backward over ``[prompt | branch]`` keys (:func:`.dsa.dsa_backward_bytes`) in place
+    of the stage's, or the recomputed indexer's selection over them (full layers) if larger."""
     b, lat = knobs.dtype_bytes, model.latent_width
     gathered = (2 if sp > 1 else 1) * cached * lat * b  # the gather and its backward's all-to-all buffers
+    if model.is_dsa:
+        keys = cached + sp * tokens
+        attend = dsa_backward_bytes(model, knobs, tokens, keys)
+        select = indexer_bytes(model, knobs, tokens, keys) if model.index_layers else 0
+        return gathered + cached * lat * b + max(attend, select)
     return gathered + cached * lat * b + mla_stage_bytes(model, knobs, sp, tokens, prefix=cached)
 
 
@@ -138,7 +167,9 @@ def mla_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: 
     and the gradients of the latent, of ``kv_a``'s output and of the normed input). Otherwise the larger of the
     top of its backward (the MLP's or the post-attention norm's, everything saved: the input norm,
     :func:`mla_token_saved`, the residual and the MLP, unstaged the stage's weight rows) and a stage's backward
-    (:func:`mla_stage_bytes`, with the attention output's and the input's gradients)."""
+    (:func:`mla_stage_bytes`, with the attention output's and the input's gradients). DSA: the attention's backward
+    (:func:`.dsa.dsa_backward_bytes`) in place of a stage's, and on a full layer the recomputed forward's indexer
+    selection (:func:`.dsa.indexer_bytes`, before the attention's tensors exist)."""
     b, e, lat = knobs.dtype_bytes, model.hidden_size, model.latent_width
     if top:
         return tokens * (norm_bytes(model, b) + 4 * lat * b + norm_saved(model.kv_lora_rank, b) + e * b)
@@ -151,6 +182,11 @@ def mla_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: 
     top_bwd = backward_top(model, knobs, tokens, saved)
     if model.is_sparse(index):
         top_bwd = max(top_bwd, saved + moe_backward_bytes(model, knobs, tokens))
+    if model.is_dsa:
+        keys = sp * tokens
+        attend = pre + dsa_backward_bytes(model, knobs, tokens, keys)
+        select = pre + dsa_forward_bytes(model, knobs, tokens, keys, index)
+        return max(top_bwd, attend, select)
     return max(top_bwd, pre + mla_stage_bytes(model, knobs, sp, tokens))
 
 

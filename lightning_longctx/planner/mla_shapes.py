@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fields import FULL_ATTENTION, MLA_ATTENTION, MLP_DENSE, MLP_SPARSE, config_value
+from .fields import FULL_ATTENTION, INDEX_FULL, MLA_ATTENTION, MLP_DENSE, MLP_SPARSE, config_value
+
+INDEX_N_HEADS, INDEX_HEAD_DIM = 32, 128  # DecoderConfig's defaults (transformers' GLM-5 values)
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the LoRA targets DecoderAttention has
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # dense MLPs and shared experts (every layer has one)
@@ -50,12 +52,45 @@ def moe_fields(cfg: Any, layers: int) -> dict[str, Any]:
                 shared_expert_intermediate_size=None if shared is None else int(shared), mlp_layer_types=kinds)
 
 
+def dsa_fields(cfg: Any, layers: int, mla: bool) -> dict[str, Any]:
+    """The DeepSeek sparse attention fields of ``cfg`` (empty without ``index_topk``, or on a model without MLA:
+    ``DecoderConfig`` refuses that): the indexer's heads and width (defaults as ``DecoderConfig``'s) and
+    ``indexer_types`` (default: every layer ``"full"``)."""
+    topk = config_value(cfg, "index_topk")
+    if topk is None or not mla:
+        return {}
+    types = tuple(config_value(cfg, "indexer_types", None) or [INDEX_FULL] * layers)
+    if len(types) != layers or types[:1] != (INDEX_FULL,):
+        raise ValueError(f"indexer_types={list(types)} must hold {layers} entries, the first 'full'")
+    return dict(index_topk=int(topk), index_n_heads=int(config_value(cfg, "index_n_heads", INDEX_N_HEADS)),
+                index_head_dim=int(config_value(cfg, "index_head_dim", INDEX_HEAD_DIM)), indexer_types=types)
+
+
 class MLAMoEShape:
     """MLA / MoE properties and parameter counts of :class:`~.shapes.ModelShape`."""
 
     @property
     def mla_layers(self) -> int:
         return sum(t == MLA_ATTENTION for t in self.layer_types)
+
+    @property
+    def is_dsa(self) -> bool:
+        """DeepSeek sparse attention: every MLA layer attends to the ``index_topk`` keys an indexer selects."""
+        return self.index_topk is not None
+
+    @property
+    def index_layers(self) -> int:
+        """Layers that run their own lightning indexer (``"full"``; IndexShare's ``"shared"`` ones reuse it)."""
+        return sum(t == INDEX_FULL for t in self.indexer_types)
+
+    def has_indexer(self, index: int) -> bool:
+        return self.is_dsa and self.indexer_types[index] == INDEX_FULL
+
+    def indexer_parameters(self) -> int:
+        """One lightning indexer (``models/dsa.py``): ``wq_b [H_I D_I, q]``, ``wk [D_I, E]``, the key LayerNorm
+        (weight and bias ``2 D_I``) and ``weights_proj [H_I, E]``."""
+        h, d = self.index_n_heads, self.index_head_dim
+        return h * d * (self.q_lora_rank or 0) + d * self.hidden_size + 2 * d + h * self.hidden_size
 
     @property
     def sparse_layers(self) -> int:
@@ -106,7 +141,7 @@ class MLAMoEShape:
     def mixer_parameters(self, index: int) -> int:
         kind = self.layer_types[index]
         if kind == MLA_ATTENTION:
-            return self.mla_layer_parameters()
+            return self.mla_layer_parameters() + (self.indexer_parameters() if self.has_indexer(index) else 0)
         return self.full_layer_parameters() if kind == FULL_ATTENTION else self.linear_layer_parameters()
 
     def layer_parameters(self, index: int) -> int:
@@ -114,5 +149,5 @@ class MLAMoEShape:
         return self.mixer_parameters(index) + self.mlp_parameters(index) + 2 * self.hidden_size
 
 
-__all__ = ["ATTENTION_TARGETS", "MLAMoEShape", "MLA_ATTENTION", "MLP_DENSE", "MLP_SPARSE", "MLP_TARGETS",
-           "lora_projections", "mla_targets", "moe_fields"]
+__all__ = ["ATTENTION_TARGETS", "INDEX_HEAD_DIM", "INDEX_N_HEADS", "MLAMoEShape", "MLA_ATTENTION", "MLP_DENSE",
+           "MLP_SPARSE", "MLP_TARGETS", "dsa_fields", "lora_projections", "mla_targets", "moe_fields"]

@@ -23,7 +23,9 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
                  # multi-head latent attention and the mixture of experts (planner/mla_shapes.py)
                  "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                  "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
-                 "shared_expert_intermediate_size", "mlp_layer_types")
+                 "shared_expert_intermediate_size", "mlp_layer_types",
+                 # DeepSeek sparse attention (planner/mla_shapes.py)
+                 "index_topk", "index_n_heads", "index_head_dim", "indexer_types")
 
 
 def config_json(pretrained: Any) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from .dsa import dsa_backward_bytes, dsa_forward_bytes
 from .mla_moe import (
     mla_layout,
     mla_stage_bytes,
@@ -42,9 +43,19 @@ def _layer_saved(model: ModelShape, knobs: MemoryKnobs, sp: int, index: int, tok
     return saved
 
 
-def _mixer_transients(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int) -> dict[str, int]:
+def _mixer_transients(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int,
+                      later: list[int] | None = None) -> dict[str, int]:
     """The last layer's token-mixer transients, forward and backward: :func:`attention_stage_bytes`, or an MLA
-    stage (:func:`.mla_moe.mla_stage_bytes`, with the gradients of the attention output and the input)."""
+    stage (:func:`.mla_moe.mla_stage_bytes`, with the gradients of the attention output and the input), or a DSA
+    layer's (:mod:`.dsa`: the sparse attention's backward, and the forward of the layer whose indexer or
+    attention peaks highest, counted against the last layer's: ``later[i]``, the saved bytes the phase counts that
+    do not exist yet when layer ``i`` runs; None: all layers alike)."""
+    if model.is_dsa:
+        keys = sp * tokens
+        later = later or [0] * model.num_hidden_layers
+        fwd = max(dsa_forward_bytes(model, knobs, tokens, keys, i) - later[i] for i in range(model.num_hidden_layers))
+        return {"forward": fwd + mla_weight_rows(model, knobs, sp),
+                "backward": dsa_backward_bytes(model, knobs, tokens, keys) + mla_weight_rows(model, knobs, sp)}
     if model.mla_layers:
         fwd = mla_stage_bytes(model, knobs, sp, tokens, backward=False) + mla_weight_rows(model, knobs, sp)
         return {"forward": fwd, "backward": mla_stage_bytes(model, knobs, sp, tokens)}
@@ -87,7 +98,12 @@ def sft_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq
     saved_layers = s_l * sum(lay["pre"] + lay["post"] for lay in per_layer)
     logits = logits_bytes(model, knobs, s_l)
     top = s_l * norm_saved(e, b) + logits["saved"]  # final norm and the loss
-    attn = _mixer_transients(model, knobs, sp, s_l)
+    # the phase counts every layer below the last and the last one's ``pre``; while layer i runs (no
+    # checkpointing) only the layers below it and its own ``pre`` exist
+    later = None if knobs.activation_checkpointing else [
+        s_l * (sum(lay["pre"] + lay["post"] for lay in per_layer[i:-1]) + last["pre"] - per_layer[i]["pre"])
+        if i < len(per_layer) - 1 else 0 for i in range(len(per_layer))]
+    attn = _mixer_transients(model, knobs, sp, s_l, later)
     mlp = _mlp_transients_of(model, knobs, s_l, model.num_hidden_layers - 1)
     grad_stream = s_l * e * b  # the residual stream's gradient (the branches' own grads are in their transients)
     layer_pre, layer_full = s_l * last["pre"], s_l * (last["pre"] + last["post"])

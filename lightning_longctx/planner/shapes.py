@@ -12,8 +12,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..models.lora_attach import TARGETS as LORA_TARGETS  # the projections DecoderLM.add_lora adapts
-from .fields import FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION, MLP_DENSE, MLP_SPARSE, PRESET, config_value
-from .mla_shapes import MLAMoEShape, lora_projections, mla_targets, moe_fields
+from .fields import (
+    DSA_ATTENTION,
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    MLA_ATTENTION,
+    MLP_DENSE,
+    MLP_SPARSE,
+    PRESET,
+    config_value,
+)
+from .mla_shapes import MLAMoEShape, dsa_fields, lora_projections, mla_targets, moe_fields
 from .pretrained import check_explicit, config_json, pretrained_decoder_config
 
 GIB = 2**30
@@ -112,6 +121,12 @@ class ModelShape(MLAMoEShape):
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int | None = None  # Qwen3.5-MoE's gated shared expert (None: DeepSeek's)
     mlp_layer_types: tuple[str, ...] = ()
+    # DeepSeek sparse attention on an MLA model (index_topk set; ``models/dsa.py``): the keys per query, the
+    # lightning indexer's heads and width, and per layer "full" (its own indexer) or "shared" (IndexShare)
+    index_topk: int | None = None
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    indexer_types: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: Any, explicit: Iterable[str] = ()) -> ModelShape:
@@ -143,6 +158,8 @@ class ModelShape(MLAMoEShape):
         layers = int(config_value(cfg, "num_hidden_layers"))
         mla = config_value(cfg, "kv_lora_rank") is not None
         types = tuple(config_value(cfg, "layer_types", None) or [MLA_ATTENTION if mla else FULL_ATTENTION] * layers)
+        # a DecoderConfig's DSA layers are MLA layers to the planner (the indexer's terms: :mod:`.dsa`)
+        types = tuple(MLA_ATTENTION if t == DSA_ATTENTION else t for t in types)
         if len(types) != layers:
             raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers={layers}")
         unknown = sorted(set(types) - set(LAYER_KINDS))
@@ -193,7 +210,7 @@ class ModelShape(MLAMoEShape):
             qk_rope_head_dim=int(config_value(cfg, "qk_rope_head_dim", 64)) if mla else 0,
             qk_nope_head_dim=int(config_value(cfg, "qk_nope_head_dim", 128)) if mla else 0,
             v_head_dim=int(config_value(cfg, "v_head_dim", 128)) if mla else 0,
-            **moe,
+            **moe, **dsa_fields(cfg, layers, mla),
         )
 
     def describe(self) -> str:
@@ -213,6 +230,9 @@ class ModelShape(MLAMoEShape):
                     f"{self.qk_rope_head_dim} | v {self.v_head_dim}), latent {self.kv_lora_rank} + "
                     f"{self.qk_rope_head_dim}, q_lora {self.q_lora_rank}, intermediate {self.intermediate_size}, "
                     f"vocab {self.vocab_size}")
+        if self.is_dsa:
+            text += (f"; sparse attention: top-{self.index_topk} keys by a {self.index_n_heads}-head x "
+                     f"{self.index_head_dim} indexer on {self.index_layers} of the layers")
         if self.sparse_layers:
             shared = (f"a gated shared expert of {self.shared_expert_intermediate_size}"
                       if self.shared_expert_intermediate_size else f"{self.n_shared_experts} shared")
