@@ -28,8 +28,12 @@ latent ``[b, s_l, w]`` is all-gathered (its backward sums every rank's gradient 
 its own queries over all ``s`` keys (:func:`~lightning_longctx.ops.sparse_attention.streaming_topk`, never an
 ``[s_l, s]`` score tensor) and attends over those rows in the absorbed form: with ``W_UK_h``, ``W_UV_h`` the rows
 of ``kv_b_proj`` for head ``h``, the query ``[q_nope_h W_UK_h | rope(q_rot_h)]`` scores the latent itself and the
-output ``sum_j p_j c_kv_j`` maps through ``W_UV_h`` (:mod:`.mla_decode`'s algebra). Every head is local, so the
-parameter gradients are each rank's tokens' share and the usual SP sum gives the one-device gradient.
+output ``sum_j p_j c_kv_j`` maps through ``W_UV_h`` (:mod:`.mla_decode`'s algebra). Without a prefix (SFT, the
+prompt's prefill and its grouped-backward recompute) one query block at a time runs from the query low rank to
+``o_proj``'s input under a checkpoint (:meth:`DSAttention._attend_block`): the per-head ``[s_l, H, R + r]`` query
+and ``[s_l, H, R]`` output never exist for all tokens (~140 KB per token at GLM-5's size), only a block's; the
+backward recomputes the block's ``q_b_proj`` and absorption. Every head is local, so the parameter gradients are
+each rank's tokens' share and the usual SP sum gives the one-device gradient.
 
 Prefix state (:class:`DSAState`, what LongStraw keeps of the prompt per layer, :func:`prompt_state_bytes`): a
 layer's ``forward(..., return_state=True)`` (or :meth:`DSAttention.prompt_state`, without attending) returns this
@@ -49,7 +53,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..ops.sparse_attention import sparse_latent_attention, streaming_topk
+from ..ops.sparse_attention import attend_selected, sparse_latent_attention, streaming_topk
 from ..parallel import group_rank
 from .lora import LoRALinear, masked_linear
 from .mla import MLAttention, gather_sequence, rope_interleaved
@@ -166,6 +170,35 @@ class DSAttention(MLAttention):
         self.indexer = DSAIndexer(config) if self.index_source == layer_index else None
         self.query_block = 256
 
+    def _attend_block(self, q_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, latent: torch.Tensor,
+                      indices: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
+        """One query block from the query low rank to ``o_proj``'s input: ``q_in [b, c, q_lora]`` at RoPE tables
+        ``cos, sin [b, c, r]`` over its selected rows (``indices [b, c, k]``) of the gathered ``latent [b, T, w]``
+        -> ``[b, c, H dv]``. ``lora_mask [b, c]``: as :meth:`forward`'s."""
+        b, c, _ = q_in.shape
+        q = masked_linear(self.q_b_proj, q_in, lora_mask).view(b, c, self.num_heads, self.qk_dim)
+        q_nope, q_rot = q.split((self.nope, self.rope_dim), dim=-1)
+        w_kv = self.kv_b_weight(lora_mask)
+        q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_kv[:, :self.nope])
+        q_abs = torch.cat((q_lat, self._rope(q_rot, cos, sin).to(q_lat.dtype)), dim=-1)  # [b, c, H, w]
+        o_lat = attend_selected(q_abs, latent.to(q_abs.dtype), indices, self.scaling, self.kv_lora_rank)
+        return torch.einsum("bshr,hvr->bshv", o_lat, w_kv[:, self.nope:]).flatten(2)  # [b, c, H dv]
+
+    def _attend_blocks(self, q_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, latent: torch.Tensor,
+                       indices: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
+        """``o_proj``'s input ``[b, s_l, H dv]`` of this rank's tokens over their own sequence (no prefix):
+        the latent ``[b, s_l, w]`` gathered once, then :meth:`_attend_block` per query block (checkpointed under
+        autograd: each keeps only its inputs)."""
+        full = gather_sequence(latent, self.sp_group)  # [b, s, w]: one all-gather per layer
+        blocks = []
+        for q0 in range(0, q_in.shape[1], self.query_block):
+            rows = slice(q0, q0 + self.query_block)
+            args = (q_in[:, rows], cos[:, rows], sin[:, rows], full, indices[:, rows],
+                    None if lora_mask is None else lora_mask[:, rows])
+            blocks.append(checkpoint(self._attend_block, *args, use_reentrant=False) if torch.is_grad_enabled()
+                          else self._attend_block(*args))
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+
     def kv_b_weight(self, lora_mask: torch.Tensor | None) -> torch.Tensor:
         """``kv_b_proj``'s weight ``[H, n + dv, R]`` (an enabled adapter folded in: ``W + s B A``)."""
         m = self.kv_b_proj
@@ -196,6 +229,10 @@ class DSAttention(MLAttention):
         has_prefix = prefix_state is not None and prefix_state.latent.shape[1] > 0
         keys = None if self.indexer is None else self.indexer.keys(hidden, cos, sin)
         indices = self._selection(hidden, q_in, cos, sin, keys, dsa_indices, prefix_state if has_prefix else None)
+        if not has_prefix:
+            out = masked_linear(self.o_proj, self._attend_blocks(q_in, cos, sin, latent, indices, lora_mask),
+                                lora_mask)
+            return (out, DSAState(latent, keys)) if return_state else out
         b, s_l, _ = hidden.shape
         q = masked_linear(self.q_b_proj, q_in, lora_mask).view(b, s_l, self.num_heads, self.qk_dim)
         q_nope, q_rot = q.split((self.nope, self.rope_dim), dim=-1)

@@ -119,10 +119,11 @@ def streaming_topk_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Te
     return out_vals, out_ids
 
 
-def _attend_block(q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float,
-                  value_width: int) -> torch.Tensor:
-    """One query block: ``q [b, c, H, w]`` over its selected rows of ``latent [b, T, w]`` (``indices [b, c, k]``,
-    ``-1``: none) -> ``[b, c, H, R]``."""
+def attend_selected(q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float,
+                    value_width: int) -> torch.Tensor:
+    """One query block, no checkpoint: ``q [b, c, H, w]`` over its selected rows of ``latent [b, T, w]``
+    (``indices [b, c, k]``, ``-1``: none) -> ``[b, c, H, R]`` (a caller that checkpoints its own blocks calls
+    this; :func:`sparse_latent_attention` checkpoints each block)."""
     b, t, w = latent.shape
     idx = indices.long()
     valid = idx >= 0
@@ -165,11 +166,11 @@ def sparse_latent_attention(q: torch.Tensor, latent: torch.Tensor, indices: torc
     for q0 in range(0, q.shape[1], query_block):
         args = (q[:, q0:q0 + query_block], latent, indices[:, q0:q0 + query_block], scale, value_width)
         if torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad):
-            outs.append(checkpoint(_attend_block, *args, use_reentrant=False))
+            outs.append(checkpoint(attend_selected, *args, use_reentrant=False))
         else:
-            outs.append(_attend_block(*args))
+            outs.append(attend_selected(*args))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-__all__ = ["NO_KEY", "merge_topk", "selected_attention", "sparse_latent_attention", "streaming_topk",
+__all__ = ["NO_KEY", "attend_selected", "merge_topk", "selected_attention", "sparse_latent_attention", "streaming_topk",
            "streaming_topk_scores"]
