@@ -246,9 +246,10 @@ def route_console_logging(rank_zero: bool) -> None:
       (``INFO: ...`` on stderr, and it propagates to the root, whose Hydra console handler printed the line
       again), ``lightning.pytorch`` / ``lightning.fabric`` when imported before Hydra configured logging. They
       are dropped: every record goes through the root's handlers once (one format, and into the run's log file);
-    - every rank Lightning starts writes to the same console, each rank > 0 what rank 0 writes (``Seed set to
-      0``, ``Initializing distributed``, ...): its console handlers let only warnings and errors through
-      (:class:`WarningsOnly`).
+    - the processes of one node write to the same console, each what the node's first writes (``Seed set to
+      0``, ``Initializing distributed``, ...): unless ``rank_zero`` (the node's first process, ``LOCAL_RANK`` 0:
+      each node of a multi-node job keeps its own console lines) its console handlers let only warnings and
+      errors through (:class:`WarningsOnly`).
 
     Imports Lightning (its loggers' handlers exist from then on). Idempotent."""
     import lightning  # noqa: F401

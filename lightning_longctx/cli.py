@@ -324,7 +324,9 @@ def fail_cleanly(err: Exception) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def _train(cfg: DictConfig) -> None:
-    route_console_logging(_is_rank_zero())  # Hydra configured logging just now: each console line once
+    # Hydra configured logging just now: each console line once. The processes of one node share a console (a
+    # node's first process speaks for it); each node of a multi-node job has its own (its INFO lines stay)
+    route_console_logging(os.environ.get("LOCAL_RANK", "0") == "0")
     check_launch(cfg)
     try:
         run_train(cfg)

@@ -112,7 +112,8 @@ def test_longctx_plan_prints_where_the_shape_came_from(checkpoints, console, tmp
                      "hidden 64, 4 heads / 2 KV heads x head_dim 16, intermediate 96, vocab 128, linear 2 key / 4 "
                      "value heads x 16/8)"), first
     assert f"{numel / 1e9:.2f}B parameters" in stdout
-    assert cli.format_plan(compose_cfg()).splitlines()[0].startswith("model: preset tiny (2 layers (2 full attention)")
+    lines = [line for line in cli.format_plan(compose_cfg()).splitlines() if not line.startswith("NOTE: ")]
+    assert lines[0].startswith("model: preset tiny (2 layers (2 full attention)")  # after the demo-defaults NOTE
 
 
 def test_longctx_train_plans_the_checkpoint(checkpoints, monkeypatch):
