@@ -22,7 +22,7 @@ from lightning_longctx.models import MemoryConfig
 from lightning_longctx.models.moe import Experts, enable_expert_parallel, is_expert_parameter, tokens_replicated
 from lightning_longctx.parallel import set_sequence_parallel_group, shard_batch
 from mla_workers import mla_config, mla_model, qwen_moe_config
-from models_common import assert_close_rel, assert_grads_match, copy_model, grads, random_batch
+from models_common import assert_close_rel, assert_grads_match, copy_model, grads, greedy_by_full_forward, random_batch
 
 TOL = 1e-10
 
@@ -238,7 +238,6 @@ def longstraw_checks(rank, world):
     from lightning_longctx.longstraw import longstraw_step, sample
     from lightning_longctx.parallel.grad_norm import global_grad_norm
     from test_longstraw import MAX_LEN, make_group, reference
-    from test_longstraw_mla import _greedy_by_full_forward
 
     group = dist.group.WORLD
     cases = [(mla_model, mla_config(), 3, 23, False), (mla_model, mla_config(), 2, 17, True),
@@ -267,7 +266,7 @@ def longstraw_checks(rank, world):
     model = copy_model(reference_model, None)
     enable_expert_parallel(model, group)
     got = sample(model, prompt, 2, max_new_tokens=4, temperature=0.0, group=group)
-    assert [r.tolist() for r in got] == [_greedy_by_full_forward(reference_model, prompt, 4)] * 2
+    assert [r.tolist() for r in got] == [greedy_by_full_forward(reference_model, prompt, 4)] * 2
     return True
 
 

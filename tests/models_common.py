@@ -130,3 +130,13 @@ def run_split(model, prefix_ids, prefix_pos, rest_ids, rest_pos):
             assert kv[0].shape[2] == layer.self_attn.kv_cache_heads(), "cache layout head count"
         h_rest = layer(h_rest, rest_pos, prefix_state=kv)
     return model.final_hidden(h_prefix), model.final_hidden(h_rest)
+
+
+def greedy_by_full_forward(model, prompt: torch.Tensor, steps: int) -> list[int]:
+    """The reference for greedy decoding: ``steps`` tokens, each the argmax of a full forward over the prompt and
+    the tokens so far (no cache, no sampler)."""
+    seq = prompt.clone()
+    with torch.no_grad():
+        for _ in range(steps):
+            seq = torch.cat([seq, model(seq[None]).logits[0, -1].argmax().view(1)])
+    return seq[prompt.numel():].tolist()

@@ -26,7 +26,7 @@ from dsa_workers import DSV32, GLM, dsa_config, dsa_model
 from lightning_longctx.longstraw import LossOptions, StepGroups, StepMemory, longstraw_step, sample
 from lightning_longctx.models.lora_attach import adapters_from_position
 from lightning_longctx.parallel import set_sequence_parallel_group
-from models_common import single_thread  # noqa: F401 - single_thread is an autouse fixture
+from models_common import greedy_by_full_forward, single_thread  # noqa: F401 - single_thread is an autouse fixture
 from test_longstraw import MAX_LEN, assert_grads_close, make_group, policy_inputs, reference
 
 MODELS = {"glm_index_share": GLM, "deepseek_v32": DSV32}
@@ -130,21 +130,13 @@ def test_a_prefix_frozen_kv_b_adapter_is_refused_before_any_work():
     assert all(p.grad is None for p in model.parameters())
 
 
-def _greedy_by_full_forward(model, prompt, steps):
-    seq = prompt.clone()
-    with torch.no_grad():
-        for _ in range(steps):
-            seq = torch.cat([seq, model(seq[None]).logits[0, -1].argmax().view(1)])
-    return seq[prompt.numel():].tolist()
-
-
 def _check_sampling(model, prompt, group=None):
     """Greedy ``sample`` == greedy full forwards; at temperature 1 every step's distribution == the full
     forward's over ``[prompt | response so far]`` (the decoded selections are the full forward's)."""
     steps = 6
     got = sample(model, prompt, 2, max_new_tokens=steps, temperature=0.0, group=group)
     set_sequence_parallel_group(model, None)  # the references: one process's forward over the whole sequence
-    assert [r.tolist() for r in got] == [_greedy_by_full_forward(model, prompt, steps)] * 2
+    assert [r.tolist() for r in got] == [greedy_by_full_forward(model, prompt, steps)] * 2
     seen = {}
     drawn = sample(model, prompt, 3, max_new_tokens=steps, temperature=1.0, group=group,
                    generator=torch.Generator().manual_seed(5),

@@ -21,7 +21,7 @@ from distributed import run_distributed
 from lightning_longctx.longstraw import LossOptions, StepGroups, StepMemory, longstraw_step, score
 from lightning_longctx.models import MemoryConfig
 from mla_workers import mla_config, mla_model, qwen_moe_config
-from models_common import single_thread  # noqa: F401 - single_thread is an autouse fixture
+from models_common import greedy_by_full_forward, single_thread  # noqa: F401 - single_thread is an autouse fixture
 from test_longstraw import MAX_LEN, assert_grads_close, make_group, policy_inputs, reference
 
 CASES = [  # (loss_type, G, prompt length, memory, config overrides)
@@ -91,7 +91,7 @@ def _sp_worker(rank, world):
 
     prompt, _, _ = make_group(1, prompt_len=21, seed=3)
     got = sample(_model(), prompt, 2, max_new_tokens=4, temperature=0.0, group=dist.group.WORLD)
-    assert [r.tolist() for r in got] == [_greedy_by_full_forward(_model(), prompt, 4)] * 2
+    assert [r.tolist() for r in got] == [greedy_by_full_forward(_model(), prompt, 4)] * 2
     return worst
 
 
@@ -144,14 +144,6 @@ def test_mla_bf16_autocast_step_is_as_accurate_as_plain_bf16_autograd():
     assert worst({n: p.grad for n, p in model.named_parameters()}) <= 1.5 * worst(plain_grads)
 
 
-def _greedy_by_full_forward(model, prompt, steps):
-    seq = prompt.clone()
-    with torch.no_grad():
-        for _ in range(steps):
-            seq = torch.cat([seq, model(seq[None]).logits[0, -1].argmax().view(1)])
-    return seq[prompt.numel():].tolist()
-
-
 @pytest.mark.parametrize("kind", ["mla", "mla_no_q_lora", "qwen_moe"])
 def test_greedy_sample_equals_greedy_decoding_by_full_forward(kind):
     """Decoding through MLA layers runs absorbed over the prompt latent (and the rows' own latents)."""
@@ -160,7 +152,7 @@ def test_greedy_sample_equals_greedy_decoding_by_full_forward(kind):
     model = _model(qwen_moe=kind == "qwen_moe", **({"q_lora_rank": None} if kind == "mla_no_q_lora" else {}))
     prompt, _, _ = make_group(1, prompt_len=20)
     got = sample(model, prompt, 3, max_new_tokens=5, temperature=0.0)
-    assert [r.tolist() for r in got] == [_greedy_by_full_forward(model, prompt, 5)] * 3
+    assert [r.tolist() for r in got] == [greedy_by_full_forward(model, prompt, 5)] * 3
 
 
 def test_mla_with_offload_options_gives_the_same_exact_step():
