@@ -99,7 +99,7 @@ def clip_grad_norm_(params: Parameters, max_norm: float, norm_type: float = 2.0,
     (:func:`global_grad_norm`), then every gradient scaled by ``min(1, max_norm / norm)``. Returns the norm
     before clipping. What ``Trainer(gradient_clip_val=...)`` and ``fabric.clip_gradients`` run under the
     Ulysses strategies."""
-    params = [p for p in _as_list(params) if p.grad is not None]
+    params = _as_list(params)  # read twice (a generator would be spent); _by_mesh skips gradless ones
     norm = global_grad_norm(params, norm_type, error_if_nonfinite, foreach)
     clip_grads_by_mesh_(params, max_norm, norm, foreach)
     return norm
