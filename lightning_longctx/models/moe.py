@@ -398,7 +398,7 @@ class Experts(nn.Module):
         layout = expert_layout(indices, self.num_experts)  # pairs by global expert = by owner rank, unpadded
         send = _GatherRows.apply(x.to(dtype), layout)  # [N k, E]
         counts = layout.ends.diff(prepend=layout.ends.new_zeros(1)).view(world, per_rank)  # [P, X_l]
-        recv_counts, in_splits, out_splits = exchange_counts(counts, group)
+        recv_counts, in_splits, out_splits = exchange_counts(counts, group, send.shape[0])
         received = ExchangeRows.apply(send, out_splits, in_splits, group)  # [R, E] by source rank, then expert
         local_ids = torch.arange(per_rank, device=x.device).repeat(world)  # [P X_l]
         row_expert = torch.repeat_interleave(local_ids, recv_counts.reshape(-1), output_size=received.shape[0])

@@ -14,16 +14,25 @@ Dropless: buffers are sized from the counts, zero-length splits are legal (gloo 
 host once per call (:func:`exchange_counts` returns the splits as Python ints): the collective's split sizes
 are host arguments in torch's API. The backward of each row exchange is the exchange with the splits swapped,
 taken from ``ctx`` (no second count exchange, no second host sync).
+
+A rehearsal (``longctx-rehearse``: fake tensors, no values) reads no count: inside :func:`balanced_splits` the
+splits are those of a balanced router, each rank sending ``R_in / P`` rows to each (the count exchange and its
+host read still run, so the rehearsal sees the collective and the sync). The planner charges the same
+balanced exchange (``planner/mla_moe.py::expert_dispatch_bytes``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
-from .all_to_all import group_size
+from .all_to_all import group_rank, group_size
 
 EXPERT_GROUP_ATTR = "expert_parallel_group"  # on a plain parameter that holds one EP rank's experts
+_BALANCED = False  # set by balanced_splits(): one training thread per process
 
 
 def mark_expert_shard(param: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -38,15 +47,37 @@ def expert_shard_group(param: torch.Tensor) -> dist.ProcessGroup | None:
     return getattr(param, EXPERT_GROUP_ATTR, None)
 
 
-def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int], list[int]]:
+@contextlib.contextmanager
+def balanced_splits() -> Iterator[None]:
+    """Inside, :func:`exchange_counts` returns a balanced router's splits instead of the counts it read (for a
+    rehearsal on fake tensors, whose counts have no value; see the module docstring)."""
+    global _BALANCED
+    before, _BALANCED = _BALANCED, True
+    try:
+        yield
+    finally:
+        _BALANCED = before
+
+
+def balanced(rows: int, world: int, rank: int) -> tuple[list[int], list[int]]:
+    """A balanced router's ``(in_splits, out_splits)`` on ``rank`` of ``world`` EP ranks that each send ``rows``
+    rows (SP ranks hold equal lengths): ``rows / P`` to each rank, the first ``rows % P`` ranks one more."""
+    base, extra = divmod(rows, world)
+    return [base + (p < extra) for p in range(world)], [base + (rank < extra)] * world
+
+
+def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup, rows: int
+                    ) -> tuple[torch.Tensor, list[int], list[int]]:
     """Tell every EP rank how many rows it gets from this one, per expert.
 
     Args:
         send_counts: ``[P, X_l]`` int64, rows this rank sends to rank ``p``'s ``j``-th local expert.
+        rows: the rows this rank sends (``send_counts``' sum, known from the shapes: ``N k``).
     Returns:
         ``(recv_counts [P, X_l], in_splits, out_splits)``: ``recv_counts[q, j]`` rows that rank ``q`` sends to
         this rank's ``j``-th expert (on the device); ``in_splits[p]`` rows this rank sends to ``p`` and
         ``out_splits[q]`` rows it receives from ``q`` (host ints: one device-to-host copy of ``2 P`` numbers).
+        Inside :func:`balanced_splits`: :func:`balanced`'s splits.
     """
     world = group_size(group)
     if send_counts.shape[0] != world:
@@ -54,6 +85,10 @@ def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup) -> tupl
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
     splits = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # the one host sync of a dispatch
+    if _BALANCED:
+        return recv_counts, *balanced(rows, world, group_rank(group))
+    if sum(splits[:world]) != rows:
+        raise ValueError(f"exchange_counts: send_counts sum to {sum(splits[:world])} rows, the caller sends {rows}")
     return recv_counts, splits[:world], splits[world:]
 
 
@@ -82,5 +117,5 @@ class ExchangeRows(torch.autograd.Function):
         return exchange_rows(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-__all__ = ["EXPERT_GROUP_ATTR", "ExchangeRows", "exchange_counts", "exchange_rows", "expert_shard_group",
+__all__ = ["EXPERT_GROUP_ATTR", "ExchangeRows", "balanced", "balanced_splits", "exchange_counts", "exchange_rows", "expert_shard_group",
            "mark_expert_shard"]

@@ -13,6 +13,11 @@
 - The step code's module-level caches of index tensors (the head-stage plans of ``parallel.head_stages`` and
   ``models.mla``) are emptied on entry and restored on exit: fake index tensors must not reach a real run, nor
   real ones a rehearsal.
+- FSDP2 over expert-parallel experts (DTensors on the ``sp`` mesh, sharded over ``dp``) joins the two meshes with
+  ``DeviceMesh._concatenate``, which computes the joined mesh's coordinates from its rank tensor (``nonzero``,
+  ``as_strided`` on a real int tensor): inside the fake mode it raises. While the world is entered,
+  :func:`meshes_outside_fake_mode` runs it with the fake mode set aside, as torch's own mesh slicing
+  (``DeviceMesh.__getitem__``) already does.
 - :func:`materialize`: a model built on the meta device (the real builder, no initialisation kernels: a
   CPU-only build has no CUDA random generator) given fake storages on the rehearsal's device.
 """
@@ -33,6 +38,27 @@ def world_device(accelerator: str) -> torch.device:
     CPU (see the module docstring)."""
     gpu = accelerator in ("gpu", "cuda") and torch.cuda.is_available()
     return torch.device("cuda", 0) if gpu else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def meshes_outside_fake_mode() -> Iterator[None]:
+    """Inside, ``DeviceMesh._concatenate`` (FSDP2's 2-D spec of an expert-parallel DTensor: ``dp`` x ``sp``) runs
+    with the fake mode set aside (``unset_fake_temporarily``, what torch's ``DeviceMesh.__getitem__`` does for a
+    slice): a mesh is host bookkeeping on a real rank tensor, never a tensor of the step."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__dict__["_concatenate"]
+
+    def concatenate(device_mesh_list):
+        with unset_fake_temporarily():
+            return original.__func__(device_mesh_list)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original
 
 
 def _tensor_caches() -> list[dict]:
@@ -79,6 +105,8 @@ class FakeWorld:
         for cache, _ in self._saved_plans:
             cache.clear()
         dist.init_process_group("fake", rank=0, world_size=self.world_size, store=FakeStore())
+        self._meshes = meshes_outside_fake_mode()
+        self._meshes.__enter__()
         try:
             self.dp_sp_mesh = build_dp_sp_mesh(self.sp_size, self.device.type)
             self.fsdp_mesh = fsdp_mesh(self.fsdp_sharding, self.device.type)
@@ -88,6 +116,7 @@ class FakeWorld:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._meshes.__exit__(None, None, None)
         dist.destroy_process_group()
         for cache, saved in self._saved_plans:
             cache.clear()
@@ -111,4 +140,4 @@ def materialize(model: nn.Module, world: FakeWorld) -> nn.Module:
     return model
 
 
-__all__ = ["FakeWorld", "materialize", "world_device"]
+__all__ = ["FakeWorld", "materialize", "meshes_outside_fake_mode", "world_device"]

@@ -13,9 +13,12 @@ functions:
    ``cuda:0`` for the GPU presets), the task's module and data (:func:`~lightning_longctx.app.build_task`);
 4. what ``UlyssesStrategy.setup`` runs: :func:`~lightning_longctx.training.parallelize.parallelize` pieces
    (SP group wired in, FSDP2 over the ``dp x sp`` ranks with the precision's ``MixedPrecisionPolicy``), the
-   precision plugin's ``convert_module``, ``configure_optimizers``; a config for which ``longctx-train`` would
-   shard the experts over the SP ranks (``memory.expert_parallel``, :func:`~lightning_longctx.config_plan.
-   expert_parallel_choice`) is refused, naming ``memory.expert_parallel=off``;
+   precision plugin's ``convert_module``, ``configure_optimizers``; where ``longctx-train`` would shard the
+   experts over the SP ranks (``memory.expert_parallel``, :func:`~lightning_longctx.config_plan.
+   expert_parallel_choice`), rank 0's model holds its experts only (``build_model(expert_shard=(0, sp))``), they
+   join the EP group and FSDP2 wraps them over ``dp`` first, as the strategy does; the token exchange runs with
+   a balanced router's split sizes (:func:`~lightning_longctx.parallel.expert_parallel.balanced_splits`: fake
+   tensors have no routing), said in the output;
 5. SFT: ``steps`` training steps as Lightning's automatic optimisation runs them: the first batch through
    ``on_before_batch_transfer``, to the device, :func:`~lightning_longctx.training.batch.shard_sequence_batch`
    (the strategy's ``batch_to_device``), then ``training_step`` (phase ``"forward"``), ``zero_grad`` and
@@ -41,6 +44,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..ops.step_phase import phase
+from ..parallel.expert_parallel import balanced_splits
 from . import config as _config  # noqa: F401  (registers rehearse_schema)
 from .fake_world import FakeWorld, materialize, world_device
 from .gpu_checks import GpuPathChecks, gpu_kernels
@@ -60,6 +64,10 @@ STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here
 # the compute dtype of each Lightning precision the config takes
 COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "32-true": torch.float32,
                   "64-true": torch.float64}
+BALANCED_SPLITS = ("expert parallelism: the token exchange's split sizes are a balanced router's (each rank sends N k / "
+                   "P of its N k (token, slot) rows to each EP rank; parallel/expert_parallel.py::balanced): fake "
+                   "tensors have no routing, and a real router is skewed (its busiest rank receives more rows: "
+                   "larger dispatch buffers and expert activations there)")
 SKIPPED_CHECK = ("batch sharding: the SP ranks' shape agreement check (one all-gather of the shard's shape and its "
                  "host read, once per step before training_step) is not rehearsed: the read has no value on fake "
                  "tensors, and every fake rank holds rank 0's shapes")
@@ -129,11 +137,13 @@ def grouped_experts(model, precision: str) -> str | None:
             "takes in bf16 on sm90/sm100), not the per-expert loop")
 
 
-def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh):
-    """Steps 3-4 of the module docstring: ``(module, data, optimizer, trainer)``."""
+def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh, expert_parallel: bool):
+    """Steps 3-4 of the module docstring: ``(module, data, optimizer, trainer)``; ``expert_parallel``: the routed
+    experts sharded over the SP group (what ``UlyssesStrategy(expert_parallel=True)`` does)."""
     from lightning.pytorch.utilities.types import LRSchedulerConfig
 
     from ..app import build_model, build_task
+    from ..models.moe import enable_expert_parallel
     from ..training.parallelize import (
         check_attention_heads,
         mixed_precision_policy,
@@ -142,13 +152,14 @@ def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh):
         wire_sequence_parallel,
     )
 
+    sp = mesh["sp"].size()
+    # expert parallelism: rank 0 reads only its routed experts, as longctx-train builds each rank's model
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = build_model(cfg, expert_shard=(0, sp) if expert_parallel else None)
     materialize(model, world)
     module, data = build_task(cfg, model)
     trainer = _carrier_trainer(cfg, precision)
     module.trainer = trainer
-    sp = mesh["sp"].size()
     sp_group = mesh.get_group("sp") if sp > 1 else None
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
     handles_sp = getattr(module, "handles_sequence_parallel", False)
@@ -161,10 +172,14 @@ def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh):
         check_attention_heads(module, sp, cfg.memory.head_chunk_size)
         if not replicas:
             wire_sequence_parallel(module, sp_group, sp, cfg.memory.head_chunk_size)
+            if expert_parallel:
+                enable_expert_parallel(module, sp_group)
             shard_modules(module, roots, sharding=cfg.cluster.sharding, mesh=world.fsdp_mesh,
-                          mp_policy=mixed_precision_policy(precision))
+                          mp_policy=mixed_precision_policy(precision), expert_mesh=mesh if expert_parallel else None)
             if handles_sp:
                 register_prefix_state_methods(roots)
+        elif expert_parallel:  # UlyssesStrategy._setup: replicas join the EP group after their broadcast
+            enable_expert_parallel(module, sp_group)
         module = trainer.strategy.precision_plugin.convert_module(module)
         configured = module.configure_optimizers()
         optimizer = _first_optimizer(configured)
@@ -254,12 +269,9 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
         notes.append(STAND_IN)
     planned = make_plan(shape, cluster, knobs, **plan_request(cfg))
     sp = cluster.sp_size or cluster.devices
-    if sp > 1 and expert_parallel_choice(cfg):  # the UlyssesStrategy(expert_parallel=...) longctx-train builds
-        raise NotImplementedError(
-            f"memory.expert_parallel={cfg.memory.expert_parallel!r} shards the experts over the {sp} SP ranks here: "
-            "longctx-rehearse cannot rehearse expert parallelism yet (the token exchange's split sizes are the "
-            "routed token counts, read on the host, which a fake tensor does not have; a placeholder 0 drops every "
-            "row); rehearse memory.expert_parallel=off (every rank holds every expert)")
+    # the UlyssesStrategy(expert_parallel=...) longctx-train builds (memory.expert_parallel, auto: the planner's)
+    expert_parallel = sp > 1 and expert_parallel_choice(cfg)
+    notes += [BALANCED_SPLITS] if expert_parallel else []
     hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
     steps = int(cfg.rehearsal.steps)
     if steps < 1:
@@ -267,13 +279,14 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     with FakeWorld(cluster.devices * cluster.num_nodes, device, sp_size=cluster.sp_size or cluster.devices,
                    fsdp_sharding=cluster.sharding) as world:
         mesh = world.dp_sp_mesh
-        module, data, optimizer, _ = _setup(cfg, world, precision, mesh)
+        module, data, optimizer, _ = _setup(cfg, world, precision, mesh, expert_parallel)
         notes += [note] if (note := grouped_experts(module, precision)) else []
         if hw is not None and cluster.accelerator in ("gpu", "cuda"):
             notes.append(kernels_note(module, precision, hw))
         batch = _device_batch(module, data, world, mesh)
         decode_factor = _shorten_rollouts(cfg, module, notes)
-        with world.mode, PlaceholderReads() as reads, GpuPathChecks(device), warnings.catch_warnings():
+        with world.mode, PlaceholderReads() as reads, GpuPathChecks(device), balanced_splits(), \
+                warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*barebones=True.*")  # self.log: a no-op here
             if step_function is longstraw_training_step:
                 prime_optimizer(module, optimizer)  # its steps are long: the states without a first step
