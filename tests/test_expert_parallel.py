@@ -76,3 +76,29 @@ def test_longstraw_step_with_expert_parallelism_equals_full_autograd(world):
     from expert_parallel_workers import longstraw_checks
 
     assert run_distributed(longstraw_checks, world, timeout=300.0) == [True] * world
+
+
+def test_balanced_splits_are_a_balanced_routers_and_consistent_across_ranks():
+    """The rehearsal's stand-in for the fake counts (``balanced_splits``): ``rows / P`` to each rank, the first
+    ``rows % P`` one more, what every rank receives being what each sends it; and, outside it, the real counts
+    must sum to the rows the caller sends (a fake world of 3: rank 0 of it)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_longctx.parallel.expert_parallel import balanced, balanced_splits, exchange_counts
+
+    for rows, world in [(8, 2), (7, 3), (2, 4)]:
+        splits = [balanced(rows, world, rank) for rank in range(world)]
+        assert all(sum(sent) == rows for sent, _ in splits)
+        for rank, (_, received) in enumerate(splits):
+            assert received == [sent[rank] for sent, _ in splits]  # each source sends this rank its share
+    assert balanced(7, 3, 0) == ([3, 2, 2], [3, 3, 3]) and balanced(7, 3, 2)[1] == [2, 2, 2]
+    dist.init_process_group("fake", rank=0, world_size=3, store=FakeStore())
+    try:
+        counts = torch.tensor([[2, 1], [0, 3], [1, 0]])
+        with balanced_splits():
+            assert exchange_counts(counts, dist.group.WORLD, 7)[1:] == ([3, 2, 2], [3, 3, 3])
+        with pytest.raises(ValueError, match="send_counts sum to 7 rows, the caller sends 6"):
+            exchange_counts(counts, dist.group.WORLD, 6)
+    finally:
+        dist.destroy_process_group()

@@ -55,7 +55,7 @@ def test_two_rank_rehearsal_equals_rank_0_of_a_gloo_run(model):
 
 # DeepSeek-V3-shaped (multi-head latent attention, routed + shared experts): bf16 on both sides, the experts on
 # torch's grouped GEMM (its fake kernel takes bf16 only; the real CPU run takes the same path), every rank
-# holding every expert (expert parallelism is refused by the rehearsal: test below)
+# holding every expert (expert parallelism: the test after)
 TINY_MLA_MOE = ["model=tiny_mla_moe", "task=long_sft", "task.seq_len=256", "task.num_samples=4",
                 "memory.precision=bf16-true", "memory.expert_parallel=off"]
 
@@ -71,10 +71,22 @@ def test_mla_moe_rehearsal_equals_the_real_run_on_one_and_two_ranks():
     assert any(note.startswith("MoE: 2 expert layers run the grouped GEMM path") for note in result.notes)
 
 
-def test_expert_parallelism_is_refused_naming_the_knob():
-    with pytest.raises(NotImplementedError, match=r"memory.expert_parallel='on' shards the experts over the 2 SP "
-                                                  r"ranks.*rehearse memory.expert_parallel=off"):
-        rehearsed([*TINY_MLA_MOE[:-1], "memory.expert_parallel=on", "cluster.devices=2"])
+def test_expert_parallel_rehearsal_equals_the_real_run_on_two_ranks():
+    """Expert parallelism (the routed experts sharded over the 2 SP ranks, FSDP2 wrapping them over ``dp`` first,
+    the token exchange's two all-to-alls and its count exchange): the rehearsal's balanced split sizes stand in
+    for the fake counts; the real run routes each token one slot to each rank (``balance_routing``), so the two
+    exchange the same rows and every phase's peak and collective count agree."""
+    two = [*TINY_MLA_MOE[:-1], "memory.expert_parallel=on", "cluster.devices=2"]
+    real, real_collectives = run_distributed(sharded_sft_peaks, 2, two, timeout=240)[0]
+    result = rehearsed(two)
+    assert_close(by_phase(result), real)
+    assert {row.name: {k: c["count"] for k, c in row.collectives.items()} for row in result.rows
+            if row.collectives} == real_collectives
+    # the exchange ran (its counts read on the host once per MoE layer and forward: 2 ranks' splits x 2 layers),
+    # so the equal collectives above include EP's all-to-alls on both sides
+    assert any(note.startswith("expert parallelism: the token exchange's split sizes are a balanced router's")
+               for note in result.notes)
+    assert any("forward: 8 values read" in note and "exchange_counts x8" in note for note in result.notes)
 
 
 def test_the_rehearsal_runs_the_jobs_own_step_functions(monkeypatch, tmp_path):

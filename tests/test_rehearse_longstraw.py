@@ -80,6 +80,24 @@ def test_two_rank_longstraw_rehearsal_equals_rank_0_of_a_gloo_run(model):
     assert real_collectives["sampling"]["broadcast_"] > 0 and real_collectives["replay"]["alltoall_base_"] > 0
 
 
+@HEAVY
+def test_mla_moe_longstraw_rehearsal_with_expert_parallelism_equals_rank_0_of_a_gloo_run():
+    """DeepSeek-V3-shaped (MLA, routed + shared experts) LongStraw with the experts sharded over the 2 SP ranks,
+    bf16 on both sides (the experts' grouped GEMM): the rehearsal's balanced split sizes stand in for the fake
+    counts, the real run routes each token one slot to each rank (``balance_routing``). Every phase's peak, and
+    the collectives: the prefill's, replays' and grouped backward's exchanges, decoding's all-reduce of the local
+    experts' outputs."""
+    two = [*TINY_GRPO, "model=tiny_mla_moe", "memory.precision=bf16-true", "memory.expert_parallel=on",
+           "cluster.devices=2"]
+    real, real_collectives = run_distributed(sharded_longstraw_peaks, 2, two, timeout=800)[0]
+    result = rehearsed(two)
+    assert_close(by_phase(result), real)
+    assert {row.name: {k: c["count"] for k, c in row.collectives.items()} for row in result.rows
+            if row.collectives} == real_collectives
+    assert real_collectives["sampling"]["allreduce_"] > 0 and real_collectives["replay"]["alltoall_base_"] > 0
+    assert any("grouped backward:" in note and "exchange_counts" in note for note in result.notes)
+
+
 @pytest.mark.parametrize("kind", ["plain", "hybrid"])
 def test_shortened_rollouts_keep_full_length_responses_and_the_rollout_peak(kind):
     """``sample(decode_steps=N)`` (``rehearsal.decode_steps``): the first N draws as a full rollout draws them, the

@@ -40,6 +40,30 @@ def _built(cfg):
     return module, data
 
 
+def expert_parallel(cfg, world: int) -> bool:
+    """Whether ``longctx-train`` would shard ``cfg``'s routed experts over the ``world`` SP ranks; if so the
+    caller routes as :func:`balance_routing` does."""
+    from lightning_longctx.config_plan import expert_parallel_choice
+
+    return world > 1 and expert_parallel_choice(cfg)
+
+
+def balance_routing(module, world: int) -> None:
+    """Make every DeepSeek-V3 router (``TopKRouter``) send each token's ``k`` slots ``k / P`` to each of the
+    ``world`` EP ranks: a score-correction bias of 10 on the first ``k / P`` experts of each rank's slice (the
+    choice is ``sigmoid`` scores in (0, 1) plus the bias; those experts' groups win the group-limited choice).
+    Then the real exchange's split sizes are the balanced ones the rehearsal stands in for its fake counts
+    (``parallel/expert_parallel.py::balanced``), and a phase's peak can be compared to the byte."""
+    from lightning_longctx.models.moe import TopKRouter
+
+    for router in (m for m in module.modules() if isinstance(m, TopKRouter)):
+        experts, k = router.weight.shape[0], router.top_k
+        assert k % world == 0 and experts % world == 0, (k, experts, world)
+        chosen = [p * (experts // world) + j for p in range(world) for j in range(k // world)]
+        with torch.no_grad():
+            router.e_score_correction_bias.zero_()[chosen] = 10.0
+
+
 def fitted_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     """A 1-process gloo world: ``Trainer.fit`` of the config's SFT task for 2 steps under ``UlyssesStrategy``
     (Lightning keeps the existing process group); the second step's peaks between Lightning's hooks (batch
@@ -116,12 +140,16 @@ def sharded_sft_peaks(rank: int, world: int, overrides: list[str]):
 
     cfg = compose(overrides)
     module, data = _built(cfg)
+    ep = expert_parallel(cfg, world)
+    if ep:
+        balance_routing(module, world)
     module.trainer = pl.Trainer(strategy=UlyssesStrategy(sharding=cfg.cluster.sharding, on_nonfinite=None),
                                 accelerator="cpu", devices=world, barebones=True, precision=cfg.memory.precision)
     mesh = build_dp_sp_mesh(world, "cpu")
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
     parallelize(module, roots, sp_group=mesh.get_group("sp"), sp_size=world, sharding=cfg.cluster.sharding,
-                head_chunk_size=cfg.memory.head_chunk_size, device_type="cpu", precision=cfg.memory.precision)
+                head_chunk_size=cfg.memory.head_chunk_size, device_type="cpu", precision=cfg.memory.precision,
+                expert_mesh=mesh if ep else None)
     module = module.trainer.strategy.precision_plugin.convert_module(module)  # e.g. bf16-true: the strategy's
     optimizer = module.configure_optimizers()
     batch = module.on_before_batch_transfer(next(iter(data)), 0)
@@ -248,13 +276,17 @@ def sharded_longstraw_peaks(rank: int, world: int, overrides: list[str]):
 
     cfg = compose(overrides)
     module, data = _built(cfg)
+    ep = expert_parallel(cfg, world)
+    if ep:
+        balance_routing(module, world)
     strategy = UlyssesStrategy(sharding=cfg.cluster.sharding, on_nonfinite=None)
     module.trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, barebones=True,
                                 precision=cfg.memory.precision)
     mesh = build_dp_sp_mesh(world, "cpu")
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
     parallelize(module, roots, sp_group=mesh.get_group("sp"), sp_size=world, sharding=cfg.cluster.sharding,
-                head_chunk_size=cfg.memory.head_chunk_size, device_type="cpu", precision=cfg.memory.precision)
+                head_chunk_size=cfg.memory.head_chunk_size, device_type="cpu", precision=cfg.memory.precision,
+                expert_mesh=mesh if ep else None)
     register_prefix_state_methods(roots)
     module = strategy.precision_plugin.convert_module(module)  # e.g. bf16-true: what the strategy's setup does
     module._device_mesh = mesh

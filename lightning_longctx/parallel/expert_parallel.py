@@ -117,5 +117,5 @@ class ExchangeRows(torch.autograd.Function):
         return exchange_rows(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-__all__ = ["EXPERT_GROUP_ATTR", "ExchangeRows", "balanced", "balanced_splits", "exchange_counts", "exchange_rows", "expert_shard_group",
-           "mark_expert_shard"]
+__all__ = ["EXPERT_GROUP_ATTR", "ExchangeRows", "balanced", "balanced_splits", "exchange_counts", "exchange_rows",
+           "expert_shard_group", "mark_expert_shard"]

@@ -64,9 +64,9 @@ STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here
 # the compute dtype of each Lightning precision the config takes
 COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "32-true": torch.float32,
                   "64-true": torch.float64}
-BALANCED_SPLITS = ("expert parallelism: the token exchange's split sizes are a balanced router's (each rank sends N k / "
-                   "P of its N k (token, slot) rows to each EP rank; parallel/expert_parallel.py::balanced): fake "
-                   "tensors have no routing, and a real router is skewed (its busiest rank receives more rows: "
+BALANCED_SPLITS = ("expert parallelism: the token exchange's split sizes are a balanced router's (each rank sends "
+                   "N k / P of its N k (token, slot) rows to each EP rank; parallel/expert_parallel.py::balanced): "
+                   "fake tensors have no routing, and a real router is skewed (its busiest rank receives more rows: "
                    "larger dispatch buffers and expert activations there)")
 SKIPPED_CHECK = ("batch sharding: the SP ranks' shape agreement check (one all-gather of the shard's shape and its "
                  "host read, once per step before training_step) is not rehearsed: the read has no value on fake "
@@ -94,7 +94,7 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     return configured
 
 
-def _carrier_trainer(cfg: DictConfig, precision: str):
+def _carrier_trainer(cfg: DictConfig, precision: str, expert_parallel: bool):
     """A barebones ``Trainer`` with the job's ``UlyssesStrategy`` (never fitted): what ``training_step`` reads
     through ``self.trainer``; on the CPU accelerator (the step runs on the fake world's device, not on it)."""
     import lightning.pytorch as pl
@@ -103,7 +103,7 @@ def _carrier_trainer(cfg: DictConfig, precision: str):
 
     cluster = cfg.cluster
     strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
-                               sharding=cluster.sharding, on_nonfinite=None)
+                               sharding=cluster.sharding, on_nonfinite=None, expert_parallel=expert_parallel)
     banner = logging.getLogger("lightning.pytorch")  # barebones mode's feature list, "GPU available: ..."
     level = banner.level
     banner.setLevel(logging.WARNING)
@@ -158,7 +158,7 @@ def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh, expert_paral
         model = build_model(cfg, expert_shard=(0, sp) if expert_parallel else None)
     materialize(model, world)
     module, data = build_task(cfg, model)
-    trainer = _carrier_trainer(cfg, precision)
+    trainer = _carrier_trainer(cfg, precision, expert_parallel)
     module.trainer = trainer
     sp_group = mesh.get_group("sp") if sp > 1 else None
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
