@@ -84,8 +84,8 @@ def test_two_rank_longstraw_rehearsal_equals_rank_0_of_a_gloo_run(model):
 @pytest.mark.parametrize("model", ["tiny_mla_moe", "tiny_glm5"])  # DeepSeek-V3-shaped; GLM-5-shaped (+ DSA)
 def test_mla_moe_longstraw_rehearsal_with_expert_parallelism_equals_rank_0_of_a_gloo_run(model):
     """DeepSeek-V3-shaped (MLA, routed + shared experts) and GLM-5-shaped (also DeepSeek sparse attention: the
-X
-    bf16 on both sides (the experts' grouped GEMM): the rehearsal's balanced split sizes stand in for the fake
+    indexer's global top-k over the gathered index keys, IndexShare) LongStraw with the experts sharded over the 2
+    SP ranks, bf16 on both sides (the experts' grouped GEMM): the rehearsal's balanced split sizes stand in for the fake
     counts, the real run routes each token one slot to each rank (``balance_routing``). Every phase's peak, and
     the collectives: the prefill's, replays' and grouped backward's exchanges, decoding's all-reduce of the local
     experts' outputs."""
