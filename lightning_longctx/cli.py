@@ -42,6 +42,7 @@ from .app import (
     summary_callback,
     trainer_kwargs,
 )
+from .checkpoint_paths import resolve_ckpt_path
 from .config_checks import apply_renamed_keys, check_schema_keys
 from .config_plan import (
     check_plan,
@@ -199,7 +200,7 @@ def run_train(cfg: DictConfig) -> Any:
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
-    from .training.checkpoint import AtomicCheckpoint, resolve_ckpt_path
+    from .training.checkpoint import AtomicCheckpoint
     from .training.progress import PhaseProgress
 
     route_lightning_deprecations()

@@ -13,9 +13,11 @@ Each knob is defined once, where the code that uses it is:
 - ``model``: :class:`ModelConf` is generated from :class:`~lightning_longctx.models.DecoderConfig`'s fields
   (names, types, defaults), plus the preset's own keys (``_target_``, ``name``, ``hf_id``, ``pretrained``,
   ``lora``); every architecture field is settable, and ``DecoderConfig`` checks the values.
-- a built-in task's top level (``schema/task/<name>``): generated from the signatures of the task's module and
-  data targets (:func:`task_schema`): each knob's type and default are the parameter's, so the yaml
-  (``conf/task/<name>.yaml``) sets only what the preset chooses differently.
+- a built-in task's top level (``schema/task/<name>``): generated from the options dataclasses of the task's
+  module and data targets (:mod:`.task_options`, which those targets' signatures take their defaults from;
+  :func:`task_schema`): each knob's type and default are the target's, so the yaml (``conf/task/<name>.yaml``)
+  sets only what the preset chooses differently. No Lightning class is imported: ``longctx-plan`` and
+  ``longctx-export`` compose these schemas without Lightning.
 
 Open nodes (any key, no ``+`` needed; checked where they are used, before any work):
 
@@ -51,14 +53,18 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .models import DecoderConfig
-from .tasks.calculator import calculator_dataloader
-from .tasks.long_sft import LongSFTModule, recall_dataloader
-from .tasks.needle import NeedleGRPO, needle_dataloader
-from .tasks.text_data import TextPromptData
-from .tasks.text_grpo import TextGRPOModule
-from .tasks.text_sft import text_sft_dataloader
-from .training.evaluation import RolloutEvaluation
-from .training.longstraw_module import LongStrawModule
+from .task_options import (
+    CalculatorDataOptions,
+    EvaluationOptions,
+    LongStrawOptions,
+    NeedleDataOptions,
+    NeedleGRPOOptions,
+    RecallDataOptions,
+    SFTOptions,
+    TextGRPOOptions,
+    TextPromptDataOptions,
+    TextSFTDataOptions,
+)
 
 
 def hydra_type(annotation: Any) -> Any:
@@ -240,8 +246,13 @@ class TaskConf:
 def target_parameters(target: Any) -> dict[str, tuple[Any, Any]]:
     """``{name: (annotation, default)}`` of the keyword parameters ``target`` (a class or a function) takes; a
     class's ``__init__`` that passes ``**kwargs`` on is followed up its MRO (``NeedleGRPO`` ->
-    ``LongStrawModule``), the first declaration of a name winning. ``default`` is ``inspect.Parameter.empty``
-    for a required parameter; an annotation that cannot be evaluated is ``Any``."""
+    ``LongStrawModule``), the first declaration of a name winning. An options dataclass (:mod:`.task_options`):
+    its fields. ``default`` is ``inspect.Parameter.empty`` for a required parameter; an annotation that cannot be
+    evaluated is ``Any``."""
+    if dataclasses.is_dataclass(target):
+        hints = typing.get_type_hints(target)
+        return {f.name: (hints[f.name], f.default if f.default is not dataclasses.MISSING else inspect.Parameter.empty)
+                for f in dataclasses.fields(target)}
     owners = [c.__init__ for c in target.__mro__ if "__init__" in vars(c)] if isinstance(target, type) else [target]
     found: dict[str, tuple[Any, Any]] = {}
     for function in owners:
@@ -266,8 +277,9 @@ def task_schema(name: str, mode: str, sources: tuple[tuple[Any, str], ...], knob
                 declared: dict[str, tuple[Any, Any]] | None = None) -> type:
     """The schema of a built-in task's top level (``schema/task/<name>``): :class:`TaskConf` with ``name`` and
     ``mode`` set, plus one field per knob, typed and defaulted as the parameter that defines it: the first of
-    ``sources`` (``(target, prefix)``: the module, the data target, ``(RolloutEvaluation, "eval_")`` for
-    ``eval_samples`` = its ``samples``) whose signature (:func:`target_parameters`) has ``knob`` minus the prefix
+    ``sources`` (``(target, prefix)``: the module's and the data target's options (:mod:`.task_options`),
+    ``(EvaluationOptions, "eval_")`` for ``eval_samples`` = ``RolloutEvaluation``'s ``samples``) whose
+    fields (:func:`target_parameters`) has ``knob`` minus the prefix
     (``MISSING`` where the parameter has no default: the task's yaml sets it). A knob no signature takes (read
     by a resolver or by the app) is ``declared`` here: ``{knob: (type, default)}``. The yaml's ``module`` /
     ``data`` nodes interpolate the knobs (``lr: ${task.lr}``). An undefined knob raises ``TypeError`` at import."""
@@ -295,28 +307,28 @@ _LONGSTRAW_KNOBS = ("group_size", "max_new_tokens", "prompt_grad", "temperature"
 # into data.batch_size); eval_every_n_steps (0 = no held-out evaluation: RolloutEvaluation is not built);
 # eval_data (a _target_ node like data, read by app.build_evaluation)
 _DECLARED = {"prompts_per_step": (int | None, None), "eval_every_n_steps": (int, 0), "eval_data": (Any, {})}
-_EVAL = (RolloutEvaluation, "eval_")  # eval_samples, eval_greedy, eval_pass_threshold
+_EVAL = (EvaluationOptions, "eval_")  # eval_samples, eval_greedy, eval_pass_threshold
 TASK_SCHEMAS = {
     # seq_len = prompt tokens (haystack + key marker + key + query marker); state_segment: hybrids' linear-layer
     # states kept every this many prompt tokens; max_grad_norm: the module clips each group step (not
     # trainer.gradient_clip_val: it optimises manually); lr_schedule constant | cosine (to 0 at trainer.max_steps)
-    "needle_grpo": task_schema("needle_grpo", "longstraw", ((NeedleGRPO, ""), (needle_dataloader, ""), _EVAL), (
+    "needle_grpo": task_schema("needle_grpo", "longstraw", ((NeedleGRPOOptions, ""), (NeedleDataOptions, ""), _EVAL), (
         "seq_len", "num_prompts", *_LONGSTRAW_KNOBS, "top_p", "top_k", "logprob_temperature", "state_segment",
         "clip_eps", "scale_rewards", "weight_decay", "seed", "num_workers", "log_completions_every_n_steps",
         "eval_every_n_steps", "eval_samples", "eval_greedy", "eval_pass_threshold", "eval_data"), _DECLARED),
-    "long_sft": task_schema("long_sft", "sft", ((LongSFTModule, ""), (recall_dataloader, "")), (
+    "long_sft": task_schema("long_sft", "sft", ((SFTOptions, ""), (RecallDataOptions, "")), (
         "seq_len", "num_samples", "batch_size", "passage_len", "lr", "weight_decay", "seed", "num_workers")),
-    "text_grpo": task_schema("text_grpo", "longstraw", ((TextGRPOModule, ""), (TextPromptData, ""), _EVAL), (
+    "text_grpo": task_schema("text_grpo", "longstraw", ((TextGRPOOptions, ""), (TextPromptDataOptions, ""), _EVAL), (
         "seq_len", *_LONGSTRAW_KNOBS, "reward_funcs", "reward_weights", "check_rewards",
         "log_completions_every_n_steps", "eval_every_n_steps", "eval_samples", "eval_greedy",
         "eval_pass_threshold", "eval_data", "env", "max_turn_tokens", "turn_end"), _DECLARED),
     # multi-turn tool rollouts: env (a _target_ node, deep-copied per branch), max_turn_tokens, turn_end_ids
-    "calculator_grpo": task_schema("calculator_grpo", "longstraw", ((LongStrawModule, ""),
-                                                                    (calculator_dataloader, ""), _EVAL), (
+    "calculator_grpo": task_schema("calculator_grpo", "longstraw", ((LongStrawOptions, ""),
+                                                                    (CalculatorDataOptions, ""), _EVAL), (
         "seq_len", "num_prompts", *_LONGSTRAW_KNOBS, "max_turn_tokens", "turn_end_ids", "env", "max_operand",
         "top_p", "top_k", "seed", "num_workers", "eval_every_n_steps", "eval_samples", "eval_greedy",
         "eval_pass_threshold", "eval_data"), {**_DECLARED, "env": (Any, {})}),
-    "text_sft": task_schema("text_sft", "sft", ((LongSFTModule, ""), (text_sft_dataloader, "")), ("seq_len", "lr")),
+    "text_sft": task_schema("text_sft", "sft", ((SFTOptions, ""), (TextSFTDataOptions, "")), ("seq_len", "lr")),
 }
 NeedleGRPOConf, LongSFTConf = TASK_SCHEMAS["needle_grpo"], TASK_SCHEMAS["long_sft"]
 

@@ -30,6 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .app import build_model
+from .checkpoint_paths import resolve_ckpt_path
 from .safe_load import is_sharded, load_sharded, load_torch_file, read_dcp_metadata
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -45,8 +46,6 @@ class ExportError(ValueError):
 def resolve_checkpoint(ckpt: str | os.PathLike) -> Path:
     """A checkpoint file or sharded directory; ``last.ckpt`` (a link) and a run or checkpoints directory (its
     ``last.ckpt``) resolve to what they point at."""
-    from .training.checkpoint import resolve_ckpt_path  # the training layer imports Lightning: only when needed
-
     path = Path(ckpt)
     if not path.exists():
         raise FileNotFoundError(f"ckpt={ckpt}: no such checkpoint")

@@ -380,6 +380,39 @@ def test_the_model_node_is_decoder_config():
         app.check_config(compose_cfg("model.initializer_range=-1"))
 
 
+def test_each_target_takes_its_defaults_from_its_options_class():
+    """The task modules' and data targets' keyword parameters are the fields of their options dataclass
+    (:mod:`lightning_longctx.task_options`, what the task schemas are built from without Lightning): the same
+    names, types and defaults (the objects a caller builds aside). Where the LongStraw step has the knob, the
+    module's default is the step's."""
+    from lightning_longctx import longstraw, task_options
+    from lightning_longctx.tasks.calculator import calculator_dataloader
+    from lightning_longctx.tasks.long_sft import LongSFTModule, recall_dataloader
+    from lightning_longctx.tasks.needle import NeedleGRPO, needle_dataloader
+    from lightning_longctx.tasks.text_data import TextPromptData
+    from lightning_longctx.tasks.text_grpo import TextGRPOModule
+    from lightning_longctx.tasks.text_sft import TextSFTData, text_sft_dataloader
+    from lightning_longctx.training.evaluation import RolloutEvaluation
+    from lightning_longctx.training.longstraw_module import LongStrawModule
+
+    objects = {"model", "ref_model", "tokenizer", "data"}  # built by the caller, not options
+    pairs = [(LongStrawModule, task_options.LongStrawOptions), (NeedleGRPO, task_options.NeedleGRPOOptions),
+             (TextGRPOModule, task_options.TextGRPOOptions), (LongSFTModule, task_options.SFTOptions),
+             (RolloutEvaluation, task_options.EvaluationOptions), (needle_dataloader, task_options.NeedleDataOptions),
+             (recall_dataloader, task_options.RecallDataOptions),
+             (calculator_dataloader, task_options.CalculatorDataOptions),
+             (TextPromptData, task_options.TextPromptDataOptions), (TextSFTData, task_options.TextSFTDataOptions),
+             (text_sft_dataloader, task_options.TextSFTDataOptions)]
+    for target, options_class in pairs:
+        taken = {k: v for k, v in config_schema.target_parameters(target).items() if k not in objects}
+        assert taken == config_schema.target_parameters(options_class), target.__qualname__
+    step = {f.name: f.default for c in (longstraw.LossOptions, longstraw.StepMemory, longstraw.StepGroups)
+            for f in dataclasses.fields(c)}
+    for f in dataclasses.fields(task_options.LongStrawOptions):
+        if f.name in step and f.name != "temperature":  # the sampling temperature, not the step's log-prob one
+            assert f.default == step[f.name], f.name
+
+
 @pytest.mark.parametrize("overrides, message", [
     (("+task.group_sise=4",), "task.group_sise is not a key of task (NeedleGrpoConf); did you mean task.group_size?"),
     (("task=text_grpo", "+task.group_sise=4"), "task.group_sise is not a key of task (TextGrpoConf); did you mean "

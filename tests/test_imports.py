@@ -46,6 +46,42 @@ def test_package_and_lightning_free_subpackages_do_not_import_lightning():
     assert "LEAKED []" in out, out
 
 
+def test_plan_and_export_run_without_lightning(tmp_path):
+    """``longctx-plan`` and ``longctx-export`` read the task schemas (:mod:`lightning_longctx.task_options`), not
+    the Lightning classes: running either imports neither ``lightning`` nor ``pytorch_lightning`` (nor the
+    package's Lightning layer). The export is a real one: a tiny model's weights in a ``.ckpt`` beside the run's
+    ``.hydra/config.yaml``, written as a transformers directory."""
+    out = run_python(f"""
+        import sys
+        from pathlib import Path
+        import torch
+        from hydra import compose, initialize_config_module
+        from omegaconf import OmegaConf
+        from lightning_longctx import cli
+        from lightning_longctx.config_schema import decoder_config
+        from lightning_longctx.models import DecoderLM
+
+        sys.argv = ["longctx-plan", "model=tiny"]
+        cli.plan()
+        run = Path({str(tmp_path)!r})
+        with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
+            cfg = compose(config_name="config", overrides=["model=tiny"])
+        (run / ".hydra").mkdir()
+        OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+        model = DecoderLM(decoder_config(cfg.model))
+        torch.save({{"state_dict": {{"model." + k: v for k, v in model.state_dict().items()}}}}, run / "last.ckpt")
+        sys.argv = ["longctx-export", f"ckpt={{run / 'last.ckpt'}}", f"out={{run / 'hf'}}"]
+        cli.export()
+        assert (run / "hf" / "config.json").is_file()
+        roots = ("lightning", "pytorch_lightning", "lightning_fabric")
+        leaked = sorted(m for m in sys.modules if m.split(".")[0] in roots
+                        or m.startswith(("lightning_longctx.training", "lightning_longctx.tasks")))
+        print("LEAKED", leaked)
+        """)
+    assert "longest context that fits" in out and "longctx-export: wrote" in out, out
+    assert "LEAKED []" in out, out
+
+
 # ------------------------------------------------------------------------------- strategy="ulysses"
 TRAINER = """
     import lightning.pytorch as pl

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from ..task_options import CalculatorDataOptions
 from ..training.dataloader import ResumableDataLoader
 from .needle import collate_prompt_groups
 
@@ -109,8 +110,10 @@ class ArithmeticPrompts(Dataset):
         return {"prompt_ids": torch.cat([filler, question]), "answer": OPERATORS[op](a, b)}
 
 
-def calculator_dataloader(num_prompts: int, seq_len: int, vocab_size: int, *, max_operand: int = 99, seed: int = 0,
-                          batch_size: int = 1, num_workers: int = 0) -> ResumableDataLoader:
+def calculator_dataloader(num_prompts: int, seq_len: int, vocab_size: int, *,
+                          max_operand: int = CalculatorDataOptions.max_operand, seed: int = CalculatorDataOptions.seed,
+                          batch_size: int = CalculatorDataOptions.batch_size,
+                          num_workers: int = CalculatorDataOptions.num_workers) -> ResumableDataLoader:
     """The loader of ``task=calculator_grpo`` (``task.data``): :class:`ArithmeticPrompts` of ``seq_len`` tokens,
     ``batch_size`` prompt groups per step, resumable mid-epoch."""
     data = ArithmeticPrompts(num_prompts, seq_len, vocab_size, max_operand=max_operand, seed=seed)

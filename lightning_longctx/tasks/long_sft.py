@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset
 
+from ..task_options import RecallDataOptions, SFTOptions
 from ..training.dataloader import ResumableDataLoader
 
 PASSAGE_MARK, QUERY_MARK, FIRST_TOKEN = 2, 3, 4
@@ -62,8 +63,10 @@ class RecallDataset(Dataset):
         return {"input_ids": ids, "labels": ids.clone(), "loss_mask": loss_mask}
 
 
-def recall_dataloader(num_samples: int, seq_len: int, vocab_size: int, *, passage_len: int = 16, batch_size: int = 1,
-                      seed: int = 0, num_workers: int = 0) -> ResumableDataLoader:
+def recall_dataloader(num_samples: int, seq_len: int, vocab_size: int, *,
+                      passage_len: int = RecallDataOptions.passage_len, batch_size: int = RecallDataOptions.batch_size,
+                      seed: int = RecallDataOptions.seed,
+                      num_workers: int = RecallDataOptions.num_workers) -> ResumableDataLoader:
     """The loader of ``task=long_sft`` (``task.data``): :class:`RecallDataset` samples, resumable mid-epoch."""
     data = RecallDataset(num_samples, seq_len, vocab_size, passage_len=passage_len, seed=seed)
     return ResumableDataLoader(data, batch_size=batch_size, num_workers=num_workers)
@@ -77,7 +80,8 @@ class LongSFTModule(pl.LightningModule):
     allocator's peak; CPU: the process's peak resident memory).
     """
 
-    def __init__(self, model: torch.nn.Module, *, lr: float = 1e-4, weight_decay: float = 0.0) -> None:
+    def __init__(self, model: torch.nn.Module, *, lr: float = SFTOptions.lr,
+                 weight_decay: float = SFTOptions.weight_decay) -> None:
         super().__init__()
         self.model = model
         self.lr, self.weight_decay = lr, weight_decay

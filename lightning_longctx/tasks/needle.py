@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from ..task_options import NeedleDataOptions, NeedleGRPOOptions
 from ..training.completions import CompletionLog
 from ..training.dataloader import ResumableDataLoader
 from ..training.longstraw_module import LongStrawModule
@@ -63,8 +64,9 @@ def collate_prompt_groups(items: list[dict]) -> dict:
     return {name: [item[name] for item in items] for name in items[0]}
 
 
-def needle_dataloader(num_prompts: int, seq_len: int, vocab_size: int, *, seed: int = 0, batch_size: int = 1,
-                      num_workers: int = 0, heldout: bool = False) -> ResumableDataLoader:
+def needle_dataloader(num_prompts: int, seq_len: int, vocab_size: int, *, seed: int = NeedleDataOptions.seed,
+                      batch_size: int = NeedleDataOptions.batch_size, num_workers: int = NeedleDataOptions.num_workers,
+                      heldout: bool = NeedleDataOptions.heldout) -> ResumableDataLoader:
     """The loader of ``task=needle_grpo`` (``task.data``; ``task.eval_data`` with ``heldout=True``):
     :class:`NeedleHaystack` prompts of ``seq_len`` tokens (a haystack of ``seq_len - 3``), ``batch_size`` prompt
     groups per step, resumable mid-epoch."""
@@ -114,8 +116,10 @@ class NeedleGRPO(LongStrawModule):
         **kwargs: :class:`~lightning_longctx.LongStrawModule`'s.
     """
 
-    def __init__(self, model: torch.nn.Module, *, log_completions_every_n_steps: int | None = None,
-                 completions_max_rows: int = 16, completions_max_chars: int = 2000, **kwargs) -> None:
+    def __init__(self, model: torch.nn.Module, *,
+                 log_completions_every_n_steps: int | None = NeedleGRPOOptions.log_completions_every_n_steps,
+                 completions_max_rows: int = NeedleGRPOOptions.completions_max_rows,
+                 completions_max_chars: int = NeedleGRPOOptions.completions_max_chars, **kwargs) -> None:
         completions = CompletionLog(log_completions_every_n_steps, max_rows=completions_max_rows,
                                     max_chars=completions_max_chars)
         super().__init__(model, **kwargs)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ..task_options import TextPromptDataOptions
 from .needle import collate_prompt_groups
 
 log = logging.getLogger(__name__)
@@ -290,10 +291,15 @@ class TextPromptData(pl.LightningDataModule):
         split, cache_dir: see :func:`load_rows`.
     """
 
-    def __init__(self, path: str, *, seq_len: int, tokenizer_path: str | None = None, tokenizer: Any = None,
-                 prompt_field: str = "prompt", columns: Sequence[str] | None = None, chat_template: bool = False,
-                 truncate: str | None = None, batch_size: int = 1, shuffle: bool = True, seed: int = 0,
-                 num_workers: int = 0, split: str = "train", cache_dir: str | None = None) -> None:
+    def __init__(self, path: str, *, seq_len: int, tokenizer_path: str | None = TextPromptDataOptions.tokenizer_path,
+                 tokenizer: Any = None, prompt_field: str = TextPromptDataOptions.prompt_field,
+                 columns: Sequence[str] | None = TextPromptDataOptions.columns,
+                 chat_template: bool = TextPromptDataOptions.chat_template,
+                 truncate: str | None = TextPromptDataOptions.truncate,
+                 batch_size: int = TextPromptDataOptions.batch_size,
+                 shuffle: bool = TextPromptDataOptions.shuffle, seed: int = TextPromptDataOptions.seed,
+                 num_workers: int = TextPromptDataOptions.num_workers, split: str = TextPromptDataOptions.split,
+                 cache_dir: str | None = TextPromptDataOptions.cache_dir) -> None:
         super().__init__()
         require_text_extra()
         if truncate not in TRUNCATE:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from ..longstraw.sampling import StopIds, stop_token_ids
+from ..task_options import TextGRPOOptions
 from ..training.completions import CompletionLog
 from ..training.longstraw_module import LongStrawModule
 from .rewards import RewardFunctionError, RewardFunctions
@@ -83,12 +84,17 @@ class TextGRPOModule(LongStrawModule):
         **kwargs: :class:`~lightning_longctx.LongStrawModule`'s (``group_size``, ``max_new_tokens``, ``lr``, ...).
     """
 
-    def __init__(self, model: torch.nn.Module, *, tokenizer_path: str | None = None, tokenizer: Any = None,
-                 reward_funcs: Any = None, reward_weights: Any = None, eos_token_id: StopIds = None,
-                 generation_config_path: str | None = None, check_rewards: bool = True,
-                 reward_timeout_s: float | None = None, log_completions_every_n_steps: int | None = None,
-                 completions_max_rows: int = 16, completions_max_chars: int = 2000, env: Any = None,
-                 turn_end: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: torch.nn.Module, *, tokenizer_path: str | None = TextGRPOOptions.tokenizer_path,
+                 tokenizer: Any = None, reward_funcs: Any = TextGRPOOptions.reward_funcs,
+                 reward_weights: Any = TextGRPOOptions.reward_weights,
+                 eos_token_id: StopIds = TextGRPOOptions.eos_token_id,
+                 generation_config_path: str | None = TextGRPOOptions.generation_config_path,
+                 check_rewards: bool = TextGRPOOptions.check_rewards,
+                 reward_timeout_s: float | None = TextGRPOOptions.reward_timeout_s,
+                 log_completions_every_n_steps: int | None = TextGRPOOptions.log_completions_every_n_steps,
+                 completions_max_rows: int = TextGRPOOptions.completions_max_rows,
+                 completions_max_chars: int = TextGRPOOptions.completions_max_chars, env: Any = TextGRPOOptions.env,
+                 turn_end: str | None = TextGRPOOptions.turn_end, **kwargs: Any) -> None:
         completions = CompletionLog(log_completions_every_n_steps, max_rows=completions_max_rows,
                                     max_chars=completions_max_chars)  # bad bounds: before the tokenizer loads
         tok = load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path, what="tokenizer_path")

@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..parallel import IGNORE_INDEX
+from ..task_options import TextSFTDataOptions
 from .text_data import (
     chat_ids,
     check_columns,
@@ -150,10 +151,13 @@ class TextSFTData(pl.LightningDataModule):
             for chat records, a record without an assistant turn, or no sample with a loss token.
     """
 
-    def __init__(self, path: str, *, seq_len: int, tokenizer_path: str | None = None, tokenizer: Any = None,
-                 text_field: str | None = None, messages_field: str = "messages", packing: bool = False,
-                 add_eos: bool = True, batch_size: int = 1, shuffle: bool = True, seed: int = 0,
-                 num_workers: int = 0, split: str = "train", cache_dir: str | None = None) -> None:
+    def __init__(self, path: str, *, seq_len: int, tokenizer_path: str | None = TextSFTDataOptions.tokenizer_path,
+                 tokenizer: Any = None, text_field: str | None = TextSFTDataOptions.text_field,
+                 messages_field: str = TextSFTDataOptions.messages_field, packing: bool = TextSFTDataOptions.packing,
+                 add_eos: bool = TextSFTDataOptions.add_eos, batch_size: int = TextSFTDataOptions.batch_size,
+                 shuffle: bool = TextSFTDataOptions.shuffle, seed: int = TextSFTDataOptions.seed,
+                 num_workers: int = TextSFTDataOptions.num_workers, split: str = TextSFTDataOptions.split,
+                 cache_dir: str | None = TextSFTDataOptions.cache_dir) -> None:
         super().__init__()
         if seq_len < 2:
             raise ValueError(f"task.seq_len={seq_len} must be >= 2")

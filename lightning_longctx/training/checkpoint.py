@@ -20,7 +20,7 @@ checkpoint or a half-deleted one, is deleted when the next run starts, before an
 reads only what ``last.ckpt`` points to). Tests: tests/test_faults.py kills a run after the first shard file
 of a sharded save. Lightning's ``save_last=True`` would instead write the whole state a
 second time to ``last.ckpt`` in place, and its ``save_last="link"`` removes the old link before making the new
-one; both leave windows with no complete ``last``. :func:`resolve_ckpt_path` turns ``ckpt_path=last`` (or a run
+one; both leave windows with no complete ``last``. :func:`~lightning_longctx.checkpoint_paths.resolve_ckpt_path` turns ``ckpt_path=last`` (or a run
 directory) into the checkpoint ``last.ckpt`` points to.
 """
 
@@ -35,6 +35,7 @@ from pathlib import Path
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import CheckpointException
 
+from ..checkpoint_paths import LAST, resolve_ckpt_path
 from ..parallel.collective_guard import collective_guard
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 class CheckpointSaveError(RuntimeError):
     """A checkpoint save that failed part-way (the message names the checkpoint, the cause and ``last.ckpt``)."""
 
-LAST = "last.ckpt"
 PARTIAL_SUFFIX = ".partial"
 _STEP = re.compile(r"^step_(\d+)(-v\d+)?\.ckpt$")
 
@@ -251,30 +251,6 @@ class AtomicCheckpoint(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer) -> set[str]:
         last = Path(self.dirpath or "") / LAST
         return {str(last.resolve())} if last.exists() else set()
-
-
-def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | os.PathLike) -> str | None:
-    """The checkpoint to resume from: ``last`` = what ``<checkpoint_dir>/last.ckpt`` points to (None, with a
-    warning, when there is none yet: a first run with ``ckpt_path=last`` starts fresh); a run directory = its
-    ``checkpoints/last.ckpt``; a directory holding ``last.ckpt``; a checkpoint file or sharded directory as is."""
-    if ckpt_path is None:
-        return None
-    if ckpt_path == "last":
-        last = Path(checkpoint_dir) / LAST
-        if not last.exists():
-            log.warning("ckpt_path=last: no checkpoint in %s yet; starting from scratch", checkpoint_dir)
-            return None
-        return str(last.resolve())
-    path = Path(ckpt_path)
-    if not path.exists():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint")
-    if path.is_dir() and not (path / "meta.pt").exists():  # not a sharded checkpoint itself
-        for candidate in (path / LAST, path / "checkpoints" / LAST):
-            if candidate.exists():
-                return str(candidate.resolve())
-        raise FileNotFoundError(f"ckpt_path={ckpt_path}: a directory with no {LAST} (nor checkpoints/{LAST}) and "
-                                "not a sharded checkpoint (no meta.pt)")
-    return str(path.resolve())
 
 
 __all__ = ["AtomicCheckpoint", "CheckpointSaveError", "LAST", "checkpoint_step", "resolve_ckpt_path"]

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from ..ops.step_phase import extra_pass
+from ..task_options import EvaluationOptions
 from .loggers import log_metrics
 
 log = logging.getLogger(__name__)
@@ -114,8 +115,9 @@ class RolloutEvaluation(Callback):
         seed: the evaluation sampler's seed (the step is added).
     """
 
-    def __init__(self, data: Any, *, every_n_steps: int, samples: int = 4, greedy: bool = True,
-                 pass_threshold: float = 1.0, seed: int = 0) -> None:
+    def __init__(self, data: Any, *, every_n_steps: int, samples: int = EvaluationOptions.samples,
+                 greedy: bool = EvaluationOptions.greedy, pass_threshold: float = EvaluationOptions.pass_threshold,
+                 seed: int = EvaluationOptions.seed) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"task.eval_every_n_steps={every_n_steps!r} must be an int >= 1")
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:

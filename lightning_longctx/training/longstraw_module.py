@@ -81,13 +81,13 @@ from ..longstraw import (
 )
 from ..longstraw.episodes import Episode, check_environment, check_turn_options, sample_episodes
 from ..longstraw.grad_sync import fsdp_sharded
-from ..longstraw.linear_backward import DEFAULT_STATE_SEGMENT
 from ..longstraw.sampling import StopIds, check_sampling_options, stop_token_ids
 from ..models.lora import prompt_frozen
 from ..ops.step_phase import phase
 from ..ops.tracker import reset_device_peak
 from ..parallel import group_size
 from ..parallel.grad_norm import clip_grads_by_mesh_, global_grad_norm
+from ..task_options import LongStrawOptions
 from .rewards import GroupRewards
 from .schedule import check_lr_schedule, lr_factor
 
@@ -187,7 +187,7 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         check_module_arguments`); a subclass extends them by overriding this (its own arguments arrive too, and
         are ignored here)."""
         step_options(arguments)
-        group_size = arguments.get("group_size", 4)
+        group_size = arguments.get("group_size", LongStrawOptions.group_size)
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size={group_size!r} must be an int >= 1 (responses per prompt)")
         if group_size == 1:
@@ -197,49 +197,49 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
         check_sampling_options(group_size, **{k: arguments[k] for k in ("max_new_tokens", "temperature", "top_p",
                                                                          "top_k") if k in arguments})
         check_turn_options(arguments.get("max_turn_tokens"), arguments.get("turn_end_ids"))
-        lr, max_grad_norm = arguments.get("lr", 1e-4), arguments.get("max_grad_norm")
+        lr, max_grad_norm = arguments.get("lr", LongStrawOptions.lr), arguments.get("max_grad_norm")
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
             raise ValueError(f"lr={lr!r} must be a finite number > 0")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0 (or None: no clipping)")
-        check_lr_schedule(warmup_steps=arguments.get("lr_warmup_steps", 0),
-                          schedule=arguments.get("lr_schedule", "constant"))
+        check_lr_schedule(warmup_steps=arguments.get("lr_warmup_steps", LongStrawOptions.lr_warmup_steps),
+                          schedule=arguments.get("lr_schedule", LongStrawOptions.lr_schedule))
 
     def __init__(
         self,
         model: torch.nn.Module,
         *,
-        group_size: int = 4,
-        loss_type: str = "token_mean",
-        prompt_grad: str = "full",
-        beta: float = 0.0,
-        clip_eps: tuple[float, float] = (0.2, 0.2),
-        scale_rewards: bool = True,
+        group_size: int = LongStrawOptions.group_size,
+        loss_type: str = LongStrawOptions.loss_type,
+        prompt_grad: str = LongStrawOptions.prompt_grad,
+        beta: float = LongStrawOptions.beta,
+        clip_eps: tuple[float, float] = LongStrawOptions.clip_eps,
+        scale_rewards: bool = LongStrawOptions.scale_rewards,
         ref_model: torch.nn.Module | None = None,
-        max_new_tokens: int = 16,
-        env: Any = None,
-        max_turn_tokens: int | None = None,
-        turn_end_ids: StopIds = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int | None = 0,
-        logprob_temperature: float | None = None,
-        eos_token_id: StopIds = None,
-        max_response_length: int | None = None,
-        logits_chunk_size: int | None = None,
-        offload_checkpoints: bool = False,
-        offload_prompt_cache: bool = False,
-        defer_grad_sync: bool | None = None,
-        state_segment: int = DEFAULT_STATE_SEGMENT,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        max_grad_norm: float | None = None,
-        lr_warmup_steps: int = 0,
-        lr_schedule: str = "constant",
-        max_steps: int | None = None,
-        seed: int = 0,
-        reward_timeout_s: float | None = None,
-        on_reward_error: str = "raise",
+        max_new_tokens: int = LongStrawOptions.max_new_tokens,
+        env: Any = LongStrawOptions.env,
+        max_turn_tokens: int | None = LongStrawOptions.max_turn_tokens,
+        turn_end_ids: StopIds = LongStrawOptions.turn_end_ids,
+        temperature: float = LongStrawOptions.temperature,
+        top_p: float = LongStrawOptions.top_p,
+        top_k: int | None = LongStrawOptions.top_k,
+        logprob_temperature: float | None = LongStrawOptions.logprob_temperature,
+        eos_token_id: StopIds = LongStrawOptions.eos_token_id,
+        max_response_length: int | None = LongStrawOptions.max_response_length,
+        logits_chunk_size: int | None = LongStrawOptions.logits_chunk_size,
+        offload_checkpoints: bool = LongStrawOptions.offload_checkpoints,
+        offload_prompt_cache: bool = LongStrawOptions.offload_prompt_cache,
+        defer_grad_sync: bool | None = LongStrawOptions.defer_grad_sync,
+        state_segment: int = LongStrawOptions.state_segment,
+        lr: float = LongStrawOptions.lr,
+        weight_decay: float = LongStrawOptions.weight_decay,
+        max_grad_norm: float | None = LongStrawOptions.max_grad_norm,
+        lr_warmup_steps: int = LongStrawOptions.lr_warmup_steps,
+        lr_schedule: str = LongStrawOptions.lr_schedule,
+        max_steps: int | None = LongStrawOptions.max_steps,
+        seed: int = LongStrawOptions.seed,
+        reward_timeout_s: float | None = LongStrawOptions.reward_timeout_s,
+        on_reward_error: str = LongStrawOptions.on_reward_error,
     ) -> None:
         super().__init__()
         self.init_rewards(reward_timeout_s, on_reward_error)
