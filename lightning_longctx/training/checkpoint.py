@@ -20,8 +20,8 @@ checkpoint or a half-deleted one, is deleted when the next run starts, before an
 reads only what ``last.ckpt`` points to). Tests: tests/test_faults.py kills a run after the first shard file
 of a sharded save. Lightning's ``save_last=True`` would instead write the whole state a
 second time to ``last.ckpt`` in place, and its ``save_last="link"`` removes the old link before making the new
-one; both leave windows with no complete ``last``. :func:`~lightning_longctx.checkpoint_paths.resolve_ckpt_path` turns ``ckpt_path=last`` (or a run
-directory) into the checkpoint ``last.ckpt`` points to.
+one; both leave windows with no complete ``last``. :func:`~lightning_longctx.checkpoint_paths.resolve_ckpt_path`
+turns ``ckpt_path=last`` (or a run directory) into the checkpoint ``last.ckpt`` points to.
 """
 
 from __future__ import annotations
