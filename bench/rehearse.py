@@ -112,6 +112,17 @@ def stored(name: str) -> dict | None:
         return {**json.load(f), **meta}
 
 
+def verdict(r: dict) -> str:
+    """The row's verdict: the device peak + the reserve vs the budget; with offloaded bytes folded into the
+    measured ones (a CPU stand-in), the measured peak and the host bytes taken off it said as well."""
+    device = r.get("device_peak_bytes", r["peak_bytes"] - r.get("host_folded_bytes", 0))
+    folded = r.get("host_folded_bytes", 0)
+    said = (f"measured peak {r['peak_bytes'] / GIB:.2f} GiB, of which {folded / GIB:.2f} GiB offloaded to the host "
+            "(planned; a CPU stand-in counts them with the device): " if folded else "")
+    return (f"{said}device peak {device / GIB:.2f} GiB + reserve {r['reserve_bytes'] / GIB:.2f} GiB vs budget "
+            f"{r['budget_bytes'] / GIB:.1f} GiB: **{'fits' if r['fits'] else 'does not fit'}**")
+
+
 def markdown(results: dict[str, dict]) -> str:
     lines = ["# Full-size rehearsals (`longctx-rehearse`, issue 24)", "",
              "Written by `python bench/rehearse.py` on the 2-core CPU machine (fake tensors, fake process group; "
@@ -125,9 +136,9 @@ def markdown(results: dict[str, dict]) -> str:
             lines += [f"not rehearsed: {r['error']}{after}", ""]
             continue
         load = f"load average {r['load']:.1f} on 2 cores" if r.get("load") is not None else "load not recorded"
-        lines += [f"rehearsal wall time {r['seconds']:.0f} s (process {r['wall_s']:.0f} s, {load}); rank 0 of "
-                  f"{r['world_size']}; peak {r['peak_bytes'] / GIB:.2f} GiB + reserve {r['reserve_bytes'] / GIB:.2f} "
-                  f"GiB vs budget {r['budget_bytes'] / GIB:.1f} GiB: **{'fits' if r['fits'] else 'does not fit'}**",
+        cpu = f", {r['cpu_s']:.0f} CPU s" if r.get("cpu_s") is not None else ""
+        lines += [f"rehearsal wall time {r['seconds']:.0f} s (process {r['wall_s']:.0f} s{cpu}, {load}); rank 0 of "
+                  f"{r['world_size']}; {verdict(r)}",
                   "", "| phase | measured GiB | planned GiB | diff | TFLOP | collectives (count) |",
                   "|---|---:|---:|---:|---:|---|"]
         for p in r["phases"]:

@@ -51,6 +51,10 @@ def record_transfer(direction: str, nbytes: int) -> None:
 
 
 def record_sync() -> None:
+    """Count one host sync in every active counter (not again inside :func:`host_list`, which counted its own:
+    e.g. a rehearsal's bulk answer to a fake tensor's ``.tolist()``, which dispatches nothing)."""
+    if _quiet[0]:
+        return
     for counter in _active:
         counter._phase().syncs += 1
 

@@ -14,6 +14,11 @@ norm. :class:`PlaceholderReads` answers every such read with a fixed placeholder
 - a value the fake mode does know (a constant it tracked, such as AdamW's step count) is read as it is;
 - the reward therefore runs on placeholder responses (all token ``0``): memory and FLOPs do not depend on it.
 
+A whole ``.tolist()`` of a fake tensor is answered at once (:meth:`PlaceholderReads.tolist`): torch's
+``FakeTensor.tolist`` reads element by element, two dispatches per value through every mode of the rehearsal
+(the reward phase's completions table decodes the prompt and the G responses: millions of values at full
+size); here it is one host read (one sync, ``numel`` values, one check of the line), the same values.
+
 Each read is counted per phase with the line of this package that made it (``reads[phase][site]``): the
 rehearsal lists them; a read outside the step's documented host syncs fails the rehearsal, naming the phase and
 the line (:func:`~.gpu_checks.check_host_read`). ``nonzero`` and other ops whose
@@ -26,9 +31,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..ops.transfers import record_sync
 from .gpu_checks import check_host_read
 from .measure import phase_name
 
@@ -48,6 +54,15 @@ def placeholder(dtype: torch.dtype) -> bool | int | float:
     return 0
 
 
+def _nested(shape: tuple[int, ...], value):
+    """``value`` as ``tolist()`` of a tensor of ``shape`` filled with it returns it (fresh lists)."""
+    if not shape:
+        return value
+    if len(shape) == 1:
+        return [value] * shape[0]
+    return [_nested(shape[1:], value) for _ in range(shape[0])]
+
+
 class PlaceholderReads(TorchDispatchMode):
     """``with PlaceholderReads() as reads:`` inside a ``FakeTensorMode`` (entered after it, before the counting
     modes, so that they still see each read): ``reads.reads[phase][site]`` = how many values were read there."""
@@ -55,6 +70,38 @@ class PlaceholderReads(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.reads: dict[str, Counter] = defaultdict(Counter)
+        self._fake_tolist = None  # FakeTensor.tolist while the mode is entered (restored on exit)
+
+    def __enter__(self):
+        # FakeTensor.tolist is a Python method (no op to intercept): swapped for the bulk answer while entered
+        self._fake_tolist = FakeTensor.tolist
+        reads = self
+
+        def tolist(t):
+            return reads.tolist(t)
+
+        FakeTensor.tolist = tolist
+        try:
+            return super().__enter__()
+        except BaseException:
+            FakeTensor.tolist = self._fake_tolist
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            FakeTensor.tolist = self._fake_tolist
+
+    def tolist(self, t: FakeTensor) -> list | bool | int | float:
+        """``t.tolist()`` of a fake tensor in one read: a tensor whose values the fake mode knows (``constant``)
+        reads them; otherwise the placeholder of its dtype, nested to its shape (one sync; ``numel`` values
+        counted at the line that read them, which must be a documented sync)."""
+        if t.constant is not None:
+            return t.constant.tolist()
+        self.reads[phase_name()][check_host_read("Tensor.tolist")] += t.numel()
+        record_sync()
+        return _nested(tuple(t.shape), placeholder(t.dtype))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is not _READ and func not in _PREDICATES:

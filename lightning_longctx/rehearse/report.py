@@ -2,9 +2,10 @@
 
 Measured bytes are storage bytes of the live tensors (no allocator rounding, no CUDA context); planned bytes
 are the planner's phase totals (:func:`lightning_longctx.planner.plan`) without its runtime reserve, which is
-added to both sides for the verdict (``fits``: the measured peak + the reserve <= the budget). A measured
-phase maps to the planner's phase of the same name, or to the largest of those it splits into
-(SFT's ``"forward"`` = max of ``"forward attention"`` / ``"forward layer"`` and ``"forward logits"``).
+added to both sides for the verdict (``fits``: the measured device peak + the reserve <= the budget; on a
+CPU stand-in the planned host bytes are taken off the phases they live through, ``device_peak_bytes``). A
+measured phase maps to the planner's phase of the same name, or to the largest of those it splits into (SFT's
+``"forward"`` = max of ``"forward attention"`` / ``"forward layer"`` and ``"forward logits"``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class PhaseRow:
     estimated_s: float | None = None  # the roofline estimate (None: no GPU figures)
     dominant: str | None = None  # the roofline term that sets estimated_s
     terms_s: dict[str, float] = field(default_factory=dict)
+    folded_bytes: int = 0  # planned host bytes inside measured_bytes (a CPU stand-in: see phase_rows)
+
+    @property
+    def device_bytes(self) -> int:
+        """The device's share of the measured bytes (measured less the host bytes folded into them)."""
+        return self.measured_bytes - self.folded_bytes
 
     @property
     def difference(self) -> float | None:
@@ -71,10 +78,10 @@ def phase_rows(names, tracker, counters, transfers, plan: Plan, hw=None, num_nod
     rows = []
     for name in seen:
         moved = transfers.phases.get(name)
+        folded = host_folded if name in HOST_LIVE_PHASES.get(plan.mode, ()) else 0
         rows.append(PhaseRow(
-            name=name, measured_bytes=tracker.device_peaks.get(name, 0),
-            planned_bytes=None if (planned := planned_phase(plan, name)) is None else
-            planned + (host_folded if name in HOST_LIVE_PHASES.get(plan.mode, ()) else 0),
+            name=name, measured_bytes=tracker.device_peaks.get(name, 0), folded_bytes=folded,
+            planned_bytes=None if (planned := planned_phase(plan, name)) is None else planned + folded,
             host_bytes=tracker.host_peaks.get(name, 0), flops=counters.flops.get(name, 0),
             h2d_bytes=moved.h2d_bytes if moved else 0, d2h_bytes=moved.d2h_bytes if moved else 0,
             host_syncs=moved.syncs if moved else 0, collectives=dict(counters.collectives.get(name, {})),
@@ -113,14 +120,20 @@ class Rehearsal:
         return max(row.measured_bytes for row in self.rows)
 
     @property
+    def device_peak_bytes(self) -> int:
+        """The largest device share of a phase (:attr:`PhaseRow.device_bytes`): what the budget holds. With host
+        bytes folded in (a CPU stand-in) it is not the largest measured phase less the folded bytes: those live
+        through some phases only (the optimizer step holds none of them)."""
+        return max(row.device_bytes for row in self.rows)
+
+    @property
     def host_peak_bytes(self) -> int:
         return max(row.host_bytes for row in self.rows)
 
     @property
     def fits(self) -> bool:
-        """The measured device peak + the planner's runtime reserve <= the budget (with host bytes folded in,
-        the device share is the measured peak less the planned host bytes)."""
-        return self.peak_bytes - self.host_folded + self.plan.reserve_bytes <= self.plan.budget_bytes
+        """The measured device peak (:attr:`device_peak_bytes`) + the planner's runtime reserve <= the budget."""
+        return self.device_peak_bytes + self.plan.reserve_bytes <= self.plan.budget_bytes
 
     def to_json(self) -> dict:
         """The figures of issue 24's item 8 (bytes per rank; ``seconds``: the rehearsal's own wall time)."""
@@ -129,7 +142,8 @@ class Rehearsal:
             entry = asdict(row)
             entry["difference"] = row.difference
             phases.append(entry)
-        return {"peak_bytes": self.peak_bytes, "budget_bytes": self.plan.budget_bytes,
+        return {"peak_bytes": self.peak_bytes, "device_peak_bytes": self.device_peak_bytes,
+                "budget_bytes": self.plan.budget_bytes,
                 "reserve_bytes": self.plan.reserve_bytes, "planned_peak_bytes": self.plan.phases[self.plan.peak_phase],
                 "host_peak_bytes": self.host_peak_bytes, "planned_host_bytes": self.plan.host_bytes,
                 "host_folded_bytes": self.host_folded,
@@ -171,9 +185,10 @@ class Rehearsal:
             lines.append(f"  measured = device + host (a CPU stand-in cannot tell them apart): the planned host bytes "
                          f"{self.host_folded / scale:.3f} {unit} are added to the planned "
                          f"{', '.join(HOST_LIVE_PHASES.get(p.mode, ()))} and "
-                         "taken off the peak for the verdict")
-        lines.append(f"  peak {self.peak_bytes / scale:.3f} {unit} + runtime reserve {p.reserve_bytes / GIB:.2f} GiB "
-                     f"vs budget {p.budget_bytes / GIB:.2f} GiB: {verdict} (planned peak "
+                         "taken off those phases for the verdict")
+        lines.append(f"  device peak {self.device_peak_bytes / scale:.3f} {unit} + runtime reserve "
+                     f"{p.reserve_bytes / GIB:.2f} GiB vs budget {p.budget_bytes / GIB:.2f} GiB: {verdict} "
+                     "(planned peak "
                      f"{p.phases[p.peak_phase] / scale:.3f} {unit}, {p.peak_phase})")
         peak = max(self.rows, key=lambda row: row.measured_bytes)
         shown = [row for row in self.rows if row.largest_tensors] if not self.fits else [peak]

@@ -1,0 +1,51 @@
+"""The rehearsal's verdict (lightning_longctx/rehearse/report.py, bench/rehearse.py): on a CPU stand-in the
+offloaded bytes are measured with the device's and taken off only the phases they live through.
+
+Found by run (c) of issue 24: bench/rehearsal.md printed "peak 214.72 GiB + reserve 3.24 GiB vs budget 79.0
+GiB: fits" (the 165 GiB of offloaded checkpoints inside the 214.72 were taken off silently), and a peak in a phase
+that holds no offloaded bytes (the optimizer step) would have had them taken off as well.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from lightning_longctx.planner import GIB
+from lightning_longctx.planner.budget import Plan
+from lightning_longctx.rehearse.report import PhaseRow, Rehearsal
+
+
+def _rehearsal(measured: dict[str, float], folded: float, budget: float = 79.0) -> Rehearsal:
+    """An SFT rehearsal with ``measured`` GiB per phase and ``folded`` GiB of planned host bytes in them."""
+    host_live = ("forward", "backward")
+    rows = [PhaseRow(name=name, measured_bytes=int(gib * GIB), planned_bytes=None, host_bytes=0, flops=0,
+                     h2d_bytes=0, d2h_bytes=0, host_syncs=0, folded_bytes=int(folded * GIB) if name in host_live else 0)
+            for name, gib in measured.items()]
+    plan = Plan(mode="sft", seq_len=1, group_size=1, response_len=0, sp=8, dp=1, local_tokens=1, head_chunk_size=1,
+                breakdown={}, phases={"backward": 1}, peak_phase="backward", total_bytes=1,
+                budget_bytes=int(budget * GIB), host_bytes=int(folded * GIB))
+    return Rehearsal(rows=rows, plan=plan, seconds=1.0, device="cpu", world_size=8, host_folded=int(folded * GIB))
+
+
+def test_the_device_peak_takes_the_host_bytes_off_the_phases_they_live_through_only():
+    run_c = _rehearsal({"forward": 205.37, "backward": 214.72, "optimizer step": 15.45}, folded=165.0)
+    assert abs(run_c.device_peak_bytes / GIB - 49.72) < 0.01 and run_c.fits
+    assert "device peak 49.720 GiB" in run_c.table()
+    # the optimizer step holds no offloaded bytes: its 90 GiB is the device's, over the budget
+    late = _rehearsal({"forward": 205.37, "backward": 214.72, "optimizer step": 90.0}, folded=165.0)
+    assert late.device_peak_bytes == int(90.0 * GIB) and not late.fits
+    assert late.to_json()["device_peak_bytes"] == late.device_peak_bytes
+
+
+def test_bench_rehearsal_md_says_the_device_peak_and_the_host_bytes():
+    spec = importlib.util.spec_from_file_location(
+        "bench_rehearse", os.path.join(os.path.dirname(__file__), "..", "bench", "rehearse.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    figures = _rehearsal({"forward": 205.37, "backward": 214.72, "optimizer step": 15.45}, folded=165.0).to_json()
+    said = bench.verdict(figures)
+    assert said.startswith("measured peak 214.72 GiB, of which 165.00 GiB offloaded to the host")
+    assert "device peak 49.72 GiB + reserve 0.00 GiB vs budget 79.0 GiB: **fits**" in said
+    plain = bench.verdict({**figures, "host_folded_bytes": 0, "device_peak_bytes": int(80 * GIB), "fits": False})
+    assert plain == "device peak 80.00 GiB + reserve 0.00 GiB vs budget 79.0 GiB: **does not fit**"
