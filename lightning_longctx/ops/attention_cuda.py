@@ -24,6 +24,7 @@ import functools
 import torch
 from torch.nn import functional as F
 
+from . import devices
 from .gqa import expand_kv, reduce_kv
 
 try:  # optional GPU backend
@@ -61,7 +62,10 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def sm80_or_newer(device: torch.device) -> bool:
-    """Whether torch's flash kernel can run on ``device`` (it needs sm80+: ``mha_fwd`` / ``mha_bwd`` check it)."""
+    """Whether torch's flash kernel can run on ``device`` (it needs sm80+: ``mha_fwd`` / ``mha_bwd`` check it; a
+    fake CPU tensor standing for a CUDA one: that device's, :func:`.devices.fake_cpu_as_cuda`)."""
+    if device.type != "cuda" and (standing := devices.stand_in_capability()) is not None:
+        return standing >= (8, 0)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= (8, 0)
 

@@ -147,7 +147,8 @@ def _causal(is_causal: bool) -> float:
 
 _aten = torch.ops.aten
 _longctx = torch.ops.longctx
-# FLOPs of ops FlopCounterMode does not know: torch's fused CPU flash attention, forward and backward
+# FLOPs of ops FlopCounterMode does not know (or counts without the causal halving): torch's fused flash
+# attention, forward and backward
 # ([batch, heads, seq, head_dim] layout, as torch's formulas for the CUDA kernels take it), causal halved; the
 # registered ops: the Gated DeltaNet scan (ops/gated_delta.py::scan_flops; its backward recomputes and
 # differentiates) and the blockwise attention (ops/attention.py::blockwise_flops)
@@ -161,6 +162,14 @@ EXTRA_FLOPS = {
         lambda q, k, v, causal, *rest: blockwise_flops(q, k, causal),
     _longctx.blockwise_attention_backward.default:
         lambda do, q, k, v, out, lse, causal, *rest: int(2.5 * blockwise_flops(q, k, causal)),
+    # torch's CUDA flash kernels (what a rehearsal standing in for CUDA runs): flop_counter counts them without
+    # the causal halving the CPU kernel gets here
+    _aten._scaled_dot_product_flash_attention.default:
+        lambda q, k, v, dropout_p=0.0, is_causal=False, *rest, **kw: int(
+            sdpa_flop_count(q.shape, k.shape, v.shape) * _causal(is_causal)),
+    _aten._scaled_dot_product_flash_attention_backward.default:
+        lambda grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, *rest, **kw: int(
+            sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape) * _causal(is_causal)),
     _aten._scaled_dot_product_flash_attention_for_cpu.default:
         lambda q, k, v, dropout_p=0.0, is_causal=False, **kw: int(
             sdpa_flop_count(q.shape, k.shape, v.shape) * _causal(is_causal)),

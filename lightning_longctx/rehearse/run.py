@@ -34,6 +34,7 @@ ops' memory traffic, collectives by kind, host<->device bytes and syncs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from ..ops.devices import fake_cpu_as_cuda
 from ..ops.step_phase import phase
 from ..parallel.expert_parallel import balanced_splits
 from . import config as _config  # noqa: F401  (registers rehearse_schema)
@@ -53,14 +55,19 @@ from .measure import PhaseTracker, StepCounters
 from .report import Rehearsal, phase_rows
 from .roofline import hardware
 
+STAND_IN_CUDA = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here) and count as CUDA tensors of "
+                 "the preset GPU's compute capability (ops/devices.py fake_cpu_as_cuda): the attention runs the CUDA "
+                 "glue and torch's fused SDPA ops (their fake kernels: what the CUDA kernels return), so the plan "
+                 "compared is the GPU's (memory.planned_attention_backend=flash); offloaded tensors stay on the same "
+                 "CPU (docs/rehearsal.md)")
 SFT_PHASES = ("forward", "backward", "optimizer step")
 # the phases LongStrawModule.training_step marks, in order (the planner's "rollouts" is the step's "sampling")
 ROLLOUTS = "sampling"  # LongStrawModule's phase of the batched rollouts
 LONGSTRAW_PHASES = ("prefill", ROLLOUTS, "reward", "replay", "grouped backward", "gradient reduction",
                     "gradient clipping", "optimizer step")
-STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here): this package's CPU attention "
-            "kernels run, so the plan compared is memory.planned_attention_backend=eager's; offloaded tensors stay on "
-            "the same CPU (docs/rehearsal.md)")
+STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here; no GPU figures for the memory "
+            "preset): this package's CPU attention kernels run, so the plan compared is "
+            "memory.planned_attention_backend=eager's; offloaded tensors stay on the same CPU (docs/rehearsal.md)")
 # the compute dtype of each Lightning precision the config takes
 COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "32-true": torch.float32,
                   "64-true": torch.float64}
@@ -263,16 +270,20 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     device = world_device(cluster.accelerator)
     notes = []
     knobs = plan_knobs(cfg)
+    hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
+    standing = contextlib.nullcontext()
     if cluster.accelerator in ("gpu", "cuda") and device.type == "cpu":
-        # the step runs this package's CPU kernels: plan what runs (the GPU's reserve terms stay in the plan)
-        knobs = replace(knobs, attention_backend="eager")
-        notes.append(STAND_IN)
+        if hw is not None:  # the GPU's attention glue and fused SDPA ops (fake kernels) run: its plan is compared
+            standing = fake_cpu_as_cuda(hw.compute_capability)
+            notes.append(STAND_IN_CUDA)
+        else:  # no GPU named: this package's CPU kernels run; plan what runs (the GPU's reserve terms stay)
+            knobs = replace(knobs, attention_backend="eager")
+            notes.append(STAND_IN)
     planned = make_plan(shape, cluster, knobs, **plan_request(cfg))
     sp = cluster.sp_size or cluster.devices
     # the UlyssesStrategy(expert_parallel=...) longctx-train builds (memory.expert_parallel, auto: the planner's)
     expert_parallel = sp > 1 and expert_parallel_choice(cfg)
     notes += [BALANCED_SPLITS] if expert_parallel else []
-    hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
     steps = int(cfg.rehearsal.steps)
     if steps < 1:
         raise ValueError(f"rehearsal.steps={steps} must be >= 1")
@@ -285,7 +296,7 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
             notes.append(kernels_note(module, precision, hw))
         batch = _device_batch(module, data, world, mesh)
         decode_factor = _shorten_rollouts(cfg, module, notes)
-        with world.mode, PlaceholderReads() as reads, GpuPathChecks(device), balanced_splits(), \
+        with world.mode, standing, PlaceholderReads() as reads, GpuPathChecks(device), balanced_splits(), \
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*barebones=True.*")  # self.log: a no-op here
             if step_function is longstraw_training_step:
