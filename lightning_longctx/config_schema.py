@@ -52,7 +52,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from .models import DecoderConfig
+from .longstraw import StepMemory
+from .models import DecoderConfig, MemoryConfig
+from .planner import MemoryKnobs
 from .task_options import (
     CalculatorDataOptions,
     EvaluationOptions,
@@ -208,23 +210,30 @@ class MemoryBudgetConf:
     ``budget_gib``, else ``off`` (``memory.longstraw.choose_keep_attention_output``; SFT tasks: ``off``).
     """
 
+    # each default is the planner's (MemoryKnobs: the model's MemoryConfig's, the step's StepMemory's), but for
+    # the two the planner chooses when asked: keep_attention_output and expert_parallel are "auto" here
     name: str = MISSING
     budget_gib: float = MISSING
-    reserve_gib: float = 0.0
-    precision: str = "bf16-mixed"
-    planned_attention_backend: str = "flash"
+    reserve_gib: float = MemoryKnobs.reserve_gib
+    precision: str = MemoryKnobs.precision
+    planned_attention_backend: str = MemoryKnobs.attention_backend
     attention_backend: str | None = None  # renamed planned_attention_backend (0.2); removed in 0.3
-    head_chunk_size: int | None = None
-    activation_checkpointing: bool = False
-    offload_activation_checkpoints: bool = False  # the model's activation checkpoints on the host (SFT, any forward)
-    offload_prompt_checkpoints: bool = False  # LongStraw: the prompt's layer checkpoints of the exact step on the host
+    head_chunk_size: int | None = MemoryKnobs.head_chunk_size
+    activation_checkpointing: bool = MemoryKnobs.activation_checkpointing
+    # the model's activation checkpoints on the host (SFT, any forward)
+    offload_activation_checkpoints: bool = MemoryConfig.offload_checkpoints
+    # LongStraw: the prompt's layer checkpoints of the exact step on the host
+    offload_prompt_checkpoints: bool = StepMemory.offload_checkpoints
     offload_checkpoints: bool | None = None  # before 0.2: either of the two, by task mode; moved (warning) until 0.3
-    offload_prompt_cache: bool = False  # LongStraw: prompt K/V and their gradient sums on the host, staged per layer
-    mlp_chunk_size: int | None = None
-    logits_chunk_size: int | None = None
+    # LongStraw: prompt K/V and their gradient sums on the host, staged per layer
+    offload_prompt_cache: bool = StepMemory.offload_prompt_cache
+    mlp_chunk_size: int | None = MemoryKnobs.mlp_chunk_size
+    logits_chunk_size: int | None = MemoryKnobs.logits_chunk_size
     keep_attention_output: str = "auto"  # LongStraw: the prompt's attention outputs kept for the grouped backward
-    host_reserve_gib: float = 0.0  # host memory per rank the planner leaves for what it does not count
-    prompt_checkpoint_every: Any = 1  # LongStraw: prompt layers per checkpointed segment (int >= 1) or "auto"
+    # host memory per rank the planner leaves for what it does not count
+    host_reserve_gib: float = MemoryKnobs.host_reserve_gib
+    # LongStraw: prompt layers per checkpointed segment (int >= 1) or "auto"
+    prompt_checkpoint_every: Any = MemoryKnobs.prompt_checkpoint_every
     # MoE models: the routed experts sharded over the SP group (auto: where the plan is better with it), on, off
     expert_parallel: str = "auto"
 

@@ -413,6 +413,43 @@ def test_each_target_takes_its_defaults_from_its_options_class():
             assert f.default == step[f.name], f.name
 
 
+def test_each_memory_knob_has_one_default():
+    """A memory knob that several objects carry (the model's ``MemoryConfig``, the step's ``StepMemory``, the
+    planner's ``MemoryKnobs``, the ``memory`` group's schema, ``LongStrawModule``'s options) has one default in
+    all of them, but where a value means "derive it": None in ``StepMemory`` (the model's), ``"auto"`` in the
+    schema (the planner's choice), ``???`` (the preset's). ``offload_checkpoints`` is two knobs, named apart."""
+    from lightning_longctx.longstraw import StepMemory
+    from lightning_longctx.models import MemoryConfig
+    from lightning_longctx.task_options import LongStrawOptions
+
+    def defaults(cls, renamed=(), only=None):
+        renamed = dict(renamed)
+        return {renamed.get(f.name, f.name): f.default for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING and (only is None or f.name in only)}
+
+    prompt = {"offload_checkpoints": "offload_prompt_checkpoints"}
+    definitions = {
+        "MemoryConfig": defaults(MemoryConfig, {"offload_checkpoints": "offload_activation_checkpoints"}),
+        "StepMemory": defaults(StepMemory, prompt),
+        "MemoryKnobs": defaults(MemoryKnobs, {"offload_checkpoints": "offload_checkpoints (the mode's)"}),
+        "MemoryBudgetConf": defaults(config_schema.MemoryBudgetConf, {"planned_attention_backend": "attention_backend",
+                                                                      "attention_backend": "(renamed)",
+                                                                      "offload_checkpoints": "(moved)"}),
+        "LongStrawOptions": defaults(LongStrawOptions, prompt, only={f.name for f in dataclasses.fields(StepMemory)}),
+    }
+    derived = {"StepMemory": (None,), "MemoryBudgetConf": ("auto", "???")}
+    seen: dict[str, dict[str, object]] = {}
+    for owner, values in definitions.items():
+        for knob, value in values.items():
+            if value not in derived.get(owner, ()):
+                seen.setdefault(knob, {})[owner] = value
+    shared = {knob: owners for knob, owners in seen.items() if len(owners) > 1}
+    assert {"head_chunk_size", "logits_chunk_size", "prompt_checkpoint_every", "state_segment",
+            "offload_prompt_cache", "keep_attention_output", "offload_prompt_checkpoints"} <= set(shared)
+    for knob, owners in shared.items():
+        assert len({repr(v) for v in owners.values()}) == 1, (knob, owners)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (("+task.group_sise=4",), "task.group_sise is not a key of task (NeedleGrpoConf); did you mean task.group_size?"),
     (("task=text_grpo", "+task.group_sise=4"), "task.group_sise is not a key of task (TextGrpoConf); did you mean "

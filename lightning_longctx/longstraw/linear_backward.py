@@ -29,16 +29,6 @@ from ..ops.gated_delta import gated_delta_rule, gated_delta_segmented_backward, 
 from ..ops.tracker import tracking_memory
 from ..parallel import seq_to_head
 
-DEFAULT_STATE_SEGMENT = 16384  # tokens between stored states: 128 states per layer for a 2M-token prompt
-SCAN_CHUNK = 64  # the scan's chunk; segments start at its multiples so chunks fall where the prefill's did
-
-
-def check_state_segment(state_segment: int) -> None:
-    if isinstance(state_segment, bool) or not isinstance(state_segment, int) or state_segment < SCAN_CHUNK \
-            or state_segment % SCAN_CHUNK:
-        raise ValueError(f"state_segment={state_segment!r} must be a positive multiple of the scan chunk "
-                         f"({SCAN_CHUNK} tokens)")
-
 
 def linear_layer_backward(layer, hidden_in, grad_hidden, cache_grads, boundaries, state_segment,
                           before_last_backward=None):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .linear_backward import DEFAULT_STATE_SEGMENT, check_state_segment
+from ..ops.gated_delta import DEFAULT_STATE_SEGMENT, check_state_segment
 from .losses import LOSS_TYPES
 
 PROMPT_GRADS = ("full", "none")

@@ -35,6 +35,7 @@ from ..models.gated_deltanet import LinearState
 from ..models.lora import adapters_disabled, lora_on_prompt
 from ..models.lora_attach import adapters_from_position
 from ..models.mla import MLAState
+from ..ops.gated_delta import DEFAULT_STATE_SEGMENT
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
 from .latent import (
     PromptSelections,
@@ -43,7 +44,7 @@ from .latent import (
     mla_layer_backward,
     prefill_dsa_arguments,
 )
-from .linear_backward import DEFAULT_STATE_SEGMENT, linear_layer_backward
+from .linear_backward import linear_layer_backward
 from .offload import HostStager, to_host
 from .options import check_checkpoint_every, check_keep_attention_output
 from .state import PromptState

@@ -41,7 +41,19 @@ from .tracker import declare_transient, tracking_memory
 GATED_DELTA_BACKENDS = ("auto", "torch", "fla")
 _L2NORM_EPS = 1e-6
 _DEFAULT_GROUP_TOKENS = 256  # tokens per recomputed group (one saved state each) unless checkpoint_chunks
-_DEFAULT_CHUNK = 64  # gated_delta_rule's chunk_size
+SCAN_CHUNK = 64  # gated_delta_rule's chunk_size
+# LongStraw's prefill keeps a Gated DeltaNet layer's state every this many prompt tokens (128 states per layer for a
+# 2M-token prompt), the default of its ``state_segment`` and what the planner counts; a multiple of SCAN_CHUNK so
+# the grouped backward's segments start where the prefill's chunks did
+DEFAULT_STATE_SEGMENT = 16384
+
+
+def check_state_segment(state_segment: int) -> None:
+    """``state_segment`` is a positive multiple of :data:`SCAN_CHUNK` (``ValueError`` naming it)."""
+    if isinstance(state_segment, bool) or not isinstance(state_segment, int) or state_segment < SCAN_CHUNK \
+            or state_segment % SCAN_CHUNK:
+        raise ValueError(f"state_segment={state_segment!r} must be a positive multiple of the scan chunk "
+                         f"({SCAN_CHUNK} tokens)")
 
 
 class GatedDeltaOutput(NamedTuple):
@@ -271,8 +283,8 @@ def segmented_scan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     Dv]`` or None at the end). What ``longstraw.linear_backward`` runs with autograd per segment, as one op for
     fake tensors (``longctx::gated_delta_segmented_backward``): with 2M-token prompts, 128 segments per layer
     stage."""
-    group = max(1, _DEFAULT_GROUP_TOKENS // _DEFAULT_CHUNK)
-    opts = (q.shape[-1] ** -0.5, True, _DEFAULT_CHUNK, group)
+    group = max(1, _DEFAULT_GROUP_TOKENS // SCAN_CHUNK)
+    opts = (q.shape[-1] ** -0.5, True, SCAN_CHUNK, group)
     grads = [torch.zeros_like(t) for t in (q, k, v, g, beta)]
     tokens = q.shape[1]
     for index in reversed(range(-(-tokens // segment))):
@@ -434,7 +446,7 @@ def gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = True,
-    chunk_size: int = 64,
+    chunk_size: int = SCAN_CHUNK,
     state_every: int | None = None,
     backend: str = "auto",
     checkpoint_chunks: int | None = None,

@@ -11,7 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..models.config import MemoryConfig
 from ..models.lora_attach import TARGETS as LORA_TARGETS  # the projections DecoderLM.add_lora adapts
+from ..ops.gated_delta import DEFAULT_STATE_SEGMENT
 from .fields import (
     DSA_ATTENTION,
     FULL_ATTENTION,
@@ -28,7 +30,7 @@ from .pretrained import check_explicit, config_json, pretrained_decoder_config
 GIB = 2**30
 FLOAT32 = 4
 INT64 = 8
-STATE_SEGMENT = 16384  # longstraw_step's default state_segment (tokens between stored linear-layer states)
+STATE_SEGMENT = DEFAULT_STATE_SEGMENT  # longstraw_step's default state_segment (tokens between stored linear states)
 # Lightning precision -> (bytes of parameters, gradients and optimizer states; bytes of the compute dtype)
 PRECISIONS = {"bf16-mixed": (4, 2), "bf16-true": (2, 2), "32-true": (4, 4), "64-true": (8, 8)}
 # the removed ``memory.dtype`` values and the precision each meant (bfloat16 ran as bf16-true)
@@ -411,19 +413,20 @@ class MemoryKnobs:
 
     budget_gib: float = 80.0
     precision: str = "bf16-mixed"
-    head_chunk_size: int | None = None
-    activation_checkpointing: bool = False
-    offload_checkpoints: bool = False
+    # the model's knobs: MemoryConfig's defaults (offload_checkpoints: the mode's, see from_config)
+    head_chunk_size: int | None = MemoryConfig.head_chunk_size
+    activation_checkpointing: bool = MemoryConfig.activation_checkpointing
+    offload_checkpoints: bool = MemoryConfig.offload_checkpoints
     offload_prompt_cache: bool = False
-    mlp_chunk_size: int | None = None
-    logits_chunk_size: int | None = None
+    mlp_chunk_size: int | None = MemoryConfig.mlp_chunk_size
+    logits_chunk_size: int | None = MemoryConfig.logits_chunk_size
     attention_backend: str = "flash"
-    keep_attention_output: str = "off"
+    keep_attention_output: str = MemoryConfig.keep_attention_output
     reserve_gib: float = 0.0
     optimizer_states: int = 2
     expandable_segments: bool | None = None
     host_reserve_gib: float = 0.0
-    prompt_checkpoint_every: int | str = 1
+    prompt_checkpoint_every: int | str = MemoryConfig.prompt_checkpoint_every
     expert_parallel: str = "off"
     expert_parallel_size: int = 1  # resolved: P when expert parallelism runs over the SP group (``.budget``)
     state_segment: int = STATE_SEGMENT
@@ -438,28 +441,31 @@ class MemoryKnobs:
             value = config_value(cfg, name, None)
             return None if value is None else int(value)
 
+        def given(name, key=None):  # the node's value, else this class's default (each default written once)
+            return config_value(cfg, key or name, getattr(cls, name))
+
         offload = config_value(cfg, "offload_checkpoints")  # the one key before 0.2 (or a dict's): wins when set
-        precision = check_precision(config_value(cfg, "precision", "bf16-mixed"), config_value(cfg, "dtype", None))
+        precision = check_precision(given("precision"), config_value(cfg, "dtype", None))
+        expandable = config_value(cfg, "expandable_segments")
         return cls(
-            budget_gib=float(config_value(cfg, "budget_gib", 80.0)), precision=precision,
+            budget_gib=float(given("budget_gib")), precision=precision,
             head_chunk_size=opt_int("head_chunk_size"),
-            activation_checkpointing=bool(config_value(cfg, "activation_checkpointing", False)),
+            activation_checkpointing=bool(given("activation_checkpointing")),
             offload_checkpoints=bool(offload if offload is not None
-                                     else config_value(cfg, OFFLOAD_CHECKPOINTS_KEYS[mode], False)),
-            offload_prompt_cache=bool(config_value(cfg, "offload_prompt_cache", False)),
+                                     else given("offload_checkpoints", OFFLOAD_CHECKPOINTS_KEYS[mode])),
+            offload_prompt_cache=bool(given("offload_prompt_cache")),
             mlp_chunk_size=opt_int("mlp_chunk_size"), logits_chunk_size=opt_int("logits_chunk_size"),
             # memory.planned_attention_backend (Hydra; memory.attention_backend before 0.2) or a dict's key
             attention_backend=str(config_value(cfg, "attention_backend")
-                                  or config_value(cfg, "planned_attention_backend") or "flash"),
-            reserve_gib=float(config_value(cfg, "reserve_gib", 0.0)),
-            optimizer_states=int(config_value(cfg, "optimizer_states", 2)),
-            keep_attention_output=str(config_value(cfg, "keep_attention_output", "off")),
-            expandable_segments=None if config_value(cfg, "expandable_segments") is None
-            else bool(config_value(cfg, "expandable_segments")),
-            host_reserve_gib=float(config_value(cfg, "host_reserve_gib", 0.0)),
-            prompt_checkpoint_every=_checkpoint_every(config_value(cfg, "prompt_checkpoint_every", 1)),
-            expert_parallel=_expert_parallel_setting(config_value(cfg, "expert_parallel", "off")),
-            state_segment=int(config_value(cfg, "state_segment", STATE_SEGMENT)),
+                                  or given("attention_backend", "planned_attention_backend")),
+            reserve_gib=float(given("reserve_gib")),
+            optimizer_states=int(given("optimizer_states")),
+            keep_attention_output=str(given("keep_attention_output")),
+            expandable_segments=None if expandable is None else bool(expandable),
+            host_reserve_gib=float(given("host_reserve_gib")),
+            prompt_checkpoint_every=_checkpoint_every(given("prompt_checkpoint_every")),
+            expert_parallel=_expert_parallel_setting(given("expert_parallel")),
+            state_segment=int(given("state_segment")),
         )
 
     def __post_init__(self) -> None:
