@@ -71,7 +71,8 @@ def test_one_rank_longstraw_rehearsal_equals_the_fitted_run(monkeypatch):
                          ids=["tiny", "tiny_hybrid"])
 def test_two_rank_longstraw_rehearsal_equals_rank_0_of_a_gloo_run(model):
     two = [*TINY_GRPO, *model, "cluster.devices=2"]
-    real, real_collectives = run_distributed(sharded_longstraw_peaks, 2, two, timeout=800)[0]
+    # fresh processes: exact live bytes (see worker_pool.run_pooled's fresh)
+    real, real_collectives = run_distributed(sharded_longstraw_peaks, 2, two, timeout=800, fresh=True)[0]
     result = rehearsed(two)
     assert_close(by_phase(result), real)
     rehearsed_collectives = {row.name: {k: c["count"] for k, c in row.collectives.items()} for row in result.rows

@@ -271,10 +271,19 @@ class WorkerPool:
 _POOLS: dict[int, WorkerPool] = {}
 
 
-def run_pooled(fn, world_size: int, *args, timeout: float = 180.0, threads: int = 1, init_group: bool = True) -> list:
-    """:func:`lightning_longctx.parallel.spawn.run_distributed` on the session's pool for ``world_size``."""
+def run_pooled(fn, world_size: int, *args, timeout: float = 180.0, threads: int = 1, init_group: bool = True,
+               fresh: bool = False) -> list:
+    """:func:`lightning_longctx.parallel.spawn.run_distributed` on the session's pool for ``world_size``.
+
+    ``fresh``: respawn the pool's processes first, for a call that measures a process's exact live bytes
+    against another run's: a pooled process's earlier calls can leave process state behind that
+    :class:`_ProcessState` does not restore (seen once in CI: a LongStraw step's "gradient clipping" phase held
+    one unsharded copy of the parameters more after other tests had run in the same processes; never
+    reproduced in isolation)."""
     if world_size not in _POOLS:
         _POOLS[world_size] = WorkerPool(world_size)
+    elif fresh:
+        _POOLS[world_size].close()
     return _POOLS[world_size].run(fn, args, timeout=timeout, threads=threads, init_group=init_group)
 
 
