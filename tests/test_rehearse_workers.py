@@ -3,6 +3,7 @@ each phase's peak read with the project's live-tensor tracker at the step's phas
 
 from __future__ import annotations
 
+import tempfile
 from collections import Counter, defaultdict
 
 import torch
@@ -103,7 +104,8 @@ def fitted_sft_peaks(rank: int, world: int, overrides: list[str]) -> dict[str, i
     spy = PhasePeaks()
     strategy = UlyssesStrategy(sp_size=None, head_chunk_size=cfg.memory.head_chunk_size, sharding=cfg.cluster.sharding,
                                on_nonfinite=None)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=cfg.memory.precision, max_steps=2,
+    trainer = pl.Trainer(default_root_dir=tempfile.mkdtemp(),  # completions.jsonl, not in the cwd
+                         strategy=strategy, accelerator="cpu", devices=1, precision=cfg.memory.precision, max_steps=2,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[spy])
     trainer.fit(module, data)
@@ -143,7 +145,8 @@ def sharded_sft_peaks(rank: int, world: int, overrides: list[str]):
     ep = expert_parallel(cfg, world)
     if ep:
         balance_routing(module, world)
-    module.trainer = pl.Trainer(strategy=UlyssesStrategy(sharding=cfg.cluster.sharding, on_nonfinite=None),
+    module.trainer = pl.Trainer(default_root_dir=tempfile.mkdtemp(),  # completions.jsonl, not in the cwd
+                                strategy=UlyssesStrategy(sharding=cfg.cluster.sharding, on_nonfinite=None),
                                 accelerator="cpu", devices=world, barebones=True, precision=cfg.memory.precision)
     mesh = build_dp_sp_mesh(world, "cpu")
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
@@ -253,7 +256,8 @@ def fitted_longstraw_peaks(rank: int, world: int, overrides: list[str]) -> dict[
     spy = StepPeaks()
     strategy = UlyssesStrategy(sp_size=None, head_chunk_size=cfg.memory.head_chunk_size, sharding=cfg.cluster.sharding,
                                on_nonfinite=None)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=cfg.memory.precision, max_steps=2,
+    trainer = pl.Trainer(default_root_dir=tempfile.mkdtemp(),  # completions.jsonl, not in the cwd
+                         strategy=strategy, accelerator="cpu", devices=1, precision=cfg.memory.precision, max_steps=2,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[spy])
     trainer.fit(module, data)
@@ -280,7 +284,8 @@ def sharded_longstraw_peaks(rank: int, world: int, overrides: list[str]):
     if ep:
         balance_routing(module, world)
     strategy = UlyssesStrategy(sharding=cfg.cluster.sharding, on_nonfinite=None)
-    module.trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, barebones=True,
+    module.trainer = pl.Trainer(default_root_dir=tempfile.mkdtemp(),  # completions.jsonl, not in the cwd
+                                strategy=strategy, accelerator="cpu", devices=world, barebones=True,
                                 precision=cfg.memory.precision)
     mesh = build_dp_sp_mesh(world, "cpu")
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
