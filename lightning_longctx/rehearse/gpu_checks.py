@@ -67,6 +67,8 @@ DOCUMENTED_SYNCS = {
                                                           "step",
     ("longstraw/prefix.py", "check_prompt_state"): "a prompt state's match check (torch.equal of the prompt ids), "
                                                    "once per use of the state",
+    ("training/rewards.py", "_skip_failed_group"): "on_reward_error=skip_group under DP: whether any DP rank's "
+                                                   "reward failed (one flag), once per group",
     ("training/rewards.py", "_log_step"): "the step's logged metrics (each group's reward mean and std), after "
                                           "the update",
     ("parallel/expert_parallel.py", "exchange_counts"): "the expert-parallel token counts (the collective's "
