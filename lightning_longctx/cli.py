@@ -53,6 +53,7 @@ from .config_plan import (
     model_shape,
     plan_knobs,
     plan_request,
+    resolve_sp_size,
 )
 from .export import ExportError, export_checkpoint
 from .planner import (
@@ -63,10 +64,10 @@ from .planner import (
     PlanError,
     check_precision,
     kv_cache_bytes,
-    max_context,
 )
 from .planner import plan as make_plan
 from .planner.shapes import describe_model
+from .planner.sp_degree import crosses_nodes, longest_context
 from .safe_load import UntrustedCheckpointError
 
 log = logging.getLogger("lightning_longctx.cli")
@@ -103,10 +104,11 @@ def format_plan(cfg: DictConfig, overrides: list[str] | None = None) -> str:
     apply_renamed_keys(cfg)  # memory.attention_backend -> memory.planned_attention_backend (with a warning)
     check_schema_keys(cfg)  # a key added with + that the schema does not have: named, not ignored
     model, knobs = model_shape(cfg), plan_knobs(cfg)
-    ClusterShape.from_config(cfg.cluster).validate()  # devices >= 1, sp_size divides them: before any arithmetic
+    sp_choice = resolve_sp_size(cfg, model)  # cluster.sp_size=auto -> the planner's integer, as longctx-train does
+    shape = ClusterShape.from_config(cfg.cluster)
+    shape.validate()  # devices >= 1, sp_size divides them: before any arithmetic
     cluster = cfg.cluster
-    world = cluster.devices * cluster.num_nodes
-    sp = cluster.sp_size or cluster.devices
+    world, sp = shape.world, shape.sp
     kv_token = kv_cache_bytes(model, knobs, 1, 1)
     knob_names = ("head_chunk_size", "activation_checkpointing", "offload_activation_checkpoints",
                   "offload_prompt_checkpoints", "mlp_chunk_size",
@@ -122,6 +124,7 @@ def format_plan(cfg: DictConfig, overrides: list[str] | None = None) -> str:
            f"{knobs.dtype_bytes} B, sequence-sharded over the SP ranks)" if model.mla_layers else ""),
         f"cluster {cluster.name}: {cluster.devices} devices x {cluster.num_nodes} nodes = {world} ranks, "
         f"sp={sp} x dp={world // sp}, sharding={cluster.sharding}",
+        *([f"  {sp_choice.describe(shape)}"] if sp_choice else []),
         f"memory {cfg.memory.name}: budget {knobs.budget_gib:g} GiB/rank (reserve {knobs.reserve_gib:g}), "
         f"precision={knobs.precision}, "
         + ", ".join(f"{k}={cfg.memory[k]}" for k in knob_names),
@@ -130,23 +133,32 @@ def format_plan(cfg: DictConfig, overrides: list[str] | None = None) -> str:
     ]
     if cfg.task.mode == "longstraw":
         lines.append(longstraw_choices_line(cfg, model, knobs))
-    lines += ["", "longest context that fits (per sequence, all ranks of an SP group together):"]
-    sft = max_context(model, cfg.cluster, plan_knobs(cfg, "sft"), mode="sft")
-    lines.append(f"  SFT:       {sft:>14,} tokens")
+    # sp_size=auto: each line at the allowed degree giving the longest context (which one is printed)
+    sp_sizes = sp_choice.allowed if sp_choice else (sp,)
+    lines += ["", "longest context that fits (per sequence, all ranks of an SP group together"
+              + (f"; cluster.sp_size=auto: the longest over sp in {', '.join(map(str, sp_sizes))}" if sp_choice
+                 else "") + "):"]
+
+    def at(degree: int) -> str:
+        across = f" across {degree // shape.devices} nodes" if crosses_nodes(shape, degree) else ""
+        return f"at sp={degree} x dp={world // degree}{across}"
+
+    sft, sft_sp = longest_context(model, shape, plan_knobs(cfg, "sft"), sp_sizes, mode="sft")
+    lines.append(f"  SFT:       {sft:>14,} tokens {at(sft_sp)}")
     request = plan_request(cfg, mode="longstraw")
     request.pop("mode"), request.pop("seq_len")
     longstraw_knobs = plan_knobs(cfg, "longstraw")
-    ls = max_context(model, cfg.cluster, longstraw_knobs, mode="longstraw", **request)
-    held = ClusterShape.from_config(cfg.cluster).sharding if world > 1 else "replicate"
+    ls, ls_sp = longest_context(model, shape, longstraw_knobs, sp_sizes, mode="longstraw", **request)
+    held = shape.sharding if world > 1 else "replicate"
     how = f"FSDP-sharded over the {world} ranks" if held == "fsdp" else "replicated"
     lines.append(f"  LongStraw: {ls:>14,} prompt tokens (G={request['group_size']}, responses of "
                  f"{request['response_len']:,} tokens, prompt_grad={request['prompt_grad']}; parameters, "
-                 f"gradients and optimizer states {how}, as LongStrawModule runs)")
+                 f"gradients and optimizer states {how}, as LongStrawModule runs) {at(ls_sp)}")
     if world > 1 and held != "fsdp":
-        sharded = max_context(model, cfg.cluster, longstraw_knobs, mode="longstraw", param_sharding="fsdp",
-                              **request)
+        sharded, sharded_sp = longest_context(model, shape, longstraw_knobs, sp_sizes, mode="longstraw",
+                                              param_sharding="fsdp", **request)
         lines.append(f"  LongStraw: {sharded:>14,} prompt tokens if those states were FSDP-sharded over the "
-                     f"{world} ranks")
+                     f"{world} ranks, {at(sharded_sp)}")
     return "\n".join(lines)
 
 
@@ -178,8 +190,12 @@ def run_train(cfg: DictConfig) -> Any:
     precision = trainer_precision(cfg.memory)  # an unknown precision fails before any work
     check_config(cfg)  # task keys, trainer keys, every _target_ (imported, arguments checked)
     shape = model_shape(cfg)  # model.pretrained: its config.json, checked against the command line, always
+    sp_choice = resolve_sp_size(cfg, shape)  # cluster.sp_size=auto -> an int, before anything reads it
+    if sp_choice is not None and _is_rank_zero():
+        log.info("%s", sp_choice.describe(ClusterShape.from_config(cfg.cluster)))
     try:
-        plan_obj = check_plan(cfg, shape) if cfg.plan.check else None  # before any process group or model exists
+        # before any process group or model exists
+        plan_obj = check_plan(cfg, shape, sp_choice) if cfg.plan.check else None
     except ValueError as err:  # a layout the planner refuses (sp_size, heads): the message alone, as for ConfigError
         raise ConfigError(str(err)) from err
     if plan_obj is not None and _is_rank_zero():

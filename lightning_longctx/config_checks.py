@@ -208,7 +208,8 @@ def check_task(cfg: DictConfig) -> None:
         if task.get("prompt_grad", "full") not in ("full", "none"):
             raise ConfigError(f"task.prompt_grad={task.prompt_grad!r} must be 'full' or 'none'")
         cluster = cfg.get("cluster")
-        if "prompts_per_step" in task and isinstance(cluster, DictConfig):
+        # sp_size=auto: the planner's choice takes only degrees whose dp ranks share the prompts evenly
+        if "prompts_per_step" in task and isinstance(cluster, DictConfig) and cluster.get("sp_size") != "auto":
             try:
                 prompts_per_rank(task.prompts_per_step, cluster.devices, cluster.num_nodes, cluster.sp_size)
             except ValueError as err:

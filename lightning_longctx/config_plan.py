@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from .config_checks import ConfigError
-from .planner import ClusterShape, MemoryKnobs, ModelShape, Plan, check_budget
+from .planner import ClusterShape, MemoryKnobs, ModelShape, Plan, PlanError, check_budget
 from .planner.budget import choose_expert_parallel, expert_parallel_knobs
 from .planner.longstraw import (
     choose_keep_attention_output,
@@ -20,6 +20,7 @@ from .planner.longstraw import (
     choose_rollout_prompt_cache,
 )
 from .planner.shapes import PRESET
+from .planner.sp_degree import SP_AUTO, SpChoice, choose_sp_size
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -100,10 +101,46 @@ def model_shape(cfg: DictConfig, overrides: list[str] | None = None) -> ModelSha
         raise ConfigError(str(err)) from err
 
 
-def check_plan(cfg: DictConfig, model: ModelShape | None = None) -> Plan:
+def resolve_sp_size(cfg: DictConfig, model: ModelShape | None = None) -> SpChoice | None:
+    """``cluster.sp_size=auto``: the planner's SP degree for this config (:func:`~.planner.sp_degree.
+    choose_sp_size` at the task's length and group, with ``task.prompts_per_step``), written into
+    ``cfg.cluster.sp_size`` so that everything after it (the plan, the strategy, the data's batch size, the
+    rehearsal's fake world) reads the integer. The one resolution of ``longctx-train``, ``longctx-plan`` and
+    ``longctx-rehearse``, before any process starts; it is pure arithmetic, so each rank Lightning re-launches
+    resolves the same degree. Returns the choice (its :meth:`~.planner.sp_degree.SpChoice.describe` line is what
+    they print); None when ``sp_size`` is an int or null (as set). Raises :class:`ConfigError` naming each degree's
+    reason when none can run the model, or for a value that is neither."""
+    value = cfg.cluster.get("sp_size")
+    if not isinstance(value, str) or value.lower() != SP_AUTO:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"cluster.sp_size={value!r} must be an int >= 1, null (= cluster.devices) or auto")
+        return None
+    model = model or model_shape(cfg)
+    cluster = ClusterShape.from_config({**cfg.cluster, "sp_size": None})
+    try:
+        cluster.validate()
+        choice = choose_sp_size(model, cluster, plan_knobs(cfg), prompts_per_step=cfg.task.get("prompts_per_step"),
+                                **plan_request(cfg))
+    except ValueError as err:  # SpSizeError, or a value the planner refuses whatever the degree: named
+        raise ConfigError(str(err)) from err
+    cfg.cluster.sp_size = choice.sp
+    return choice
+
+
+def check_plan(cfg: DictConfig, model: ModelShape | None = None, sp_choice: SpChoice | None = None) -> Plan:
     """Run the planner for ``cfg`` (``model``: its :func:`model_shape`, computed when None) and raise
-    :class:`PlanError` (what to change) when it is over budget."""
-    return check_budget(model or model_shape(cfg), cfg.cluster, plan_knobs(cfg), **plan_request(cfg))
+    :class:`PlanError` (what to change) when it is over budget. ``cluster.sp_size=auto`` is resolved first
+    (:func:`resolve_sp_size`; ``sp_choice``: that resolution when the caller made it): when no degree fits, the
+    message starts with the choice (the degree with the longest context) and what the others needed."""
+    model = model or model_shape(cfg)
+    sp_choice = resolve_sp_size(cfg, model) or sp_choice
+    try:
+        return check_budget(model, cfg.cluster, plan_knobs(cfg), **plan_request(cfg))
+    except PlanError as err:
+        if sp_choice is None or sp_choice.fits:
+            raise
+        cluster = ClusterShape.from_config(cfg.cluster)
+        raise PlanError(f"{sp_choice.describe(cluster)}. At sp={sp_choice.sp}: {err}") from err
 
 
 def expert_parallel_choice(cfg: DictConfig, model: ModelShape | None = None,
@@ -164,5 +201,4 @@ def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
 
 
 __all__ = ["DEMO_DEFAULTS", "check_plan", "demo_default_groups", "expert_parallel_choice", "explicit_model_fields",
-           "longstraw_choices", "model_shape",
-           "plan_knobs", "plan_request", "resolved_knobs"]
+           "longstraw_choices", "model_shape", "plan_knobs", "plan_request", "resolve_sp_size", "resolved_knobs"]

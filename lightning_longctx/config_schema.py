@@ -159,7 +159,10 @@ def decoder_config(model_cfg: DictConfig) -> DecoderConfig:
 class ClusterConf:
     """Where the job runs: ``devices`` per node x ``num_nodes`` ranks, ``sp_size`` of them per sequence.
 
-    ``sp_size=None`` = all devices of a node (the all-to-all stays inside NVLink). ``sharding``: ``"fsdp"``
+    ``sp_size=None`` = all devices of a node (the all-to-all stays inside NVLink); ``auto`` = the planner's choice
+    (:func:`lightning_longctx.config_plan.resolve_sp_size`: the smallest degree, inside a node first, whose plan
+    of the task's length fits the device and host budgets; an int for the run, before any process starts; the
+    longest-context search of ``longctx-plan`` takes the degree giving the longest). ``sharding``: ``"fsdp"``
     (ZeRO-3 over all ranks) or ``"replicate"``. ``process_group_backend``: gloo on CPU, nccl on GPU.
     ``collective_timeout_s``: every collective's limit (the default process group and the SP / DP subgroups):
     a dead or hung rank makes the others fail after it, naming the timeout and the phase, and the launcher
@@ -171,7 +174,7 @@ class ClusterConf:
     accelerator: str = "cpu"
     devices: int = 1
     num_nodes: int = 1
-    sp_size: int | None = None
+    sp_size: Any = None  # an int >= 1, None (= devices) or "auto" (a union OmegaConf cannot type)
     sharding: str = "fsdp"
     process_group_backend: str | None = None
     collective_timeout_s: float = 1800.0
@@ -458,6 +461,10 @@ def prompts_per_rank(prompts_per_step: int | None, devices: int, num_nodes: int,
     by a collective)."""
     if prompts_per_step is None:
         return 1
+    if sp_size == "auto":
+        raise ValueError("cluster.sp_size=auto is not resolved yet: the data's batch size needs the SP degree "
+                         "(lightning_longctx.config_plan.resolve_sp_size(cfg) writes the planner's choice into "
+                         "cluster.sp_size; longctx-train, longctx-plan and longctx-rehearse call it first)")
     world = devices * num_nodes
     if world < 1 or (sp_size is not None and sp_size < 1):  # the cluster's own check names these values
         raise ValueError(f"cluster.devices={devices} x cluster.num_nodes={num_nodes} (sp_size={sp_size}) must be "

@@ -146,16 +146,25 @@ def test_train_hybrid_builds_the_qwen3_5_shaped_model():
     assert model.config.shape_model_type() == "qwen3_5_text" and model.config.rotary_dim == 4
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_hybrid"])
-def test_two_step_cpu_run_writes_tensorboard_loss_and_reward(tmp_path, model):
+# tiny: the SP degree chosen by the planner (cluster.sp_size=auto), each rank resolving it before any process
+# group: one prompt per step cannot split over dp=2, so sp=1 is refused and both ranks share the prompt (sp=2)
+AUTO_SP = ("cluster.sp_size=auto", "task.prompts_per_step=1")
+
+
+@pytest.mark.parametrize("model, extra", [("tiny", AUTO_SP), ("tiny_hybrid", ())], ids=["tiny", "tiny_hybrid"])
+def test_two_step_cpu_run_writes_tensorboard_loss_and_reward(tmp_path, model, extra):
     """The demo task on 2 CPU processes (tiny_hybrid: 3 Gated DeltaNet layers + 1 gated attention layer)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = run_script("longctx-train", "trainer=smoke", "task.seq_len=256", f"model={model}",
+    out = run_script("longctx-train", "trainer=smoke", "task.seq_len=256", f"model={model}", *extra,
                      f"hydra.run.dir={tmp_path}", timeout=300, cwd=tmp_path)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "longctx-train summary" in out.stdout and "TensorBoard logdir" in out.stdout, out.stdout
+    if extra:  # printed once (rank 0), before the plan; the strategy ran the resolved degree
+        assert text.count("cluster.sp_size=auto -> 2 (dp=1): the smallest SP degree") == 1, text[-4000:]
+        assert text.index("cluster.sp_size=auto -> 2") < text.index("memory plan:"), text[-4000:]
+        assert "sp=1: task.prompts_per_step=1 does not split evenly over dp=2" in text, text[-4000:]
     # console lines once (app.route_console_logging): not again through Lightning's own handler, not per rank
     for line in ("memory plan:", "Seed set to", "GPU available:", "Initializing distributed", "`Trainer.fit` stopped"):
         assert text.count(line) == 1, f"{line!r} printed {text.count(line)} times:\n{text[-4000:]}"
@@ -172,6 +181,7 @@ def test_two_step_cpu_run_writes_tensorboard_loss_and_reward(tmp_path, model):
         assert tag in tags, sorted(tags)
     hparams = (tmp_path / "tb" / "needle_grpo" / "version_0" / "hparams.yaml").read_text()
     assert "hidden_size: 64" in hparams and "budget_gib:" in hparams, hparams  # the resolved config
+    assert re.search(rf"\bsp_size: {'2' if extra else 'null'}\n", hparams), hparams  # auto: the run's integer
 
 
 MY_GRPO = """

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from lightning_longctx import app, config_schema
+from lightning_longctx import app, config_plan, config_schema
 from lightning_longctx.cli import check_slurm_layout, decoder_config, plan_request, trainer_precision
 from lightning_longctx.config_checks import check_schema_keys
 from lightning_longctx.planner import ModelShape, kv_cache_bytes, plan
@@ -89,7 +89,13 @@ def check_combinations(combos: list[tuple[str, str, str, str]]) -> None:
             assert (cfg.model.name, cfg.cluster.name, cfg.memory.name, cfg.task.name) == (model, cluster, memory, task)
             app.check_task(cfg)  # the planner's keys at the top, module / data _target_ nodes
             # the planner takes every combination (pure: no model is built); a layout the model cannot run
-            # (the tiny models' 4 heads on 8 ranks) is refused with the numbers
+            # (the tiny models' 4 heads on 8 ranks) is refused with the numbers. cluster.sp_size=auto (the SLURM
+            # preset) is resolved first, as the console scripts do: an allowed degree, or a refusal naming each
+            try:
+                config_plan.resolve_sp_size(cfg)
+            except ValueError as err:
+                assert "no sequence-parallel degree can run" in str(err), where
+                continue
             try:
                 assert plan(cfg.model, cfg.cluster, cfg.memory, **plan_request(cfg)).total_bytes > 0, where
             except ValueError as err:  # (MLA + MoE presets are planned too: their latent, experts)

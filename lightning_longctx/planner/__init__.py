@@ -4,7 +4,8 @@ Main API: :func:`plan` -> :class:`Plan` (breakdown, peak phase, ``fits``), :func
 :func:`check_budget` (raises :class:`PlanError` with what to change). Arithmetic only, no Lightning
 import. Inputs in :mod:`.shapes`, the per-phase arithmetic in :mod:`.phases` (SFT, the building blocks) and
 :mod:`.longstraw` (the exact LongStraw step, layer by layer), multi-head latent attention and mixture-of-experts
-layers in :mod:`.mla_shapes` / :mod:`.mla_moe`, the API in :mod:`.planner`; formulas and their validation:
+layers in :mod:`.mla_shapes` / :mod:`.mla_moe`, the SP degree of ``cluster.sp_size=auto`` in :mod:`.sp_degree`,
+the API in :mod:`.planner`; formulas and their validation:
 ``docs/memory_planner.md``.
 """
 

@@ -203,6 +203,11 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         notes.append(f"LongStraw prompt checkpoints every {every} layers (memory.prompt_checkpoint_every): the "
                      f"grouped backward re-runs {recomputed_layers(model.num_hidden_layers, every)} of the "
                      f"{model.num_hidden_layers} layers' forward over the prompt without autograd")
+    if cluster.sp > cluster.devices:  # SP groups are contiguous ranks: this one spans whole nodes
+        notes.append(f"SP across nodes: each SP group spans {cluster.sp // cluster.devices} nodes of "
+                     f"{cluster.devices} devices, so its all-to-alls (and MLA's latent all-gathers) run over the "
+                     "network between nodes, not NVLink (longctx-rehearse's time estimate uses the network's "
+                     "bandwidth for that share)")
     if model.linear_layers and mode == "sft":
         notes.append(f"{model.linear_layers} linear-attention (Gated DeltaNet) layers: their SFT activation terms "
                      "are estimates from the layer shapes (the LongStraw terms are checked against the tracker)")
@@ -247,17 +252,25 @@ def choose_expert_parallel(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, **
 
 
 def max_context(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, mode: str = "sft", granularity: int = 1024,
-                limit: int = 2**34, **kwargs) -> int:
+                limit: int = 2**34, floor: int = 0, **kwargs) -> int:
     """The largest sequence length (a multiple of ``granularity``) whose :func:`plan` fits; 0 if none does.
 
     Peak bytes grow monotonically with the length, so this is a binary search over ``[granularity, limit]``.
+    ``floor``: a length known to fit (a multiple of ``granularity``; 0: none), where the search starts: it
+    doubles from there to the first length that does not fit, then bisects.
     ``kwargs`` go to :func:`plan` (``group_size``, ``response_len``, ``prompt_grad``).
     """
     def fits(tokens: int) -> bool:
         return plan(model_cfg, cluster_cfg, memory_cfg, seq_len=tokens, mode=mode, **kwargs).fits
 
     lo, hi = 0, limit // granularity
-    if not fits(granularity):
+    if floor >= granularity:
+        lo = floor // granularity
+        step = lo
+        while lo + step <= hi and fits((lo + step) * granularity):
+            lo, step = lo + step, 2 * step
+        hi = min(hi, lo + step - 1)
+    elif not fits(granularity):
         return 0
     while lo < hi:
         mid = (lo + hi + 1) // 2

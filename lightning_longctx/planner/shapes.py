@@ -348,7 +348,16 @@ class ClusterShape:
 
     @classmethod
     def from_config(cls, cfg: Any) -> ClusterShape:
+        """From a ``cluster`` node (dict / DictConfig / object). ``sp_size="auto"`` must be resolved to an integer
+        first (:func:`lightning_longctx.config_plan.resolve_sp_size`, :func:`.sp_degree.choose_sp_size`): a
+        ValueError says so."""
         sp = config_value(cfg, "sp_size", None)
+        if isinstance(sp, str) and sp.lower() == "auto":
+            raise ValueError("cluster.sp_size='auto' is the planner's choice of an integer: resolve it first "
+                             "(lightning_longctx.config_plan.resolve_sp_size(cfg), as longctx-train, longctx-plan and "
+                             "longctx-rehearse do, or lightning_longctx.planner.sp_degree.choose_sp_size)")
+        if isinstance(sp, bool) or not isinstance(sp, (int, type(None))) and not str(sp).isdigit():
+            raise ValueError(f"cluster.sp_size={sp!r} must be an int >= 1, null (= devices) or auto")
         return cls(devices=int(config_value(cfg, "devices", 1)), num_nodes=int(config_value(cfg, "num_nodes", 1)),
                    sp_size=None if sp is None else int(sp), sharding=str(config_value(cfg, "sharding", "fsdp")),
                    accelerator=str(config_value(cfg, "accelerator", "gpu")),

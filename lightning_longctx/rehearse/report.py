@@ -67,9 +67,10 @@ def planned_phase(plan: Plan, name: str) -> int | None:
 
 
 def phase_rows(names, tracker, counters, transfers, plan: Plan, hw=None, num_nodes: int = 1,
-               host_folded: int = 0) -> list[PhaseRow]:
+               host_folded: int = 0, *, sp: int = 1, devices: int | None = None) -> list[PhaseRow]:
     """A :class:`PhaseRow` per phase of ``names`` (in that order), then any other phase the step marked; with
-    ``hw`` (:class:`~.roofline.Hardware`) each row's roofline estimate. ``host_folded``: host bytes the
+    ``hw`` (:class:`~.roofline.Hardware`) each row's roofline estimate (``sp``, ``devices``: the SP group's size
+    and a node's devices, where its all-to-alls run: :func:`~.roofline.phase_times`). ``host_folded``: host bytes the
     measurement cannot tell from device bytes (a CPU stand-in for the GPU), added to the planned phases they live
     through (:data:`HOST_LIVE_PHASES` of the plan's mode)."""
     from .roofline import phase_times
@@ -89,7 +90,7 @@ def phase_rows(names, tracker, counters, transfers, plan: Plan, hw=None, num_nod
         row = rows[-1]
         if hw is not None:
             row.terms_s = phase_times(hw, row.flops, row.traffic_bytes, row.collectives,
-                                      row.h2d_bytes + row.d2h_bytes, num_nodes)
+                                      row.h2d_bytes + row.d2h_bytes, num_nodes, sp=sp, devices=devices)
             row.dominant = max(row.terms_s, key=row.terms_s.get)
             row.estimated_s = row.terms_s[row.dominant]
     return rows

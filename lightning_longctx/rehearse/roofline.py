@@ -6,7 +6,9 @@ Per phase, four times, and the phase takes the largest (the others are assumed h
 - memory: bytes the ops read and write (every op's tensor inputs and outputs, views excluded: an upper bound
   for fused kernels, which keep intermediates on chip) / HBM bandwidth;
 - collectives: their bytes / the link: NVLink inside a node, the network between nodes (the all-to-alls of an
-  SP group inside a node; FSDP's all-gathers and reduce-scatters span the nodes when there are several);
+  SP group inside a node; FSDP's all-gathers and reduce-scatters span the nodes when there are several). An SP
+  group spanning nodes (``sp > devices``, e.g. ``cluster.sp_size=32`` on 4 x 8) sends ``(sp - devices) / sp`` of
+  each all-to-all's bytes to ranks on other nodes: that share goes at the network's bandwidth, the rest on NVLink;
 - host<->device: h2d + d2h bytes / PCIe.
 
 The figures per GPU (:data:`GPUS`, by the memory preset's name; each settable with ``rehearsal.<field>``) are
@@ -41,7 +43,7 @@ GPUS = {
     "h200_141g": Hardware("H200", 989.0, 4800.0),
 }
 FIELDS = ("bf16_tflops", "hbm_gbps", "nvlink_gbps", "network_gbps", "pcie_gbps", "efficiency")
-INTRA_NODE = ("alltoall_base_", "alltoall_")  # the SP group's all-to-alls: SP groups sit inside a node
+INTRA_NODE = ("alltoall_base_", "alltoall_")  # the SP group's all-to-alls: inside a node unless SP spans nodes
 
 
 def hardware(memory_name: str, overrides: dict) -> Hardware | None:
@@ -60,15 +62,28 @@ def hardware(memory_name: str, overrides: dict) -> Hardware | None:
     return Hardware(**values)
 
 
+def off_node_share(sp: int, devices: int | None) -> float:
+    """The share of an SP group's all-to-all bytes that go to ranks on other nodes: each rank sends ``1 / sp`` of
+    its buffer to every rank of the group, ``sp - devices`` of them elsewhere when the group spans whole nodes
+    (``devices`` divides ``sp``); 0 inside a node (``devices`` None: one node's worth, inside)."""
+    if devices is None or sp <= devices:
+        return 0.0
+    return (sp - devices) / sp
+
+
 def phase_times(hw: Hardware, flops: int, traffic: int, collectives: dict, transfer_bytes: int,
-                num_nodes: int) -> dict[str, float]:
-    """Seconds of each roofline term for one phase."""
+                num_nodes: int, *, sp: int = 1, devices: int | None = None) -> dict[str, float]:
+    """Seconds of each roofline term for one phase (``sp``, ``devices``: the SP group's size and a node's devices:
+    an SP group spanning nodes sends :func:`off_node_share` of its all-to-alls over the network)."""
     e = hw.efficiency
-    intra = sum(c["bytes"] for kind, c in collectives.items() if kind in INTRA_NODE or num_nodes == 1)
-    inter = sum(c["bytes"] for c in collectives.values()) - intra
+    a2a = sum(c["bytes"] for kind, c in collectives.items() if kind in INTRA_NODE)
+    rest = sum(c["bytes"] for kind, c in collectives.items() if kind not in INTRA_NODE)
+    a2a_off = a2a * off_node_share(sp, devices)
+    intra = a2a - a2a_off + (rest if num_nodes == 1 else 0)
+    inter = a2a_off + (0 if num_nodes == 1 else rest)
     return {"compute": flops / (hw.bf16_tflops * 1e12 * e), "memory": traffic / (hw.hbm_gbps * GB * e),
             "collectives": intra / (hw.nvlink_gbps * GB * e) + inter / (hw.network_gbps * GB * e),
             "host<->device": transfer_bytes / (hw.pcie_gbps * GB * e)}
 
 
-__all__ = ["GPUS", "Hardware", "hardware", "phase_times"]
+__all__ = ["GPUS", "Hardware", "hardware", "off_node_share", "phase_times"]

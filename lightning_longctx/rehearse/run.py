@@ -255,20 +255,22 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     """Rehearse ``cfg`` (see the module docstring); returns the measured and planned figures."""
     from ..app import check_config
     from ..cli import model_shape, plan_request, trainer_precision
-    from ..config_plan import expert_parallel_choice, plan_knobs
+    from ..config_plan import expert_parallel_choice, plan_knobs, resolve_sp_size
     from ..ops.transfers import TransferCounter
+    from ..planner import ClusterShape
     from ..planner import plan as make_plan
 
     start = time.perf_counter()
     precision = trainer_precision(cfg.memory)
     check_config(cfg)
     shape = model_shape(cfg)
+    sp_choice = resolve_sp_size(cfg, shape)  # cluster.sp_size=auto: the integer longctx-train would run
     if cfg.task.mode not in STEPS:
         raise NotImplementedError(f"task.mode={cfg.task.mode!r}: longctx-rehearse rehearses {sorted(STEPS)} tasks")
     step_function, phases = STEPS[cfg.task.mode]
     cluster = cfg.cluster
     device = world_device(cluster.accelerator)
-    notes = []
+    notes = [sp_choice.describe(ClusterShape.from_config(cluster))] if sp_choice else []
     knobs = plan_knobs(cfg)
     hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
     standing = contextlib.nullcontext()
@@ -313,7 +315,8 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     if decode_factor != 1:
         _scale_phase(ROLLOUTS, decode_factor, counters, transfers)
     folded = planned.host_bytes if device.type == "cpu" else 0  # offloaded = "host" = the same CPU here
-    rows = phase_rows(phases, tracker, counters, transfers, planned, hw, int(cluster.num_nodes), folded)
+    rows = phase_rows(phases, tracker, counters, transfers, planned, hw, int(cluster.num_nodes), folded,
+                      sp=world.sp_size, devices=int(cluster.devices))
     notes += [SKIPPED_CHECK] if world.sp_size > 1 and step_function is sft_step else []
     notes += [f"host reads answered with placeholders (rehearse/host_reads.py), {line}" for line in reads.summary()]
     return Rehearsal(rows=rows, plan=planned, seconds=time.perf_counter() - start, device=str(device),
