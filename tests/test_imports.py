@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LIGHTNING_FREE = ("parallel", "ops", "models", "longstraw", "memory")
+LIGHTNING_FREE = ("parallel", "ops", "models", "longstraw", "memory", "task_options", "config_schema",
+                  "checkpoint_paths")
 
 
 def run_python(code: str) -> str:
