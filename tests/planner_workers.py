@@ -138,3 +138,24 @@ def measured_peaks(rank, world, cases, fields):
     """:func:`sft_peak` / :func:`longstraw_peak` of each ``(mode, processes, tokens, knobs)`` case."""
     return [(sft_peak if mode == "sft" else longstraw_peak)(rank, world, seq, knobs, fields)
             for mode, _, seq, knobs in cases]
+
+
+def hybrid_phase_peaks(rank, world, fields, seq, state_segment) -> dict[str, int]:
+    """Each phase's peak live bytes (``PhaseTracker``) of one exact LongStraw step of ``DecoderConfig(**fields)``
+    on this rank, all heads in one stage, G=4 responses of 8 tokens."""
+    import torch.distributed as dist
+
+    from lightning_longctx.longstraw import longstraw_step
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+    from lightning_longctx.rehearse.measure import PhaseTracker
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(**fields), MemoryConfig())
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (seq,), generator=gen)
+    responses = [torch.randint(0, 64, (8,), generator=gen) for _ in range(4)]
+    with PhaseTracker() as tracker:
+        longstraw_step(model, prompt, responses, torch.randn(4, generator=gen),
+                       memory=StepMemory(state_segment=state_segment),
+                       groups=StepGroups(sp_group=dist.group.WORLD if world > 1 else None))
+    return dict(tracker.device_peaks)

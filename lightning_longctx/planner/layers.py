@@ -287,16 +287,28 @@ def linear_replay_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: 
 def linear_prefill_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int, top: bool = False) -> int:
     """One Gated DeltaNet layer's no-grad forward in the prefill, beyond its input: the normed input and the
     larger of (a) the stage loop: per finished stage its output ``c d_v s b`` (its conv tail is ``K-1`` rows,
-    a copy, negligible); the current stage's projection, all-to-all buffers, padded conv input,
-    conv and silu outputs ``(6 ch + 4 c) s b`` and its scan output; (b) ``finish``: the scan output, ``z`` and
-    the gated norm's no-grad temporaries, float32 ``5 V a``, half ``V (4b + 2a)`` (not for the prompt's last
-    layer, ``top``: only its state is computed)."""
+    a copy, negligible) and the current stage's :func:`linear_stage_inputs_bytes` (its peak: the scan output
+    comes after the conv's buffers are freed, and is smaller); (b) ``finish``: the scan output, ``z`` and the
+    gated norm's no-grad temporaries, float32 ``5 V a``, half ``V (4b + 2a)`` (not for the prompt's last layer,
+    ``top``: only its state is computed)."""
     c, _, ch, stages = linear_stage_layout(model, sp, knobs.head_chunk_size)
     b, e, v, dv = knobs.dtype_bytes, model.hidden_size, model.linear_v_dim, model.linear_value_head_dim
     s = sp * tokens
-    loop = (stages - 1) * s * c * dv * b + s * ((6 * ch + 4 * c) * b + c * dv * b)
+    loop = (stages - 1) * s * c * dv * b + linear_stage_inputs_bytes(model, knobs, sp, tokens)
     finish = tokens * v * (4 * b + 2 * A if _half(b) else 5 * A) if not top else 0
     return tokens * e * b + max(loop, finish)
+
+
+def linear_stage_inputs_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int) -> int:
+    """Peak of one Gated DeltaNet stage's ``stage_inputs`` without autograd (``t = P tokens``), at the conv's
+    silu: the stage's projection ``ch t b`` and gate projections ``2c t b``, the all-to-all's send buffer
+    ``(ch + 2c) t b`` (and, under SP, its receive buffer: on one rank ``seq_to_head`` returns its input), the
+    padded conv input, the conv and the silu outputs ``3 ch t b``. The scan that follows holds less: the conv's
+    buffers and the projection are freed by then, its output ``c d_v t b`` and one group's temporaries
+    (256 tokens) take their place."""
+    c, _, ch, _ = linear_stage_layout(model, sp, knobs.head_chunk_size)
+    exchange = (2 if sp > 1 else 1) * (ch + 2 * c)
+    return sp * tokens * (ch + 2 * c + exchange + 3 * ch) * knobs.dtype_bytes
 
 
 def linear_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens: int) -> int:
@@ -308,20 +320,23 @@ def linear_recompute_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, token
       output ``E b``; peak in the MLP's or the post-attention norm's backward (:func:`backward_top`).
     - Per head stage: ``grad_o V b``, the gradients of the normed input and of the input ``2 E b`` over the
       local tokens, and over the whole prompt for one stage's heads: the all-to-all buffer, the padded conv
-      input, conv and silu outputs, the zero-initialised gradients of q, k, v, g, beta, the conv tail's
-      full-length concatenation and, in the stage's backward, the silu, pad and all-to-all gradients
-      ``9 ch s b`` (LoRA, a frozen conv: ``8``), the output seeds ``c d_v s b`` and the gates
-      ``5 c s b + 4 c s a``; plus the stage's weight rows (:func:`linear_weight_rows`).
+      input, conv and silu outputs, the zero-initialised gradients of q, k, v, g, beta and, at the peak (the
+      silu's backward), the gradient of the conv tail's slice of the stage's input (a full-length zero-filled
+      tensor), of the split q, k, v and of the silu ``8 ch s b`` (LoRA, a frozen conv: ``7``: conv1d keeps no
+      input), the gates ``5 c s b + 4 c s a``, and the output seeds ``c d_v s b`` where they are a copy of
+      ``grad_o`` (under SP, or a head stage of several: one rank's single stage narrows ``grad_o`` to all its
+      heads, a view); plus the stage's weight rows (:func:`linear_weight_rows`).
     """
-    c, _, ch, _ = linear_stage_layout(model, sp, knobs.head_chunk_size)
+    c, _, ch, stages = linear_stage_layout(model, sp, knobs.head_chunk_size)
     b, e, v, dv = knobs.dtype_bytes, model.hidden_size, model.linear_v_dim, model.linear_value_head_dim
     s = sp * tokens
     norm_in = tokens * norm_bytes(model, b)
     gated = _gated_norm_saved(v, b, _frozen(model), model.linear_num_value_heads)
     saved = norm_in + tokens * (v * b + gated + residual_mlp(model, knobs, tokens) + e * b)
     output_side = backward_top(model, knobs, tokens, saved)
-    convs = 8 if _frozen(model) else 9  # a frozen conv weight: conv1d keeps no input
-    stage = (norm_in + tokens * (v * b + 2 * e * b) + s * ((convs * ch + c * dv + 5 * c) * b + 4 * c * A)
+    convs = 7 if _frozen(model) else 8  # a frozen conv weight: conv1d keeps no input
+    seeds = c * dv if sp > 1 or stages > 1 else 0  # one rank, one stage: grad_o itself
+    stage = (norm_in + tokens * (v * b + 2 * e * b) + s * ((convs * ch + seeds + 5 * c) * b + 4 * c * A)
              + linear_weight_rows(model, knobs, sp))
     return max(output_side, stage)
 
@@ -365,6 +380,7 @@ __all__ = [
     "linear_prefill_bytes",
     "linear_recompute_bytes",
     "linear_replay_bytes",
+    "linear_stage_inputs_bytes",
     "linear_stage_layout",
     "linear_weight_rows",
     "stage_projection",
