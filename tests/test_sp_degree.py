@@ -177,3 +177,20 @@ def test_the_roofline_sends_the_off_node_share_of_an_sp_all_to_all_over_the_netw
     across = phase_times(h100, 0, 0, a2a, 0, num_nodes=4, sp=32, devices=8)
     assert inside["collectives"] == pytest.approx(320 / 225)
     assert across["collectives"] == pytest.approx(80 / 225 + 240 / 25)
+
+
+def test_a_rehearsal_with_sp_across_nodes_times_the_off_node_share_at_the_network_bandwidth():
+    """The plumbing from the fake world to the roofline: 2 nodes x 2 fake GPUs, sp=4 (a few CPU seconds)."""
+    from lightning_longctx.rehearse import compose as rehearse_compose
+    from lightning_longctx.rehearse import rehearse
+
+    result = rehearse(rehearse_compose(["model=tiny", "task=long_sft", "task.seq_len=512", "task.num_samples=4",
+                                        "cluster=node_8gpu", "cluster.devices=2", "cluster.num_nodes=2",
+                                        "cluster.sp_size=4", "memory=h100_80g", "rehearsal.steps=1"]))
+    assert any(n.startswith("SP across 2 nodes: 50% of each all-to-all's bytes go to other") for n in result.notes)
+    hw = result.hardware
+    nvlink, network = (hw[k] * 1e9 * hw["efficiency"] for k in ("nvlink_gbps", "network_gbps"))
+    row = next(row for row in result.rows if row.name == "forward")
+    a2a = row.collectives["alltoall_base_"]["bytes"]
+    rest = sum(c["bytes"] for kind, c in row.collectives.items() if kind != "alltoall_base_")
+    assert a2a > 0 and row.terms_s["collectives"] == pytest.approx(a2a / 2 / nvlink + (a2a / 2 + rest) / network)

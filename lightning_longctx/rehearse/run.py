@@ -53,7 +53,7 @@ from .gpu_checks import GpuPathChecks, gpu_kernels
 from .host_reads import PlaceholderReads
 from .measure import PhaseTracker, StepCounters
 from .report import Rehearsal, phase_rows
-from .roofline import hardware
+from .roofline import hardware, off_node_share
 
 STAND_IN_CUDA = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here) and count as CUDA tensors of "
                  "the preset GPU's compute capability (ops/devices.py fake_cpu_as_cuda): the attention runs the CUDA "
@@ -318,6 +318,11 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     rows = phase_rows(phases, tracker, counters, transfers, planned, hw, int(cluster.num_nodes), folded,
                       sp=world.sp_size, devices=int(cluster.devices))
     notes += [SKIPPED_CHECK] if world.sp_size > 1 and step_function is sft_step else []
+    if hw is not None and world.sp_size > cluster.devices:
+        share = off_node_share(world.sp_size, cluster.devices)
+        notes.append(f"SP across {world.sp_size // cluster.devices} nodes: {share:.0%} of each all-to-all's bytes go "
+                     f"to other nodes, estimated at network_gbps "
+                     f"{hw.network_gbps:g} GB/s, the rest at nvlink_gbps {hw.nvlink_gbps:g} GB/s")
     notes += [f"host reads answered with placeholders (rehearse/host_reads.py), {line}" for line in reads.summary()]
     return Rehearsal(rows=rows, plan=planned, seconds=time.perf_counter() - start, device=str(device),
                      world_size=world.world_size, notes=notes, hardware=asdict(hw) if hw is not None else None,
