@@ -54,7 +54,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .longstraw import StepMemory
 from .models import DecoderConfig, MemoryConfig
-from .planner import MemoryKnobs
+from .planner import ClusterShape, MemoryKnobs
 from .task_options import (
     CalculatorDataOptions,
     EvaluationOptions,
@@ -170,15 +170,18 @@ class ClusterConf:
     rank must fit in it), 120 on the CPU preset.
     """
 
+    # the planner's defaults (ClusterShape), but the accelerator: a bare ClusterShape plans a GPU, a cluster
+    # preset that names none runs on the CPU
     name: str = MISSING
     accelerator: str = "cpu"
-    devices: int = 1
-    num_nodes: int = 1
-    sp_size: Any = None  # an int >= 1, None (= devices) or "auto" (a union OmegaConf cannot type)
-    sharding: str = "fsdp"
+    devices: int = ClusterShape.devices
+    num_nodes: int = ClusterShape.num_nodes
+    sp_size: Any = ClusterShape.sp_size  # an int >= 1, None (= devices) or "auto" (a union OmegaConf cannot type)
+    sharding: str = ClusterShape.sharding
     process_group_backend: str | None = None
     collective_timeout_s: float = 1800.0
-    host_memory_gib: float | None = None  # per node, shared by its ranks (planner/host.py); None = not budgeted
+    # per node, shared by its ranks (planner/host.py); None = not budgeted
+    host_memory_gib: float | None = ClusterShape.host_memory_gib
 
 
 @dataclass

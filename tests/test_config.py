@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from lightning_longctx import app, config_plan, config_schema
 from lightning_longctx.cli import check_slurm_layout, decoder_config, plan_request, trainer_precision
 from lightning_longctx.config_checks import check_schema_keys
-from lightning_longctx.planner import ModelShape, kv_cache_bytes, plan
+from lightning_longctx.planner import ClusterShape, ModelShape, kv_cache_bytes, plan
 from lightning_longctx.planner.budget import MemoryKnobs, suggestions
 
 CONF = Path(config_schema.__file__).parent / "conf"
@@ -419,11 +419,13 @@ def test_each_target_takes_its_defaults_from_its_options_class():
             assert f.default == step[f.name], f.name
 
 
-def test_each_memory_knob_has_one_default():
+def test_each_memory_and_cluster_knob_has_one_default():
     """A memory knob that several objects carry (the model's ``MemoryConfig``, the step's ``StepMemory``, the
     planner's ``MemoryKnobs``, the ``memory`` group's schema, ``LongStrawModule``'s options) has one default in
     all of them, but where a value means "derive it": None in ``StepMemory`` (the model's), ``"auto"`` in the
-    schema (the planner's choice), ``???`` (the preset's). ``offload_checkpoints`` is two knobs, named apart."""
+    schema (the planner's choice), ``???`` (the preset's). ``offload_checkpoints`` is two knobs, named apart.
+    The ``cluster`` schema's defaults are the planner's ``ClusterShape``'s, but the accelerator (a bare shape
+    plans a GPU; a cluster preset naming none runs on the CPU)."""
     from lightning_longctx.longstraw import StepMemory
     from lightning_longctx.models import MemoryConfig
     from lightning_longctx.task_options import LongStrawOptions
@@ -454,6 +456,10 @@ def test_each_memory_knob_has_one_default():
             "offload_prompt_cache", "keep_attention_output", "offload_prompt_checkpoints"} <= set(shared)
     for knob, owners in shared.items():
         assert len({repr(v) for v in owners.values()}) == 1, (knob, owners)
+    planner, schema = defaults(ClusterShape), defaults(config_schema.ClusterConf)
+    assert {k for k in set(planner) & set(schema) if planner[k] != schema[k]} == {"accelerator"}
+    assert {"devices", "num_nodes", "sp_size", "sharding", "host_memory_gib"} <= set(planner) & set(schema)
+    assert ClusterShape.from_config({}) == ClusterShape()
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -358,11 +358,13 @@ class ClusterShape:
                              "longctx-rehearse do, or lightning_longctx.planner.sp_degree.choose_sp_size)")
         if isinstance(sp, bool) or not isinstance(sp, (int, type(None))) and not str(sp).isdigit():
             raise ValueError(f"cluster.sp_size={sp!r} must be an int >= 1, null (= devices) or auto")
-        return cls(devices=int(config_value(cfg, "devices", 1)), num_nodes=int(config_value(cfg, "num_nodes", 1)),
-                   sp_size=None if sp is None else int(sp), sharding=str(config_value(cfg, "sharding", "fsdp")),
-                   accelerator=str(config_value(cfg, "accelerator", "gpu")),
-                   host_memory_gib=None if config_value(cfg, "host_memory_gib") is None
-                   else float(config_value(cfg, "host_memory_gib")))
+        def given(name):  # the node's value, else this class's default (each default written once)
+            return config_value(cfg, name, getattr(cls, name))
+
+        host = given("host_memory_gib")
+        return cls(devices=int(given("devices")), num_nodes=int(given("num_nodes")),
+                   sp_size=None if sp is None else int(sp), sharding=str(given("sharding")),
+                   accelerator=str(given("accelerator")), host_memory_gib=None if host is None else float(host))
 
     @property
     def world(self) -> int:
