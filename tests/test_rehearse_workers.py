@@ -184,8 +184,10 @@ def sharded_sft_peaks(rank: int, world: int, overrides: list[str]):
 
 
 # ------------------------------------------------------------------------------------------------ LongStraw
-# The phases LongStrawModule.training_step marks that the rehearsal compares (the step's own names).
-LONGSTRAW_PHASES = ("prefill", "sampling", "replay", "grouped backward", "gradient clipping", "optimizer step")
+# The phases LongStrawModule.training_step marks that the rehearsal compares (the step's own names); "segment
+# forward" only with segment checkpoints (memory.prompt_checkpoint_every > 1)
+LONGSTRAW_PHASES = ("prefill", "sampling", "replay", "grouped backward", "segment forward", "gradient clipping",
+                    "optimizer step")
 
 
 def _phase_name() -> str:
@@ -261,7 +263,7 @@ def fitted_longstraw_peaks(rank: int, world: int, overrides: list[str]) -> dict[
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[spy])
     trainer.fit(module, data)
-    return {name: spy.mem.peaks[name] for name in LONGSTRAW_PHASES}
+    return {name: spy.mem.peaks[name] for name in LONGSTRAW_PHASES if name in spy.mem.peaks}
 
 
 def sharded_longstraw_peaks(rank: int, world: int, overrides: list[str]):
@@ -311,4 +313,5 @@ def sharded_longstraw_peaks(rank: int, world: int, overrides: list[str]):
         mem.track(*_held(module, strategy.optimizers[0]))
         step()
     dist.barrier()
-    return {name: mem.peaks[name] for name in LONGSTRAW_PHASES}, {n: dict(c) for n, c in kinds.counts.items()}
+    return ({name: mem.peaks[name] for name in LONGSTRAW_PHASES if name in mem.peaks},
+            {n: dict(c) for n, c in kinds.counts.items()})

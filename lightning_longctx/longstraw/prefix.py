@@ -36,6 +36,7 @@ from ..models.lora import adapters_disabled, lora_on_prompt
 from ..models.lora_attach import adapters_from_position
 from ..models.mla import MLAState
 from ..ops.gated_delta import DEFAULT_STATE_SEGMENT
+from ..ops.step_phase import phase
 from ..parallel import IGNORE_INDEX, group_rank, group_size, pad_to_multiple, shard_sequence
 from .latent import (
     PromptSelections,
@@ -276,7 +277,8 @@ def grouped_backward(model, state: PromptState, *, progress=None, layer_grad_syn
     for start in reversed(range(0, len(layers), every)):
         segment = range(start, min(start + every, len(layers)))
         if every > 1:
-            _segment_inputs(layers, state, segment, pos, ids.device, selections)
+            with phase("segment forward"):  # the planner's phase of its own (a no-grad forward's peak)
+                _segment_inputs(layers, state, segment, pos, ids.device, selections)
         for index in reversed(segment):
             grad_hidden = _layer_backward(layers[index], index, state, pos, grad_hidden, layer_grad_sync,
                                           selections.for_layer(index))

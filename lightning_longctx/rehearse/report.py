@@ -75,7 +75,8 @@ def phase_rows(names, tracker, counters, transfers, plan: Plan, hw=None, num_nod
     through (:data:`HOST_LIVE_PHASES` of the plan's mode)."""
     from .roofline import phase_times
 
-    seen = list(names) + [n for n in tracker.device_peaks if n not in names]
+    # a phase the step did not mark (e.g. "segment forward" without segment checkpoints) has no row
+    seen = [n for n in names if n in tracker.device_peaks] + [n for n in tracker.device_peaks if n not in names]
     rows = []
     for name in seen:
         moved = transfers.phases.get(name)

@@ -63,8 +63,9 @@ STAND_IN_CUDA = ("fake CPU tensors stand for the GPU's (torch has no CUDA device
 SFT_PHASES = ("forward", "backward", "optimizer step")
 # the phases LongStrawModule.training_step marks, in order (the planner's "rollouts" is the step's "sampling")
 ROLLOUTS = "sampling"  # LongStrawModule's phase of the batched rollouts
-LONGSTRAW_PHASES = ("prefill", ROLLOUTS, "reward", "replay", "grouped backward", "gradient reduction",
-                    "gradient clipping", "optimizer step")
+# ("segment forward": the grouped backward's no-grad re-runs of a segment, memory.prompt_checkpoint_every > 1)
+LONGSTRAW_PHASES = ("prefill", ROLLOUTS, "reward", "replay", "grouped backward", "segment forward",
+                    "gradient reduction", "gradient clipping", "optimizer step")
 STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here; no GPU figures for the memory "
             "preset): this package's CPU attention kernels run, so the plan compared is "
             "memory.planned_attention_backend=eager's; offloaded tensors stay on the same CPU (docs/rehearsal.md)")
