@@ -32,7 +32,6 @@ import sysconfig
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..models.attention import DecoderAttention
 from ..models.gated_deltanet import GatedDeltaNet
@@ -41,6 +40,7 @@ from ..models.moe import Experts
 from ..ops import attention_cuda, gated_delta_cuda
 from ..ops.attention import resolve_backend
 from ..ops.gated_delta import gated_delta_rule
+from ..ops.tracker import op_tensors
 from .measure import phase_name
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -128,7 +128,7 @@ def check_host_read(what: str) -> str:
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
-    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return op_tensors((args, kwargs))
 
 
 def _describe(tensors) -> str:

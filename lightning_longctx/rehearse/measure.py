@@ -24,13 +24,12 @@ from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..ops.attention import blockwise_flops
 from ..ops.gated_delta import scan_flops
 from ..ops.step_phase import current_phase
-from ..ops.tracker import MemoryTracker, tensor_storage
+from ..ops.tracker import MemoryTracker, op_tensors, tensor_storage
 
 
 def phase_name() -> str:
@@ -133,7 +132,7 @@ class PhaseTracker(MemoryTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is not NotImplemented:
-            self._note(tree_leaves(out), transient=self.last_transient_bytes)
+            self._note(op_tensors(out), transient=self.last_transient_bytes)
         return out
 
 
@@ -206,16 +205,12 @@ class StepCounters(TorchDispatchMode):
         elif packet in flop_registry:
             self.flops[name] += int(flop_registry[packet](*args, **kwargs, out_val=out))
         if not func.is_view:
-            tensors = (t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
-            self.traffic[name] += sum(_nbytes(t) for t in tensors)
+            self.traffic[name] += sum(_nbytes(t) for t in op_tensors((args, kwargs, out)))
         return out
 
     def _collective(self, func, args, kwargs) -> None:
         kind = func._overloadpacket.__name__
-        if kind in ("barrier", "monitored_barrier"):
-            tensors = []
-        else:
-            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = [] if kind in ("barrier", "monitored_barrier") else op_tensors((args, kwargs))
         entry = self.collectives[phase_name()].setdefault(kind, {"count": 0, "bytes": 0})
         entry["count"] += 1
         entry["bytes"] += max((_nbytes(t) for t in tensors), default=0)
