@@ -2,7 +2,9 @@
 
 - ``import lightning_longctx`` and its Lightning-free subpackages do not import Lightning, yet
   ``strategy="ulysses"`` works with ``lightning.pytorch.Trainer`` and ``lightning.fabric.Fabric`` in either
-  import order (each case in a fresh interpreter: ``sys.modules`` state is the thing under test).
+  import order (each case in a fresh interpreter: ``sys.modules`` state is the thing under test; forked from
+  one that imported only torch, tests/fresh_python.py, which checks that nothing else of ours or Lightning's is
+  imported before the case runs).
 - Every torch API the package relies on imports from the exact path the code uses, and the installed torch
   satisfies the minimum in ``pyproject.toml`` (which must be at least the newest first-release below).
 """
@@ -13,12 +15,12 @@ import ast
 import importlib.util
 import inspect
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+import fresh_python
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHTNING_FREE = ("parallel", "ops", "models", "longstraw", "memory", "task_options", "config_schema",
@@ -26,9 +28,9 @@ LIGHTNING_FREE = ("parallel", "ops", "models", "longstraw", "memory", "task_opti
 
 
 def run_python(code: str) -> str:
-    """Run ``code`` in a fresh interpreter; fail with its output unless it exits 0. Returns stdout."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    """Run ``code`` in a fresh interpreter (:func:`fresh_python.run`); fail with its output unless it exits 0.
+    Returns stdout."""
+    proc = fresh_python.run(textwrap.dedent(code), cwd=ROOT, timeout=120)
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     return proc.stdout
 
@@ -280,9 +282,8 @@ def test_renamed_modules_import_under_their_old_names_with_a_warning(old, new, n
         f"assert getattr(old, {name!r}) is getattr(new, {name!r})\n"
         "print([str(w.message) for w in caught if issubclass(w.category, FutureWarning)])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "deprecated" in out.stdout and new.rsplit(".", 1)[0] in out.stdout, out.stdout
+    out = run_python(code)
+    assert "deprecated" in out and new.rsplit(".", 1)[0] in out, out
 
 
 # ------------------------------------------------------------------------------------------------- layers
