@@ -11,14 +11,13 @@ without models.
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+import fresh_python  # noqa: E402
 from distributed import run_distributed  # noqa: E402
 from lightning_longctx.models import DecoderConfig, DecoderLM  # noqa: E402
 from lightning_longctx.models.hf_io import config_from_hf  # noqa: E402
@@ -136,7 +135,8 @@ def test_default_rope_does_not_import_transformers():
               "cos, sin = RotaryEmbedding(config)(torch.arange(8)[None], torch.float32)\n"
               "assert cos.shape == (1, 8, 8), cos.shape\n"
               "assert 'transformers' not in sys.modules\n")
-    subprocess.run([sys.executable, "-c", script], check=True)
+    out = fresh_python.run(script, cwd=".")  # python -c, forked after torch's import (transformers not imported)
+    assert out.returncode == 0, out.stderr
 
 
 # Sequence parallelism: the length-dependent types must see the global length on every rank.

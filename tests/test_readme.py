@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+
+import fresh_python
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = (ROOT / "README.md", ROOT / "docs" / "memory_planner.md")
@@ -117,7 +117,7 @@ def test_subpackages_are_attributes_after_a_bare_import():
     """The README's ``lightning_longctx.models.DecoderLM`` after ``import lightning_longctx`` (a fresh
     interpreter: nothing else imported the subpackage first)."""
     code = "import lightning_longctx as L; print(L.models.DecoderLM.__name__, L.planner.plan)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = fresh_python.run(code, timeout=120, cwd=ROOT)  # python -c, forked after torch's import
     assert out.returncode == 0 and out.stdout.startswith("DecoderLM"), out.stderr
 
 
