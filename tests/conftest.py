@@ -21,24 +21,50 @@ if "torch" in sys.modules:  # imported by a plugin before this file: set it dire
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Approximate seconds each of the costliest files takes in the default run on the 2-core machine (see
-# pytest_collection_modifyitems): test_faults' launches of longctx-train and their fault waits, the bench
-# smoke runs, test_resume_export's 2-process runs, ...: each file's CPU seconds (its processes and theirs, one
-# OpenMP thread each; measured 2026-12-02), plus test_faults' waits for timeouts. A file not listed is
-# estimated at SECONDS_PER_TEST per test. Only the order matters: re-measure when a file grows a launch or a
-# heavy fixture.
+# pytest_collection_modifyitems): each file's CPU seconds in a whole ``-n 2`` run, its xdist worker and every
+# process under it (launches, pool ranks; a cpuacct cgroup per worker, measured 2026-12-02 on the loaded machine),
+# plus test_faults' waits for timeouts. A file not listed (each under 4 CPU s) is estimated at SECONDS_PER_TEST per
+# test. Only the order matters: re-measure when a file grows a launch or a heavy fixture (a heavy file missing
+# here runs last, alone on one worker: test_multinode's single 19 s test did).
 FILE_SECONDS = {
     "test_faults.py": 150,
-    "test_bench_gpu.py": 60,
-    "test_resume_export.py": 55,
-    "test_config.py": 50,
-    "test_rehearse.py": 50,
-    "test_cli.py": 45,
-    "test_disk_full.py": 40,
-    "test_readme.py": 40,
-    "test_input_validation.py": 35,
-    "test_bench_run_all.py": 20,
+    "test_resume_export.py": 60,
+    "test_cli.py": 44,
+    "test_imports.py": 40,
+    "test_text_tasks.py": 39,
+    "test_longstraw_fsdp.py": 37,
+    "test_planner.py": 36,
+    "test_config.py": 35,
+    "test_rehearse.py": 32,
+    "test_strategy.py": 30,
+    "test_planner_mla.py": 29,
+    "test_longstraw_fused_cache.py": 29,
+    "test_disk_full.py": 28,
+    "test_rehearse_longstraw.py": 25,
+    "test_longstraw_hybrid.py": 24,
+    "test_input_validation.py": 22,
+    "test_bench_gpu.py": 20,
+    "test_multinode.py": 19,
+    "test_expert_parallel.py": 18,
+    "test_longstraw.py": 18,
+    "test_bench_run_all.py": 15,
+    "test_loggers.py": 15,
+    "test_segment_checkpoint.py": 14,
+    "test_readme.py": 14,
+    "test_longstraw_mla.py": 13,
+    "test_dsa_longstraw.py": 12,
+    "test_sampling.py": 10,
+    "test_models_lora_mla.py": 9,
+    "test_untrusted_checkpoints.py": 8,
+    "test_models_distributed.py": 8,
+    "test_traps.py": 8,
+    "test_fake_ops.py": 7,
+    "test_longstraw_lora.py": 7,
+    "test_rehearse_slurm.py": 6,
+    "test_numerics.py": 5,
+    "test_packaging.py": 5,
 }
-SECONDS_PER_TEST = 0.5
+SECONDS_PER_TEST = 0.1  # the unlisted files: 0.02-0.3 CPU s per test
 
 
 def pytest_collection_modifyitems(config, items):
