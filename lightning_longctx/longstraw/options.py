@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..models.config import KEEP_ATTENTION_OUTPUT
 from ..ops.gated_delta import DEFAULT_STATE_SEGMENT, check_state_segment
 from .losses import LOSS_TYPES
 
 PROMPT_GRADS = ("full", "none")
-KEEP_ATTENTION_OUTPUT = ("off", "device", "host")
 
 
 def _finite_number(value, low_ok: bool) -> bool:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..models.config import ROLLOUT_PROMPT_CACHE
 from ..models.decode import new_decode_cache
 from ..ops.step_phase import extra_pass
 from ..ops.transfers import host_list
@@ -60,7 +61,7 @@ from .prefix import PromptState, check_prompt_state, prefill, prompt_weights
 
 StepHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 StopIds = int | Sequence[int] | None
-PROMPT_CACHE = ("device", "stream")
+PROMPT_CACHE = ROLLOUT_PROMPT_CACHE  # MemoryConfig.rollout_prompt_cache's values
 
 
 def stop_token_ids(eos_token_id: StopIds, vocab: int | None = None) -> tuple[int, ...]:

@@ -20,6 +20,9 @@ DSA_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", *DSA_MODEL_TYPES)
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5_moe_text", *MLA_MODEL_TYPES)
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION, DSA_ATTENTION)
+# MemoryConfig's LongStraw values, defined here for the step (longstraw.options, longstraw.sampling) and the planner
+KEEP_ATTENTION_OUTPUT = ("off", "device", "host")  # where the prefill keeps the prompt's attention outputs
+ROLLOUT_PROMPT_CACHE = ("device", "stream")  # how rollouts read an offloaded prompt cache
 
 
 @dataclass
@@ -336,16 +339,19 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         for name in ("head_chunk_size", "mlp_chunk_size", "logits_chunk_size"):
             check_positive(name, getattr(self, name), allow_none=True)
-        if self.keep_attention_output not in ("off", "device", "host"):
-            raise ValueError(f"keep_attention_output={self.keep_attention_output!r} must be 'off', 'device' or 'host'")
+        if self.keep_attention_output not in KEEP_ATTENTION_OUTPUT:
+            raise ValueError(f"keep_attention_output={self.keep_attention_output!r}; choose one of "
+                             f"{KEEP_ATTENTION_OUTPUT}")
         check_positive("prompt_checkpoint_every", self.prompt_checkpoint_every)
-        if self.rollout_prompt_cache not in ("device", "stream"):
-            raise ValueError(f"rollout_prompt_cache={self.rollout_prompt_cache!r} must be 'device' or 'stream'")
+        if self.rollout_prompt_cache not in ROLLOUT_PROMPT_CACHE:
+            raise ValueError(f"rollout_prompt_cache={self.rollout_prompt_cache!r}; choose one of "
+                             f"{ROLLOUT_PROMPT_CACHE}")
         if self.offload_checkpoints and not self.activation_checkpointing:
             raise ValueError(
                 "offload_checkpoints=True offloads the activation checkpoints: set activation_checkpointing=True"
             )
 
 
-__all__ = ["DSA_ATTENTION", "DSA_MODEL_TYPES", "FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION", "MLA_ATTENTION",
-           "MLA_MODEL_TYPES", "MLP_LAYER_TYPES", "MODEL_TYPES", "DecoderConfig", "MemoryConfig"]
+__all__ = ["DSA_ATTENTION", "DSA_MODEL_TYPES", "FULL_ATTENTION", "KEEP_ATTENTION_OUTPUT", "LAYER_TYPES",
+           "LINEAR_ATTENTION", "MLA_ATTENTION", "MLA_MODEL_TYPES", "MLP_LAYER_TYPES", "MODEL_TYPES",
+           "ROLLOUT_PROMPT_CACHE", "DecoderConfig", "MemoryConfig"]

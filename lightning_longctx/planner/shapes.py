@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..models.config import KEEP_ATTENTION_OUTPUT as MODEL_KEEP_ATTENTION_OUTPUT
 from ..models.config import MemoryConfig
 from ..models.lora_attach import TARGETS as LORA_TARGETS  # the projections DecoderLM.add_lora adapts
 from ..ops.gated_delta import DEFAULT_STATE_SEGMENT
@@ -40,7 +41,7 @@ PLANNED_ATTENTION_BACKENDS = ("eager", "flash")
 MODES = ("sft", "longstraw")
 SHARDINGS = ("fsdp", "replicate")
 LAYER_KINDS = (FULL_ATTENTION, LINEAR_ATTENTION, MLA_ATTENTION)
-KEEP_ATTENTION_OUTPUT = ("auto", "off", "device", "host")  # MemoryKnobs.keep_attention_output
+KEEP_ATTENTION_OUTPUT = ("auto", *MODEL_KEEP_ATTENTION_OUTPUT)  # MemoryKnobs.keep_attention_output: the model's or auto
 EXPERT_PARALLEL = ("auto", "on", "off")  # MemoryKnobs.expert_parallel
 
 
