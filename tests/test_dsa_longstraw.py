@@ -7,9 +7,10 @@ top-k (a shared layer's from its source's input), decoding merges every rank's t
 the rows' own. Tiny float64 models (:mod:`dsa_workers`: 3 layers, ``index_topk = 5`` of 20-30 keys, so most keys
 are dropped; GLM ``full, shared, full``), the reference is ``test_longstraw.reference`` (plain ``forward`` over each
 ``cat(P, r_i)``, TRL's GRPO formulas): loss and every parameter's gradient at 1e-8 relative on 1, 2 and 4 gloo
-ranks (4: ``-m slow``), with LoRA (on the prompt, and prefix-frozen), replay checkpointing and segment
-checkpoints; on 2 ranks also FSDP2-sharded parameters. The indexer gets no gradient (None, as transformers'
-training forward: tests/test_dsa.py). Greedy ``sample`` == greedy decoding by full forwards, and the sampling
+ranks (4: ``-m slow``), with LoRA (on the prompt, and prefix-frozen), replay checkpointing, segment
+checkpoints and the prompt state offloaded to the host (latents, index keys, latent sums); on 2 ranks also
+FSDP2-sharded parameters. The indexer gets no gradient (None, as transformers' training forward:
+tests/test_dsa.py). Greedy ``sample`` == greedy decoding by full forwards, and the sampling
 distribution of every step == the full forward's (1e-10).
 """
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from dsa_workers import DSV32, GLM, dsa_config, dsa_model
 from lightning_longctx.longstraw import LossOptions, StepGroups, StepMemory, longstraw_step, sample
+from lightning_longctx.longstraw.offload import simulated_streams
 from lightning_longctx.models.lora_attach import adapters_from_position
 from lightning_longctx.parallel import set_sequence_parallel_group
 from models_common import greedy_by_full_forward, single_thread  # noqa: F401 - single_thread is an autouse fixture
@@ -35,6 +37,10 @@ CASES = {  # loss type, G, prompt length, StepMemory options, model
     "v32_replay_checkpointing": ("seq_mean_token_mean", 4, 18, {"replay_checkpointing": True}, "deepseek_v32"),
     "glm_segments_offload": ("seq_mean_token_sum_norm", 2, 27, {"prompt_checkpoint_every": 2,
                                                                  "offload_checkpoints": True}, "glm_index_share"),
+    # the latents, index keys and latent sums on the host, copies deferred until waited on (simulated_streams)
+    "v32_prompt_cache_offload": ("token_mean", 3, 25, {"offload_prompt_cache": True, "replay_checkpointing": True},
+                                 "deepseek_v32"),
+    "glm_prompt_cache_offload": ("token_mean", 2, 21, {"offload_prompt_cache": True}, "glm_index_share"),
 }
 LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
@@ -66,10 +72,11 @@ def _step_and_reference(kind, loss_type, g, prompt_len, memory, *, off_policy=Fa
     with adapters_from_position(twin, prompt.numel()) if frozen_prompt else contextlib.nullcontext():
         want_loss, want = reference(twin, prompt, responses, advantages, loss_type=loss_type, old=old, ref=ref,
                                     beta=0.05 if off_policy else 0.0)
-    out = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
-                         loss=LossOptions(loss_type=loss_type, beta=0.05 if off_policy else 0.0,
-                                          max_response_length=MAX_LEN),
-                         memory=StepMemory(logits_chunk_size=4, **memory), groups=StepGroups(sp_group=group))
+    with simulated_streams() if memory.get("offload_prompt_cache") else contextlib.nullcontext():
+        out = longstraw_step(model, prompt, responses, advantages, old_logprobs=old, ref_logprobs=ref,
+                             loss=LossOptions(loss_type=loss_type, beta=0.05 if off_policy else 0.0,
+                                              max_response_length=MAX_LEN),
+                             memory=StepMemory(logits_chunk_size=4, **memory), groups=StepGroups(sp_group=group))
     return out, want_loss, want, model
 
 

@@ -5,7 +5,7 @@ the replay all-gathers it per layer and the grouped backward pushes its summed g
 projection and its norm. The reference is ``test_longstraw.reference``: plain ``forward`` over each whole
 sequence ``cat(P, r_i)``, TRL's GRPO formulas. float64, 1e-8 relative for the loss and every parameter gradient
 (router and experts included); one process and 2 and 4 gloo SP ranks (2: also FSDP2-sharded parameters);
-uneven responses including length 1.
+uneven responses including length 1; with the latent and its sums offloaded to the host (``offload_prompt_cache``).
 Greedy ``sample`` (decoding absorbed over the prompt latent) == greedy decoding by full forward, on 1, 2 and 4
 ranks. Also the Qwen3.5-MoE hybrid (Gated DeltaNet + gated attention, softmax-routed experts in every layer): the MoE
 keeps nothing in the prompt state, its recompute in the grouped backward routes as the prefill did.
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from distributed import run_distributed
 from lightning_longctx.longstraw import LossOptions, StepGroups, StepMemory, longstraw_step, score
+from lightning_longctx.longstraw.offload import simulated_streams
 from lightning_longctx.models import MemoryConfig
 from mla_workers import mla_config, mla_model, qwen_moe_config
 from models_common import greedy_by_full_forward, single_thread  # noqa: F401 - single_thread is an autouse fixture
@@ -85,6 +86,14 @@ def _sp_worker(rank, world):
         got = {n: p.grad for n, p in model.named_parameters()}
         assert_grads_close(got, want, label=f"case {case} rank {rank}")
         worst = max(worst, max(((got[n] - w).norm() / w.norm()).item() for n, w in want.items()))
+    prompt, responses, advantages = make_group(3, prompt_len=26, seed=7)  # the latent offloaded to the host
+    want_loss, want = reference(_model(), prompt, responses, advantages, loss_type="token_mean")
+    model = _model(MemoryConfig(head_chunk_size=1))
+    out = _offloaded_step(model, prompt, responses, advantages, group=dist.group.WORLD)
+    assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), ("offload", out.loss, want_loss)
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert_grads_close(got, want, label=f"offload rank {rank}")
+    worst = max(worst, max(((got[n] - w).norm() / w.norm()).item() for n, w in want.items()))
     if world == 2:  # FSDP2-sharded parameters: the grouped backward's recompute runs inside FSDP's hooks
         worst = max(worst, _fsdp_step(rank))
     from lightning_longctx.longstraw import sample  # decoding over the sequence-sharded prompt latent
@@ -155,14 +164,22 @@ def test_greedy_sample_equals_greedy_decoding_by_full_forward(kind):
     assert [r.tolist() for r in got] == [greedy_by_full_forward(model, prompt, 5)] * 3
 
 
-def test_mla_with_offload_options_gives_the_same_exact_step():
-    """``offload_prompt_cache`` (attention K/V only: the latent stays on the device) and ``offload_checkpoints``
-    change nothing for an MLA model."""
+def _offloaded_step(model, prompt, responses, advantages, group=None, **memory):
+    """``longstraw_step`` with the prompt latents and their gradient sums on the host (``offload_prompt_cache``),
+    its copies deferred until waited on (``simulated_streams``: a read before its copy landed sees NaN)."""
+    with simulated_streams():
+        return longstraw_step(model, prompt, responses, advantages, groups=StepGroups(sp_group=group),
+                              memory=StepMemory(offload_prompt_cache=True, **memory))
+
+
+@pytest.mark.parametrize("memory,replay", [(MemoryConfig(), False), (MemoryConfig(head_chunk_size=1), True)])
+def test_mla_with_offload_options_gives_the_same_exact_step(memory, replay):
+    """``offload_prompt_cache`` (the latent and its float32 sums on the host, fetched per layer) and
+    ``offload_checkpoints`` give the exact step; also with head stages and replay checkpointing."""
     prompt, responses, advantages = make_group(3, prompt_len=30)
     want_loss, want = reference(_model(), prompt, responses, advantages, loss_type="token_mean")
-    model = _model()
-    out = longstraw_step(model, prompt, responses, advantages,
-                         memory=StepMemory(offload_prompt_cache=True, offload_checkpoints=True,
-                                           keep_attention_output="device"))
+    model = _model(memory)
+    out = _offloaded_step(model, prompt, responses, advantages, offload_checkpoints=True,
+                          keep_attention_output="device", replay_checkpointing=replay)
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss)
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want, label="MLA offload")

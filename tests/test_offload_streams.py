@@ -10,12 +10,15 @@ stream, which the side stream's prefetches never wait for) and the same check ca
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from lightning_longctx.longstraw import LossOptions, StepMemory, longstraw_step, sample
 from lightning_longctx.longstraw.offload import DeferredStreams, HostStager, simulated_streams
 from lightning_longctx.longstraw.step import prefill_for_step
+from lightning_longctx.models.mla import StagedLatent
 from lightning_longctx.ops import host_pages
 from models_common import single_thread  # noqa: F401 - autouse fixture
 from test_longstraw import make_group, tiny_model
@@ -42,8 +45,17 @@ class UnorderedHostCopies(DeferredStreams):
         super().synchronize()
 
 
-def float_model(chunk=1, seed=0, hybrid=False):
-    """The tiny GQA model, or (``hybrid``) linear, attention, attention layers: float32."""
+def float_model(chunk=1, seed=0, hybrid=False, latent=None):
+    """The tiny GQA model, or (``hybrid``) linear, attention, attention layers, or (``latent``: ``"mla"`` /
+    ``"dsa"``) the tiny MLA + MoE / GLM-5-shaped DSA model: float32."""
+    if latent == "mla":
+        from mla_workers import mla_config, mla_model
+
+        return mla_model(mla_config(), seed=seed).float()
+    if latent == "dsa":
+        from dsa_workers import GLM, dsa_config, dsa_model
+
+        return dsa_model(dsa_config(**GLM)).float()
     if hybrid:
         from longstraw_fused_workers import step_model
 
@@ -53,7 +65,8 @@ def float_model(chunk=1, seed=0, hybrid=False):
 
 def run_step(offload: bool, streams=None, *, prefilled: bool = False, **options):
     """Loss, log-probs and every parameter gradient of one exact step (a fresh model, same seed)."""
-    model = float_model(options.pop("chunk", 1), hybrid=options.pop("hybrid", False))
+    model = float_model(options.pop("chunk", 1), hybrid=options.pop("hybrid", False),
+                        latent=options.pop("latent", None))
     prompt, responses, advantages = make_group(3, prompt_len=options.pop("prompt_len", 23))
     memory = StepMemory(offload_prompt_cache=offload, measure_memory=False, **options)
     with simulated_streams(streams):
@@ -61,7 +74,7 @@ def run_step(offload: bool, streams=None, *, prefilled: bool = False, **options)
         if prefilled:  # the prompt state made ahead (as sample / score share it), then the step
             state = prefill_for_step(model, prompt, loss=LossOptions(prompt_grad="full"), memory=memory)
         out = longstraw_step(model, prompt, responses, advantages.float(), prompt_state=state, memory=memory)
-    return out.loss, out.logprobs, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out.loss, out.logprobs, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_bitwise_equal(a, b) -> None:
@@ -89,6 +102,7 @@ def test_deferred_copies_land_only_when_waited_on():
 @pytest.mark.parametrize("options", [
     dict(chunk=1), dict(chunk=None, replay_checkpointing=True), dict(chunk=1, keep_attention_output="host"),
     dict(chunk=1, prefilled=True), dict(chunk=1, hybrid=True, offload_checkpoints=True),
+    dict(latent="mla"), dict(latent="mla", replay_checkpointing=True), dict(latent="dsa"),
 ])
 def test_offload_on_and_off_give_bitwise_equal_steps(options):
     assert_bitwise_equal(run_step(False, **options), run_step(True, **options))
@@ -97,11 +111,12 @@ def test_offload_on_and_off_give_bitwise_equal_steps(options):
 @pytest.mark.parametrize("options", [
     dict(chunk=1, keep_attention_output="host"),
     dict(chunk=1, hybrid=True, offload_checkpoints=True, prompt_len=150, state_segment=64, prompt_checkpoint_every=2),
+    dict(latent="dsa", prompt_len=40),
 ])
 def test_offload_over_many_small_pages_gives_bitwise_the_same_step(monkeypatch, options):
     """256-byte host pages: every host copy (K/V, their sums, kept attention outputs, checkpoints, the linear
-    layers' segment states) spans many pages and a partial last one, each copied on its own and landing
-    late; the step is still bitwise the one without offload."""
+    layers' segment states; an MLA latent, its sums, DSA index keys) spans many pages and a partial last one,
+    each copied on its own and landing late; the step is still bitwise the one without offload."""
     monkeypatch.setattr(host_pages, "PAGE_BYTES", 256)
     made = []
     real = host_pages.PagedHostTensor.empty
@@ -136,11 +151,42 @@ def test_the_unordered_host_copies_of_issue_22_are_caught():
     assert any(not torch.isfinite(g).all() for g in grads.values()) or loss != run_step(False)[0]
 
 
+@pytest.mark.parametrize("latent", ["mla", "dsa"])
+def test_an_offloaded_latent_state_lives_on_the_host_and_the_device_holds_two_layers_of_it(monkeypatch, latent):
+    """The prefill puts every layer's latent (and DSA index keys) in host pages; through the replays and the
+    grouped backward at most two layers' latents (a replay's forward or backward reading one, the next in
+    flight) and two layers' gradient sums are alive on the "device" at once (3-layer models: a replay keeping
+    each layer's fetched latent for its backward would hold three), and nothing is left in flight after the
+    step."""
+    model = float_model(latent=latent)
+    prompt, responses, advantages = make_group(3, prompt_len=23)
+    memory = StepMemory(offload_prompt_cache=True)
+    refs, most = {"latent": [], "grad": []}, {"latent": 0, "grad": 0}
+
+    def seen(kind, tensor):
+        refs[kind].append(weakref.ref(tensor))
+        most[kind] = max(most[kind], sum(r() is not None for r in refs[kind]))
+        return tensor
+
+    real_latent = StagedLatent.latent
+    monkeypatch.setattr(StagedLatent, "latent", lambda self: seen("latent", real_latent(self)))
+    with simulated_streams() as streams:
+        state = prefill_for_step(model, prompt, loss=LossOptions(prompt_grad="full"), memory=memory)
+        assert all(isinstance(t, host_pages.PagedHostTensor) for cache in state.caches for t in cache
+                   if t is not None)
+        real_fetch = state.stager.fetch
+        state.stager.fetch = lambda key, tensors: [seen(key[0], t) if key[0] == "grad" else t
+                                                   for t in real_fetch(key, tensors)]
+        longstraw_step(model, prompt, responses, advantages, memory=memory, prompt_state=state)
+        assert not state.stager._inflight and streams._landed > 0
+    assert 1 <= most["latent"] <= 2 and 1 <= most["grad"] <= 2, most
+
+
 @pytest.mark.parametrize("prompt_cache", ["device", "stream"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_offloaded_sampling_equals_the_device_cache(prompt_cache, temperature):
+@pytest.mark.parametrize("temperature,latent", [(0.0, None), (1.0, None), (1.0, "mla"), (1.0, "dsa")])
+def test_offloaded_sampling_equals_the_device_cache(prompt_cache, temperature, latent):
     def responses(offload):
-        model = float_model()
+        model = float_model(latent=latent)
         prompt, _, _ = make_group(1, prompt_len=23)
         with simulated_streams():
             state = prefill_for_step(model, prompt, loss=LossOptions(prompt_grad="full"),

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ..models.dsa import DSAState
 from ..models.fused_attention import PrefixCache
 from ..models.gated_deltanet import LinearState
-from ..models.mla import MLAState
+from ..models.mla import MLAState, StagedLatent
 from ..ops.host_pages import PagedHostTensor
 from ..parallel import group_rank, group_size, shard_sequence
 from .grads import CacheGradSink, StagedGradSink, move_grad_into
@@ -19,7 +19,8 @@ from .latent import latent_grad, latent_leaf
 from .offload import HostStager, to_host
 
 _LATENT_STATES = (MLAState, DSAState)  # a latent leaf (:mod:`.latent`; DSA: with the index keys, graph-free)
-_LEAF_STATES = (LinearState, *_LATENT_STATES)  # kept as leaves on the device (not a PrefixCache with a sink)
+# offloaded (``stager``): attention K/V and latent states (the latent and DSA's index keys) live on the host;
+# Gated DeltaNet states (small: one recurrent state per layer) stay on the device as leaves
 
 
 @dataclass
@@ -55,7 +56,7 @@ class PromptState:
     grad_dtype: torch.dtype = torch.float32
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, tensor index) -> buffer
     state_segment: int | None = None
-    stager: HostStager | None = None  # offload_prompt_cache: attention K/V and their gradients on the host
+    stager: HostStager | None = None  # offload_prompt_cache: K/V, latents (+ index keys), their sums on the host
     cache_requires_grad: bool = False
     param_versions: tuple[int, ...] = ()  # the parameters' version counters at prefill (see check_prompt_state)
     consumed: bool = False  # a grouped backward ran over it (its caches and checkpoints are gone)
@@ -71,6 +72,10 @@ class PromptState:
         ``boundaries`` stay graph-free, on the host with ``offload``)."""
         layer = len(self.caches)
         self.cache_requires_grad = requires_grad
+        if isinstance(cache, _LATENT_STATES) and self.stager is not None:  # the latent (+ index keys) on the host:
+            # plain tensors, their gradient summed through :meth:`replay_cache`'s sink (:class:`StagedLatent`)
+            self.caches.append(type(cache)(*(None if t is None else self.stager.to_host(t.detach()) for t in cache)))
+            return
         if isinstance(cache, _LATENT_STATES):  # the latent, sequence-sharded, on the device (:mod:`.latent`)
             self.caches.append(latent_leaf(self, layer, cache, requires_grad))
             return
@@ -92,8 +97,8 @@ class PromptState:
     def cache_grad(self, layer: int, which: int) -> torch.Tensor | None:
         """The gradient summed over the group so far of layer ``layer``'s state tensor ``which`` (attention:
         0 = keys, 1 = values; Gated DeltaNet: 0 = recurrent state, 1 = conv tail); offloaded: a CPU tensor read
-        from its host pages (their copies landed: this waits for them)."""
-        if isinstance(self.caches[layer], _LATENT_STATES):
+        from its host pages (their copies landed: this waits for them). MLA / DSA: 0 = the latent."""
+        if isinstance(self.caches[layer], _LATENT_STATES) and not self.staged(layer):
             return latent_grad(self, layer, which)
         if (layer, which) in self.grads:
             if self.stager is not None:
@@ -111,9 +116,14 @@ class PromptState:
         if not self.caches:
             return None
         cache = self.caches[layer]
-        if self.stager is None or isinstance(cache, _LEAF_STATES):
+        if not self.staged(layer):
             return cache
         return self._fetch(layer, +1)
+
+    def staged(self, layer: int) -> bool:
+        """Whether layer ``layer``'s state lives on the host (offloaded K/V or latent), fetched per use."""
+        return self.stager is not None and self.caches[layer] is not None and \
+            not isinstance(self.caches[layer], LinearState)
 
     def replay_cache(self, layer: int):
         """Layer ``layer``'s state as a branch replay's ``prefix_state``: a ``LinearState`` as kept; attention
@@ -123,7 +133,9 @@ class PromptState:
         if not self.caches:
             return None
         cache = self.caches[layer]
-        if isinstance(cache, _LEAF_STATES):
+        if isinstance(cache, _LATENT_STATES) and self.staged(layer):
+            return self._staged_latent(layer)
+        if isinstance(cache, (LinearState, *_LATENT_STATES)):
             return cache
         sink = None
         if self.cache_requires_grad and self.stager is None:
@@ -135,24 +147,72 @@ class PromptState:
             return PrefixCache(cache, grad_sink=sink)
         return PrefixCache(fetch=lambda backward: self._fetch(layer, -1 if backward else +1), grad_sink=sink)
 
-    def _fetch(self, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A device copy of offloaded layer ``layer``'s K/V; the next staged layer in direction ``step`` starts
-        copying. Backward (``step=-1``): first the layer's own gradient sums so far start copying, for its sink
-        (they overlap the first stage's recomputation; one layer's sums on the device, plus the layer above's
-        until their copy back has run)."""
-        if step < 0 and self.cache_requires_grad and (layer, 0) in self.grads:
-            self.stager.prefetch(("grad", layer), [self.grads[(layer, 0)], self.grads[(layer, 1)]])
-        nxt = self._staged_neighbour(layer, step)
+    def _fetch(self, layer: int, step: int):
+        """A device copy of offloaded layer ``layer``'s state (K/V; a latent state with its index keys, as
+        decoding reads it); the next staged layer in direction ``step`` starts copying. Backward (``step=-1``):
+        first the layer's own gradient sums so far start copying, for its sink (they overlap the first stage's
+        recomputation; one layer's sums on the device, plus the layer above's until their copy back has run)."""
+        if step < 0:
+            self._prefetch_grad_sums(layer)
+        cache = self.caches[layer]
+        nxt = self._staged_neighbour(layer, step, lambda c: type(c) is type(cache))
         if nxt is not None:
-            self.stager.prefetch(("cache", nxt), list(self.caches[nxt]))
-        return tuple(self.stager.fetch(("cache", layer), list(self.caches[layer])))
+            self.stager.prefetch(("cache", nxt), _present(self.caches[nxt]))
+        fetched = iter(self.stager.fetch(("cache", layer), _present(cache)))
+        if not isinstance(cache, _LATENT_STATES):
+            return tuple(fetched)
+        return type(cache)(*(None if t is None else next(fetched) for t in cache))
+
+    def _staged_latent(self, layer: int) -> StagedLatent:
+        """Offloaded latent layer ``layer`` as a replay's ``prefix_state``: the latent fetched by the forward and
+        again by the backward's recomputation (the next / previous offloaded latent in flight), DSA's index keys
+        by the forward's selection, and (``cache_requires_grad``) a sink adding each branch's latent gradient
+        into the layer's sums (brought to the device with the backward's fetch, written back at once)."""
+        cache = self.caches[layer]
+        sink = None
+        if self.cache_requires_grad:
+            def sink(grad: torch.Tensor) -> None:
+                sums = self._device_grad_sums(layer)
+                sums[0].add_(grad)  # in grad_dtype: the same sum as the leaf's .grad on the device
+                self._store_grad_sums(layer, sums)
+
+        def fetch_keys() -> torch.Tensor:
+            nxt = self._staged_neighbour(layer, +1, lambda c: getattr(c, "index_keys", None) is not None)
+            if nxt is not None:
+                self.stager.prefetch(("index_keys", nxt), [self.caches[nxt].index_keys])
+            return self.stager.fetch(("index_keys", layer), [cache.index_keys])[0]
+
+        keys = getattr(cache, "index_keys", None) is not None
+        return StagedLatent(cache.latent.shape[1], lambda backward: self._fetch_latent(layer, backward),
+                            grad_sink=sink, fetch_index_keys=fetch_keys if keys else None)
+
+    def _fetch_latent(self, layer: int, backward: bool) -> torch.Tensor:
+        """A device copy of offloaded layer ``layer``'s latent; the next (forward) or previous (``backward``)
+        offloaded latent starts copying, and in a backward first this layer's gradient sums."""
+        step = -1 if backward else +1
+        if backward:
+            self._prefetch_grad_sums(layer)
+        nxt = self._staged_neighbour(layer, step, lambda c: isinstance(c, _LATENT_STATES))
+        if nxt is not None:
+            self.stager.prefetch(("latent", nxt), [self.caches[nxt].latent])
+        return self.stager.fetch(("latent", layer), [self.caches[layer].latent])[0]
+
+    def _grad_count(self, layer: int) -> int:
+        """How many of layer ``layer``'s state tensors receive a gradient: K and V, or the latent alone."""
+        return 1 if isinstance(self.caches[layer], _LATENT_STATES) else 2
+
+    def _prefetch_grad_sums(self, layer: int) -> None:
+        if self.cache_requires_grad and (layer, 0) in self.grads:
+            self.stager.prefetch(("grad", layer), [self.grads[(layer, w)] for w in range(self._grad_count(layer))])
 
     def _device_grad_sums(self, layer: int) -> list[torch.Tensor]:
-        """Offloaded layer ``layer``'s K/V gradient sums so far on the device (zeros before its first branch)."""
+        """Offloaded layer ``layer``'s gradient sums so far on the device (K/V, or the latent; zeros before its
+        first branch)."""
+        count = self._grad_count(layer)
         if (layer, 0) not in self.grads:
-            keys = self.caches[layer][0]
-            return [torch.zeros(keys.shape, dtype=self.grad_dtype, device=self.stager.device) for _ in range(2)]
-        return self.stager.fetch(("grad", layer), [self.grads[(layer, 0)], self.grads[(layer, 1)]])
+            like = self.caches[layer][0]  # keys (values have their shape) or the latent
+            return [torch.zeros(like.shape, dtype=self.grad_dtype, device=self.stager.device) for _ in range(count)]
+        return self.stager.fetch(("grad", layer), [self.grads[(layer, w)] for w in range(count)])
 
     def _store_grad_sums(self, layer: int, sums: list[torch.Tensor]) -> None:
         """Write a branch's updated sums of offloaded layer ``layer`` back to its host buffers (pinned, in
@@ -168,22 +228,23 @@ class PromptState:
     def device_cache_grads(self, layer: int, device) -> list[torch.Tensor | None]:
         """Layer ``layer``'s summed state gradients on ``device`` (for the grouped backward); offloaded ones come
         from the host, and the previous offloaded layer's start copying."""
-        if self.stager is None or isinstance(self.caches[layer], _LEAF_STATES):
+        if not self.staged(layer):
             return [self.cache_grad(layer, which) for which in (0, 1)]
         grads = [self.grads.get((layer, which)) for which in (0, 1)]  # host buffers, in flight: fetched in order
-        prev = self._staged_neighbour(layer, -1)
-        pending = [] if prev is None else [self.grads.get((prev, w)) for w in (0, 1)]
-        if pending and all(g is not None for g in pending):
+        prev = self._staged_neighbour(layer, -1, lambda c: True)
+        pending = [] if prev is None else [g for g in (self.grads.get((prev, w)) for w in (0, 1)) if g is not None]
+        if pending:
             self.stager.prefetch(("grad", prev), pending)
         present = [g for g in grads if g is not None]
         fetched = iter(self.stager.fetch(("grad", layer), present) if present else [])
         return [None if g is None else next(fetched).to(device) for g in grads]
 
-    def _staged_neighbour(self, layer: int, step: int) -> int | None:
-        """The next (``step=1``) or previous (``-1``) layer whose K/V are staged from the host, or None."""
+    def _staged_neighbour(self, layer: int, step: int, kind) -> int | None:
+        """The next (``step=1``) or previous (``-1``) layer whose state is staged from the host and satisfies
+        ``kind(cache)``, or None."""
         index = layer + step
         while 0 <= index < len(self.caches):
-            if not isinstance(self.caches[index], _LEAF_STATES):
+            if self.staged(index) and kind(self.caches[index]):
                 return index
             index += step
         return None
@@ -200,6 +261,11 @@ class PromptState:
         pos = torch.arange(self.cached_length, device=ids.device).view(1, -1)
         return shard_sequence(ids, rank, world), shard_sequence(pos, rank, world)
 
+
+
+def _present(cache) -> list[torch.Tensor]:
+    """A staged state's tensors (a shared DSA layer has no index keys)."""
+    return [t for t in cache if t is not None]
 
 
 __all__ = ["PromptState"]

@@ -56,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 from ..ops.sparse_attention import attend_selected, sparse_latent_attention, streaming_topk
 from ..parallel import group_rank
 from .lora import LoRALinear, masked_linear
-from .mla import MLAttention, gather_sequence, rope_interleaved
+from .mla import MLAttention, StagedLatent, gather_sequence, prefix_latent, prefix_length, rope_interleaved
 from .rope import apply_rope
 
 INDEX_KEY_NORM_EPS = 1e-6  # transformers' nn.LayerNorm(index_head_dim, eps=1e-6)
@@ -226,7 +226,7 @@ class DSAttention(MLAttention):
         cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
         latent = self.latent(hidden, position_ids, (cos, sin), lora_mask)  # [b, s_l, w]
         q_in = self.query_input(hidden, lora_mask)  # [b, s_l, q_lora]: the indexer's input too
-        has_prefix = prefix_state is not None and prefix_state.latent.shape[1] > 0
+        has_prefix = prefix_length(prefix_state) > 0  # a DSAState or a StagedLatent (offloaded)
         keys = None if self.indexer is None else self.indexer.keys(hidden, cos, sin)
         indices = self._selection(hidden, q_in, cos, sin, keys, dsa_indices, prefix_state if has_prefix else None)
         if not has_prefix:
@@ -239,8 +239,8 @@ class DSAttention(MLAttention):
         w_kv = self.kv_b_weight(lora_mask)
         q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_kv[:, :self.nope])
         q_abs = torch.cat((q_lat, self._rope(q_rot, cos, sin).to(q_lat.dtype)), dim=-1)  # [b, s_l, H, w]
-        prefix = prefix_state.latent if has_prefix else None
-        if prefix is not None and torch.is_grad_enabled():
+        prefix = prefix_state if isinstance(prefix_state, StagedLatent) else prefix_state.latent  # staged: fetched
+        if torch.is_grad_enabled():  # in _attend, and again by its recomputation
             # a replay over a prompt latent: keep only this rank's shards, gather the prompt again in backward,
             # so no layer holds the gathered [S', w] prompt between its forward and its backward (as MLA)
             o_lat = checkpoint(self._attend, q_abs, latent, prefix, indices, use_reentrant=False)
@@ -260,7 +260,10 @@ class DSAttention(MLAttention):
             return dsa_indices[self.index_source]
         if dsa_indices is not None and self.layer_index in dsa_indices:  # a recomputation: the same selection
             return dsa_indices[self.layer_index]
-        prefix_keys = None if prefix_state is None else prefix_state.index_keys
+        prefix_keys = None
+        if prefix_state is not None:  # a staged state's come to the device now (the selection's only read)
+            prefix_keys = prefix_state.index_keys() if isinstance(prefix_state, StagedLatent) else \
+                prefix_state.index_keys
         if prefix_state is not None and prefix_keys is None:
             raise ValueError(f"DSA layer {self.layer_index} runs its own indexer: its prefix_state needs the "
                              "prompt's index_keys")
@@ -273,10 +276,12 @@ class DSAttention(MLAttention):
                 indices: torch.Tensor) -> torch.Tensor:
         """``sum_j p_j c_kv_j`` ``[b, s_l, H, R]`` of the absorbed queries ``q_abs [b, s_l, H, w]`` over their
         selected rows of ``[prefix | latent]``, gathered here from this rank's shards ``prefix [b, S'/P, w]``
-        (or None) and ``latent [b, s_l, w]`` (one all-gather each; the backward sums into the owners' rows)."""
+        (or None; or a :class:`~.mla.StagedLatent`, fetched here) and ``latent [b, s_l, w]`` (one all-gather each;
+        the backward sums into the owners' rows)."""
         full = gather_sequence(latent, self.sp_group)  # [b, s, w]
+        prefix = prefix_latent(prefix, full.dtype)
         if prefix is not None:  # [prompt | these tokens], the order of the selection's key indices
-            full = torch.cat((gather_sequence(prefix.to(full.dtype), self.sp_group), full), dim=1)
+            full = torch.cat((gather_sequence(prefix, self.sp_group), full), dim=1)
         return sparse_latent_attention(q_abs, full.to(q_abs.dtype), indices, self.scaling, self.kv_lora_rank,
                                        query_block=self.query_block)
 

@@ -73,6 +73,65 @@ class MLAState(NamedTuple):
     latent: torch.Tensor
 
 
+class StagedLatent:
+    """A prompt latent kept off the device (LongStraw's offloaded prompt state), as a ``prefix_state``: fetched
+    where a forward or a backward reads it, never held by the layer in between.
+
+    ``length``: its tokens on this rank (``S'/P``). ``fetch(backward: bool)``: a device copy of this rank's shard
+    ``[b, S'/P, R + r]`` (``backward``: the read is a recomputation in a backward, so the layer below comes
+    next). ``grad_sink(grad)``: receives its gradient once per backward (None: no gradient wanted).
+    ``fetch_index_keys()``: a DSA layer's prompt index keys ``[b, S'/P, D_I]`` on the device (None: a layer
+    without them). A plain class (not a tuple), as :class:`~.fused_attention.PrefixCache`: FSDP2 rebuilds
+    tuples among forward arguments."""
+
+    __slots__ = ("length", "_fetch", "grad_sink", "_fetch_index_keys", "_anchor")
+
+    def __init__(self, length: int, fetch, *, grad_sink=None, fetch_index_keys=None) -> None:
+        self.length, self._fetch, self.grad_sink, self._fetch_index_keys = length, fetch, grad_sink, fetch_index_keys
+        # what autograd differentiates the fetch against: the gradient itself goes to grad_sink
+        self._anchor = torch.empty(0, requires_grad=grad_sink is not None)
+
+    def latent(self) -> torch.Tensor:
+        """The device copy; under autograd (with a sink) a node whose backward hands the gradient to the sink."""
+        if self.grad_sink is not None and torch.is_grad_enabled():
+            return _FetchLatent.apply(self._anchor, self)
+        return self._fetch(torch._C._current_graph_task_id() != -1)
+
+    def index_keys(self) -> torch.Tensor | None:
+        return None if self._fetch_index_keys is None else self._fetch_index_keys()
+
+
+class _FetchLatent(torch.autograd.Function):
+    """Forward: a :class:`StagedLatent`'s device copy; backward: its gradient to the sink (nothing to the anchor)."""
+
+    @staticmethod
+    def forward(ctx, anchor, staged):
+        ctx.staged = staged
+        # a new tensor object: autograd marks it as this node's output (the fetched buffer itself stays plain)
+        return staged._fetch(torch._C._current_graph_task_id() != -1).detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.staged.grad_sink(grad)
+        return None, None
+
+
+def prefix_length(prefix_state) -> int:
+    """The tokens (on this rank) of an MLA / DSA ``prefix_state``: a state's latent or a :class:`StagedLatent`
+    (0: None)."""
+    if prefix_state is None:
+        return 0
+    return prefix_state.length if isinstance(prefix_state, StagedLatent) else prefix_state.latent.shape[1]
+
+
+def prefix_latent(prefix, dtype: torch.dtype) -> torch.Tensor | None:
+    """The prompt latent ``[b, S'/P, R + r]`` in ``dtype`` from a latent tensor or a :class:`StagedLatent`
+    (fetched now: inside a checkpointed function, so its recomputation fetches again)."""
+    if isinstance(prefix, StagedLatent):
+        prefix = prefix.latent()
+    return None if prefix is None else prefix.to(dtype)
+
+
 def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -276,8 +335,8 @@ class MLAttention(nn.Module):
         cos, sin = self.rotary(position_ids, hidden.dtype, group=self.sp_group)
         latent = self.latent(hidden, position_ids, (cos, sin), lora_mask)
         prefix = None
-        if prefix_state is not None and prefix_state.latent.shape[1] > 0:
-            prefix = prefix_state.latent.to(hidden.dtype)
+        if prefix_length(prefix_state) > 0:  # staged: fetched inside _attend (and again by its recomputation)
+            prefix = prefix_state if isinstance(prefix_state, StagedLatent) else prefix_state.latent.to(hidden.dtype)
         q_in = self.query_input(hidden, lora_mask)
         if prefix is not None and torch.is_grad_enabled():
             # a replay over a prompt latent: keep only this rank's shards, gather the prompt again in backward,
@@ -303,6 +362,7 @@ class MLAttention(nn.Module):
         and (optionally) its shard of a prompt latent ``[b, S'/P, R + r]``: one all-gather of each, then the
         head stages (``lora_mask [b, s_l]``: as :meth:`forward`'s)."""
         full = gather_sequence(latent, self.sp_group)  # [b, s, R + r]: one all-gather per layer
+        prefix = prefix_latent(prefix, cos.dtype)  # a staged latent fetched here (cos is in the hidden dtype)
         prefix = None if prefix is None else gather_sequence(prefix, self.sp_group)
         masks = (lora_mask, self._gathered_mask(lora_mask))
         stages, inverse = self.stages(q_in.device)
@@ -322,5 +382,5 @@ class MLAttention(nn.Module):
         return MLAState(self.latent(hidden, position_ids, lora_mask=lora_mask))
 
 
-__all__ = ["GatherSequence", "MLAState", "MLAStage", "MLAttention", "gather_sequence", "mla_softmax_scale",
-           "mla_stage_plan", "rope_interleaved"]
+__all__ = ["GatherSequence", "MLAState", "MLAStage", "MLAttention", "StagedLatent", "gather_sequence",
+           "mla_softmax_scale", "mla_stage_plan", "prefix_latent", "prefix_length", "rope_interleaved"]
