@@ -159,3 +159,63 @@ def hybrid_phase_peaks(rank, world, fields, seq, state_segment) -> dict[str, int
                        memory=StepMemory(state_segment=state_segment),
                        groups=StepGroups(sp_group=dist.group.WORLD if world > 1 else None))
     return dict(tracker.device_peaks)
+
+
+def offloaded_longstraw_peaks(rank, world, seq, knobs, fields, offload_checkpoints=False):
+    """``(device peak, host peak)`` live bytes of one exact LongStraw step (G=4, responses of 8 tokens) of
+    ``DecoderConfig(**fields)`` with ``offload_prompt_cache`` (and ``offload_checkpoints``), its host copies
+    deferred (``simulated_streams``): what goes into host pages (``PagedHostTensor.empty``) counts as host, the
+    rest (the "device" copies staged back included) as device."""
+    import functools
+    import weakref
+
+    import torch.distributed as dist
+
+    from lightning_longctx.longstraw import longstraw_step
+    from lightning_longctx.longstraw.offload import simulated_streams
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+    from lightning_longctx.ops import host_pages
+    from lightning_longctx.ops.tracker import MemoryTracker
+
+    class SplitTracker(MemoryTracker):
+        def __init__(self):
+            super().__init__()
+            self.making_host, self.host_live, self.host_current, self.host_peak = False, {}, 0, 0
+
+        def _add(self, st):
+            if not self.making_host:
+                return super()._add(st)
+            key = id(st)
+            if key not in self.host_live:
+                self.host_live[key] = (weakref.ref(st, functools.partial(self._host_free, key)), st.nbytes())
+                self.host_current += st.nbytes()
+                self.host_peak = max(self.host_peak, self.host_current)
+
+        def _host_free(self, key, _ref):
+            self.host_current -= self.host_live.pop(key)[1]
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(**fields), MemoryConfig(**knobs))
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (seq,), generator=gen)
+    responses = [torch.randint(0, 64, (8,), generator=gen) for _ in range(4)]
+    tracker = SplitTracker()
+    empty = host_pages.PagedHostTensor.empty.__func__
+
+    def host_empty(cls, *args, **kwargs):
+        tracker.making_host = True
+        try:
+            return empty(cls, *args, **kwargs)
+        finally:
+            tracker.making_host = False
+
+    host_pages.PagedHostTensor.empty = classmethod(host_empty)
+    try:
+        with simulated_streams(), tracker:
+            longstraw_step(model, prompt, responses, torch.randn(4, generator=gen),
+                           memory=StepMemory(logits_chunk_size=knobs.get("logits_chunk_size"), measure_memory=False,
+                                             offload_prompt_cache=True, offload_checkpoints=offload_checkpoints),
+                           groups=StepGroups(sp_group=dist.group.WORLD if world > 1 else None))
+    finally:
+        host_pages.PagedHostTensor.empty = classmethod(empty)
+    return tracker.peak_bytes, tracker.host_peak

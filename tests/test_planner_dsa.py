@@ -83,6 +83,14 @@ def test_index_keys_are_each_full_layers_float32_keys_in_the_prompt_state():
     assert glm5.breakdown["longstraw_accumulators"] == 78 * 1024 * 576 * 4  # the latent's sums only
     dense = plan(preset("deepseek_v3"), cluster, memory, **args)
     assert "index_keys" not in {k for k, v in dense.breakdown.items() if v}
+    # offloaded (memory.offload_prompt_cache): the latents, their sums and the index keys on the host, two
+    # layers' of each on the device (GLM-5.2: two of its 21 full layers' keys)
+    for p, full in ((glm5, 78), (glm52, 21)):
+        off = plan(_no_lora(preset("glm5") if full == 78 else _glm5_2()), cluster,
+                   dict(memory, offload_prompt_cache=True), **args)
+        assert off.breakdown["index_keys"] == 2 * 1024 * 128 * 4 and off.breakdown["kv_cache"] == 2 * 1024 * 576 * 2
+        assert off.host_breakdown["prompt_index_keys"] == p.breakdown["index_keys"]
+        assert off.host_bytes == p.host_bytes + p.breakdown["index_keys"] + 78 * 1024 * 576 * (2 + 4)
 
 
 # ------------------------------------------------------------------------------------- measured (tracker)

@@ -92,7 +92,7 @@ def choose_rollout_prompt_cache(model: ModelShape, cluster: ClusterShape, knobs:
     the step's plan with that fits ``budget_gib`` (peak phase + the runtime reserve), else ``"stream"`` (two
     layers on the device, re-fetched per decoded token: the cache crosses PCIe once per token). A prompt cache
     that is not offloaded is on the device anyway: ``"device"``."""
-    if not (knobs.offload_prompt_cache and model.full_layers):
+    if not (knobs.offload_prompt_cache and (model.full_layers or model.mla_layers)):
         return "device"
     comp, phases, _ = longstraw_phases(model, cluster, knobs, seq_len, group_size, response_len, prompt_grad,
                                        rollout_prompt_cache="device")
@@ -118,8 +118,9 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     (:func:`.phases.kv_cache_bytes`), the recurrent states of linear layers, and with ``prompt_grad="full"``
     the accumulated cache gradients (``longstraw_accumulators``: as many elements as the cache, float32) and
     one ``E b`` checkpoint per layer and local token, plus the linear layers' states every ``knobs.state_segment``
-    tokens (host memory when offloaded). With ``offload_prompt_cache`` the K/V cache and its accumulators
-    live on the host and the device holds two layers of each (the staged layer and the one in flight).
+    tokens (host memory when offloaded). With ``offload_prompt_cache`` the K/V cache (an MLA model's latents
+    and DSA's index keys) and its accumulators live on the host and the device holds two layers of each (the
+    staged layer and the one in flight).
     Under ``bf16-mixed`` with replicas every phase also holds autocast's cached bf16 weight copies
     (:func:`.phases.weight_copies_bytes`). Phases (each the persistent part plus its transients):
 
@@ -182,14 +183,21 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     ckpt_dev = 0 if knobs.offload_checkpoints else \
         math.ceil(layers_n / every) * one_ckpt + (0 if rebuilt else seg_states)
     acc = (kv // b * max(A, b) + state) if full else 0  # the sums are float32 (float64 for a float64 model)
-    if knobs.offload_prompt_cache and model.full_layers:
-        # K/V and their float32 gradient sums on the host; on the device two layers of each (double buffering)
-        layers = model.full_layers
-        kv_acc = acc - state if full else 0
-        host.update(prompt_kv=kv, prompt_kv_grad_sums=kv_acc)
-        kv, acc = min(kv, 2 * kv // layers), (min(kv_acc, 2 * kv_acc // layers) + state if full else 0)
     # DSA: each full layer's index keys (float32, no gradient: the indexer is no-grad) beside its latent
     index_keys = index_key_bytes(model, s_l)
+    # offload_prompt_cache: the attention layers' K/V, or the MLA layers' latents (and DSA's index keys), and
+    # their float32 gradient sums on the host; on the device two layers of each (double buffering: the layer a
+    # replay's forward or backward reads, the next one in flight; ``longstraw/state.py``)
+    staged = bool(knobs.offload_prompt_cache and (model.full_layers or model.mla_layers))
+    if staged:
+        layers = model.full_layers or model.mla_layers  # a model has one kind of prompt cache
+        kv_acc = acc - state if full else 0
+        name = "prompt_kv" if model.full_layers else "prompt_latent"
+        host.update({name: kv, f"{name}_grad_sums": kv_acc})
+        kv, acc = min(kv, 2 * kv // layers), (min(kv_acc, 2 * kv_acc // layers) + state if full else 0)
+        if index_keys:
+            host["prompt_index_keys"] = index_keys
+            index_keys = min(index_keys, 2 * index_keys // model.index_layers)
     comp = dict(static, weight_copies=copies)
     comp.update(kv_cache=kv, index_keys=index_keys, recurrent_state=state, checkpoints=ckpt_dev,
                 longstraw_accumulators=acc)
@@ -215,7 +223,6 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     latent_acc = layer_latent // b * max(A, b) if full else 0
     layer_acc = layer_kv // b * max(A, b) if full else 0
     layer_state = recurrent_state_bytes(model, knobs, sp) // model.linear_layers if model.linear_layers else 0
-    staged = bool(knobs.offload_prompt_cache and model.full_layers)
     ckpt_dev_one = 0 if knobs.offload_checkpoints else one_ckpt  # one layer input on the device
     seg_layer = [0] * layers_n  # a linear layer's states every state_segment tokens, on the device from the prefill
     if full and not knobs.offload_checkpoints and model.linear_layers and not rebuilt:
@@ -248,12 +255,14 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
         total = alive * ckpt_dev_one + kept_below[upto]
         if grouped:  # the segment's rebuilt linear-layer states, up to ``states_upto`` (default: ``upto``)
             total += rebuilt_states(upto, upto if states_upto is None else states_upto)
-        attention, mla = attention_below[upto], mla_below[upto]  # MLA: the latent stays on the device, its sums too
-        total += mla * (layer_latent + (latent_acc if grouped else 0)) + index_keys_below[upto]
+        attention, mla = attention_below[upto], mla_below[upto]
         total += (upto + 1 - attention - mla) * layer_state * (2 if grouped and full else 1)
-        if not staged:
-            return total + attention * (layer_kv + (layer_acc if grouped else 0))
-        return total + (min(2, attention) * layer_acc if grouped else 0)
+        if not staged:  # each layer's K/V or latent (+ index keys) and, in the grouped backward, its sums
+            return total + attention * (layer_kv + (layer_acc if grouped else 0)) + index_keys_below[upto] + \
+                mla * (layer_latent + (latent_acc if grouped else 0))
+        # offloaded: nothing in the prefill (each layer's state goes to the host as it is made) nor in the grouped
+        # backward (which recomputes it) but the sums of the layer being back-propagated and the one prefetched
+        return total + (min(2, attention) * layer_acc + min(2, mla) * latent_acc if grouped else 0)
 
     # prefill: layer i's no-grad forward over the prompt, the state of the layers below it kept (no gradients yet)
     mlp_tiles = mlp_transients(model, knobs, s_l)
@@ -379,9 +388,9 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
         if rollout_prompt_cache is None:
             rollout_prompt_cache = choose_rollout_prompt_cache(model, cluster, knobs, seq_len, group_size, response_len,
                                                                prompt_grad)
-        whole = kv_cache_bytes(model, knobs, sp, cached)
-        comp["rollout_prompt_kv"] = whole if rollout_prompt_cache == "device" else 2 * whole // model.full_layers
-        rollout += comp["rollout_prompt_kv"] - kv  # in place of the two staged layers counted above
+        whole = kv_cache_bytes(model, knobs, sp, cached) + index_key_bytes(model, s_l)  # K/V, or latents + keys
+        comp["rollout_prompt_kv"] = whole if rollout_prompt_cache == "device" else kv + index_keys
+        rollout += comp["rollout_prompt_kv"] - kv - index_keys  # in place of the two staged layers counted above
     phases = {
         "prefill": nograd + max(prefill),
         "rollouts": rollout,
@@ -425,8 +434,11 @@ def host_blocks(host: dict[str, int], model: ModelShape, cluster: ClusterShape, 
     stages = max(1, (model.num_attention_heads // sp) // max(1, knobs.head_chunk_size or model.num_attention_heads))
     stage_heads = (model.num_attention_heads // sp) // stages
     layer_states = segment_state_bytes(model, sp, cached, knobs.state_segment) // max(1, model.linear_layers)
+    latent = max(cached // sp, 1) * model.latent_width * b if model.mla_layers else 0  # one layer's
+    keys = index_key_bytes(model, max(cached // sp, 1)) // model.index_layers if model.index_layers else 0
     units = {"prompt_checkpoints": [one], "segment_states": [layer_states], "prompt_kv": [heads],
-             "prompt_kv_grad_sums": [heads // b * max(A, b)],
+             "prompt_kv_grad_sums": [heads // b * max(A, b)], "prompt_latent": [latent],
+             "prompt_latent_grad_sums": [latent // b * max(A, b)], "prompt_index_keys": [keys],
              "attention_outputs": [cached * stage_heads * model.head_dim * b, cached * stage_heads * max(A, b)]}
     out = {}
     for name, total in host.items():
