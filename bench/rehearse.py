@@ -55,23 +55,17 @@ RUNS = {
 
 
 def longest_prompt(overrides: list[str]) -> int:
-    """The planner's longest LongStraw prompt for ``overrides`` (what ``longctx-plan`` prints; with
+    """The planner's longest LongStraw prompt for ``overrides`` (what ``longctx-plan`` prints, by the same
+    :func:`~lightning_longctx.config_plan.longest_longstraw_prompt`; with
     ``cluster.sp_size=auto`` the longest over the allowed SP degrees, which the rehearsal's own resolution then
     takes at that length)."""
-    from lightning_longctx.cli import model_shape, plan_request
-    from lightning_longctx.config_plan import resolve_sp_size
-    from lightning_longctx.planner import ClusterShape
-    from lightning_longctx.planner.sp_degree import longest_context
+    from lightning_longctx.config_plan import longest_longstraw_prompt, model_shape, resolve_sp_size
     from lightning_longctx.rehearse import compose
 
     cfg = compose([o for o in overrides if not o.startswith(("task.seq_len=", "rehearsal."))])
     model = model_shape(cfg)
     choice = resolve_sp_size(cfg, model)
-    cluster = ClusterShape.from_config(cfg.cluster)
-    request = plan_request(cfg, mode="longstraw")
-    request.pop("mode"), request.pop("seq_len")
-    tokens, _ = longest_context(model, cluster, cfg.memory, choice.allowed if choice else (cluster.sp,),
-                                mode="longstraw", **request)
+    tokens, _ = longest_longstraw_prompt(cfg, model, choice.allowed if choice else None)
     return tokens
 
 

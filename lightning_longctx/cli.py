@@ -49,6 +49,7 @@ from .config_plan import (
     demo_default_groups,
     expert_parallel_choice,
     explicit_model_fields,
+    longest_longstraw_prompt,
     longstraw_choices,
     model_shape,
     plan_knobs,
@@ -146,17 +147,14 @@ def format_plan(cfg: DictConfig, overrides: list[str] | None = None) -> str:
     sft, sft_sp = longest_context(model, shape, plan_knobs(cfg, "sft"), sp_sizes, mode="sft")
     lines.append(f"  SFT:       {sft:>14,} tokens {at(sft_sp)}")
     request = plan_request(cfg, mode="longstraw")
-    request.pop("mode"), request.pop("seq_len")
-    longstraw_knobs = plan_knobs(cfg, "longstraw")
-    ls, ls_sp = longest_context(model, shape, longstraw_knobs, sp_sizes, mode="longstraw", **request)
+    ls, ls_sp = longest_longstraw_prompt(cfg, model, sp_sizes)
     held = shape.sharding if world > 1 else "replicate"
     how = f"FSDP-sharded over the {world} ranks" if held == "fsdp" else "replicated"
     lines.append(f"  LongStraw: {ls:>14,} prompt tokens (G={request['group_size']}, responses of "
                  f"{request['response_len']:,} tokens, prompt_grad={request['prompt_grad']}; parameters, "
                  f"gradients and optimizer states {how}, as LongStrawModule runs) {at(ls_sp)}")
     if world > 1 and held != "fsdp":
-        sharded, sharded_sp = longest_context(model, shape, longstraw_knobs, sp_sizes, mode="longstraw",
-                                              param_sharding="fsdp", **request)
+        sharded, sharded_sp = longest_longstraw_prompt(cfg, model, sp_sizes, param_sharding="fsdp")
         lines.append(f"  LongStraw: {sharded:>14,} prompt tokens if those states were FSDP-sharded over the "
                      f"{world} ranks, {at(sharded_sp)}")
     return "\n".join(lines)

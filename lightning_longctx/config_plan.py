@@ -6,6 +6,7 @@ budget check, and the LongStraw choices the built model takes from it; one place
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -20,7 +21,7 @@ from .planner.longstraw import (
     choose_rollout_prompt_cache,
 )
 from .planner.shapes import PRESET
-from .planner.sp_degree import SP_AUTO, SpChoice, choose_sp_size
+from .planner.sp_degree import SP_AUTO, SpChoice, choose_sp_size, longest_context
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -127,6 +128,20 @@ def resolve_sp_size(cfg: DictConfig, model: ModelShape | None = None) -> SpChoic
     return choice
 
 
+def longest_longstraw_prompt(cfg: DictConfig, model: ModelShape, sp_sizes: Sequence[int] | None = None,
+                             **plan_kwargs: Any) -> tuple[int, int]:
+    """``(tokens, sp)``: the longest LongStraw prompt of ``cfg`` that fits, over the SP degrees ``sp_sizes``
+    (None: ``cfg.cluster``'s degree): :func:`~.planner.sp_degree.longest_context` at the task's G and response
+    length, planned with :func:`plan_knobs` for ``longstraw`` (the task's ``state_segment`` included, as the step
+    runs). What ``longctx-plan``'s "LongStraw:" lines print (``plan_kwargs``: e.g. ``param_sharding``), and the
+    prompt length of ``bench/rehearse.py``'s "longest" rehearsals."""
+    request = plan_request(cfg, mode="longstraw")
+    request.pop("mode"), request.pop("seq_len")
+    cluster = ClusterShape.from_config(cfg.cluster)
+    return longest_context(model, cluster, plan_knobs(cfg, "longstraw"), sp_sizes or (cluster.sp,),
+                           mode="longstraw", **request, **plan_kwargs)
+
+
 def check_plan(cfg: DictConfig, model: ModelShape | None = None, sp_choice: SpChoice | None = None) -> Plan:
     """Run the planner for ``cfg`` (``model``: its :func:`model_shape`, computed when None) and raise
     :class:`PlanError` (what to change) when it is over budget. ``cluster.sp_size=auto`` is resolved first
@@ -201,4 +216,5 @@ def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
 
 
 __all__ = ["DEMO_DEFAULTS", "check_plan", "demo_default_groups", "expert_parallel_choice", "explicit_model_fields",
-           "longstraw_choices", "model_shape", "plan_knobs", "plan_request", "resolve_sp_size", "resolved_knobs"]
+           "longest_longstraw_prompt", "longstraw_choices", "model_shape", "plan_knobs", "plan_request",
+           "resolve_sp_size", "resolved_knobs"]

@@ -4,16 +4,31 @@ offloaded bytes are measured with the device's and taken off only the phases the
 Found by run (c) of issue 24: bench/rehearsal.md printed "peak 214.72 GiB + reserve 3.24 GiB vs budget 79.0
 GiB: fits" (the 165 GiB of offloaded checkpoints inside the 214.72 were taken off silently), and a peak in a phase
 that holds no offloaded bytes (the optimizer step) would have had them taken off as well.
+
+bench/rehearse.py's "longest" rehearsals take their prompt length from the planner: once planned with
+``cfg.memory`` alone (the task's ``state_segment`` left out), a figure longctx-plan did not print.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
+from lightning_longctx.cli import format_plan
 from lightning_longctx.planner import GIB
 from lightning_longctx.planner.budget import Plan
+from lightning_longctx.rehearse import compose
 from lightning_longctx.rehearse.report import PhaseRow, Rehearsal
+
+
+def _bench():
+    """bench/rehearse.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_rehearse", os.path.join(os.path.dirname(__file__), "..", "bench", "rehearse.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def _rehearsal(measured: dict[str, float], folded: float, budget: float = 79.0) -> Rehearsal:
@@ -39,13 +54,20 @@ def test_the_device_peak_takes_the_host_bytes_off_the_phases_they_live_through_o
 
 
 def test_bench_rehearsal_md_says_the_device_peak_and_the_host_bytes():
-    spec = importlib.util.spec_from_file_location(
-        "bench_rehearse", os.path.join(os.path.dirname(__file__), "..", "bench", "rehearse.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     figures = _rehearsal({"forward": 205.37, "backward": 214.72, "optimizer step": 15.45}, folded=165.0).to_json()
     said = bench.verdict(figures)
     assert said.startswith("measured peak 214.72 GiB, of which 165.00 GiB offloaded to the host")
     assert "device peak 49.72 GiB + reserve 0.00 GiB vs budget 79.0 GiB: **fits**" in said
     plain = bench.verdict({**figures, "host_folded_bytes": 0, "device_peak_bytes": int(80 * GIB), "fits": False})
     assert plain == "device peak 80.00 GiB + reserve 0.00 GiB vs budget 79.0 GiB: **does not fit**"
+
+
+def test_bench_longest_prompt_is_the_one_longctx_plan_prints():
+    # a hybrid with the task's state_segment set: the knob the task carries, not the memory node
+    overrides = ["model=tiny_hybrid", "task=needle_grpo", "task.state_segment=64"]
+    printed = re.search(r"LongStraw: +([\d,]+) prompt tokens", format_plan(compose(overrides), overrides))
+    longest = _bench().longest_prompt([*overrides, "task.seq_len={longest}", "rehearsal.steps=1"])
+    assert longest == int(printed.group(1).replace(",", ""))
+    default = _bench().longest_prompt(overrides[:2])
+    assert longest != default  # the segment is planned (2,812,928 vs 2,904,064 prompt tokens)
