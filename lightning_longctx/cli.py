@@ -245,6 +245,12 @@ def run_train(cfg: DictConfig) -> Any:
     pl.seed_everything(cfg.seed, workers=True)
     model = build_model(cfg, expert_shard=expert_shard)
     module, data = build_task(cfg, model)
+    check_data = getattr(data, "check_before_launch", None)  # text prompts: a too-long one, before any rank starts
+    if callable(check_data) and _is_rank_zero():
+        try:
+            check_data()
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     if cfg.task.mode == "longstraw" and getattr(module, "progress", "") is None:
         # log lines with an ETA for phases longer than 30 s (a bar would fight Lightning's own progress bar)
         module.progress = PhaseProgress(mode="log", min_interval_s=30.0)

@@ -160,7 +160,8 @@ class CalculatorDataOptions:
 class TextDataOptions:
     """What the two text data modules share (``TextPromptData``, ``TextSFTData``): the file or dataset ``path``,
     the context ``seq_len``, the tokenizer's path, the loader (``batch_size``, ``shuffle``, ``seed``,
-    ``num_workers``) and a hub dataset's ``split`` and ``cache_dir``."""
+    ``num_workers``), a hub dataset's ``split`` and ``cache_dir``, and ``streaming`` (``auto``: large JSON-lines
+    data is read by each dp rank from its own byte range, ``tasks/jsonl_shard.py``)."""
 
     path: str
     seq_len: int
@@ -171,6 +172,7 @@ class TextDataOptions:
     num_workers: int = 0
     split: str = "train"
     cache_dir: str | None = None
+    streaming: bool | str = "auto"
 
 
 @dataclass(frozen=True)

@@ -44,3 +44,21 @@ def shard_refusal(rank: int, world: int, hf_dir: str, data_path: str) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def padded_shards(rank: int, world: int, hf_dir: str, prompts_path: str, docs_path: str) -> dict:
+    """This dp rank's rows after ``setup`` (the process group is up, so the shards are padded to the longest):
+    the streamed GRPO prompts and the packed SFT sequences' token counts."""
+    from types import SimpleNamespace
+
+    from lightning_longctx.tasks.text_data import TextPromptData
+    from lightning_longctx.tasks.text_sft import TextSFTData
+
+    layout = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": world,
+                                                                                  "rank": rank}))
+    prompts = TextPromptData(prompts_path, seq_len=512, tokenizer_path=hf_dir, streaming=True, shuffle=False)
+    docs = TextSFTData(docs_path, seq_len=16, tokenizer_path=hf_dir, text_field="text", packing=True, shuffle=False)
+    for data in (prompts, docs):
+        data.trainer = layout
+        data.setup("fit")
+    return {"prompts": list(prompts.rows.prompts), "sequences": [len(ids) for ids, _ in docs.samples]}

@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..task_options import TextPromptDataOptions
+from .jsonl_shard import data_files, first_row, read_shard, use_streaming
 from .needle import collate_prompt_groups
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ RESERVED_COLUMNS = ("prompt_ids", "responses", "old_logprobs", "prompt", "prompt
                     "trainer_state", "episodes", "observations", "env_rewards", "environments")
 ROW_COLUMN = "__longctx_row__"  # each row's index in the whole data set, carried through the shard (for errors)
 TRUNCATE = (None, "left")
+SCAN_BEFORE_LAUNCH_BYTES = 64 * 2**20  # check_before_launch tokenizes every prompt of data up to this size
 
 
 def _line_error(file: Path, number: int, what: str) -> ValueError:
@@ -271,7 +273,65 @@ class PromptRows(Dataset):
         return item
 
 
-class TextPromptData(pl.LightningDataModule):
+def repeat_first(values: list, target: int) -> list:
+    """``values`` padded to ``target`` entries by repeating its first ones (as ``DistributedSampler`` pads)."""
+    return values + [values[i % len(values)] for i in range(target - len(values))]
+
+
+class ShardedTextData(pl.LightningDataModule):
+    """What the text data modules share: this dp rank's shard, read on first use for the attached Trainer's layout
+    (:meth:`shard_rows`, :meth:`_read_shard`), and a ``setup`` that reads it on every rank, stops every rank when
+    one refuses its shard, and pads the shorter shards to the longest (one all-gather of the refusals and the
+    counts): a streamed shard's row count is known only once it is read."""
+
+    _shard: tuple[tuple[int, int], Any] | None = None  # ((dp rank, dp size), its rows)
+
+    def shard_rows(self) -> Any:
+        """This dp rank's rows, read on first use for the current layout."""
+        layout = self.dp_layout()
+        if self._shard is None or self._shard[0] != layout:
+            self._shard = (layout, self._read_shard(*layout))
+        return self._shard[1]
+
+    def dp_layout(self) -> tuple[int, int]:
+        """``(rank, size)`` of the attached Trainer's data-parallel ranks when its strategy shards the data (a
+        ``ParallelStrategy``'s ``distributed_sampler_kwargs``: the dp ranks under ``strategy="ulysses"``), else
+        ``(0, 1)``."""
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        return (int(kwargs["rank"]), int(kwargs["num_replicas"])) if kwargs else (0, 1)
+
+    def _read_shard(self, rank: int, size: int) -> Any:
+        """The rows of rank ``rank`` of ``size`` (a sized dataset), checked and tokenized."""
+        raise NotImplementedError
+
+    def _padded(self, rows: Any, target: int) -> Any:
+        """``rows`` padded to ``target`` items (:func:`repeat_first`)."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read this rank's shard on every rank; a refusal on any rank (a too-long prompt, a null one) stops
+        every rank, each with the message, instead of leaving the others waiting in the next collective; a shard
+        shorter than another rank's is padded to it."""
+        failure: ValueError | None = None
+        try:
+            rows = self.shard_rows()
+        except ValueError as exc:
+            failure = exc
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[tuple[str | None, int] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (str(failure), 0) if failure is not None else (None, len(rows)))
+            refused = [(rank, m) for rank, (m, _) in enumerate(gathered) if m is not None]
+            if failure is None and refused:
+                rank, message = refused[0]
+                raise ValueError(f"rank {rank} refused its shard of task.data: {message}")
+            target = max(count for _, count in gathered)
+            if failure is None and len(rows) < target:
+                self._shard = (self._shard[0], self._padded(rows, target))
+        if failure is not None:
+            raise failure
+
+
+class TextPromptData(ShardedTextData):
     """GRPO prompts from ``path`` (see the module docstring for the batch format).
 
     Args:
@@ -289,6 +349,9 @@ class TextPromptData(pl.LightningDataModule):
             ``DistributedSampler`` (its own would shuffle a training loader whatever ``shuffle`` says, over every
             row).
         split, cache_dir: see :func:`load_rows`.
+        streaming: ``"auto"`` (JSON-lines data above ``jsonl_shard.STREAM_ABOVE_BYTES``), ``True`` or ``False``:
+            each dp rank reads only its byte range of the JSON-lines files, line by line
+            (:mod:`.jsonl_shard`), instead of ``datasets`` loading the whole data set on every rank.
     """
 
     def __init__(self, path: str, *, seq_len: int, tokenizer_path: str | None = TextPromptDataOptions.tokenizer_path,
@@ -299,7 +362,8 @@ class TextPromptData(pl.LightningDataModule):
                  batch_size: int = TextPromptDataOptions.batch_size,
                  shuffle: bool = TextPromptDataOptions.shuffle, seed: int = TextPromptDataOptions.seed,
                  num_workers: int = TextPromptDataOptions.num_workers, split: str = TextPromptDataOptions.split,
-                 cache_dir: str | None = TextPromptDataOptions.cache_dir) -> None:
+                 cache_dir: str | None = TextPromptDataOptions.cache_dir,
+                 streaming: bool | str = TextPromptDataOptions.streaming) -> None:
         super().__init__()
         require_text_extra()
         if truncate not in TRUNCATE:
@@ -311,43 +375,45 @@ class TextPromptData(pl.LightningDataModule):
         if chat_template and not has_chat_template(self.tokenizer):
             raise ValueError(f"task.data.chat_template=true but the tokenizer at {tokenizer_path!r} has no chat "
                              "template (tokenizer.chat_template is empty): set task.data.chat_template=false")
-        rows = load_rows(path, split=split, cache_dir=cache_dir, fields=[prompt_field])
-        check_columns(rows.column_names, [prompt_field], what=f"task.data.prompt_field={prompt_field!r}")
-        names = [c for c in rows.column_names if c != prompt_field] if columns is None else list(columns)
-        check_columns(rows.column_names, names, what=f"task.data.columns={names}")
+        self.streaming = use_streaming(path, streaming)
+        if self.streaming:  # the first row names the columns; every other row is read by its own rank
+            self.files, rows = data_files(path), None
+            column_names = list(first_row(data_files(path), [prompt_field]).row)
+        else:
+            rows = load_rows(path, split=split, cache_dir=cache_dir, fields=[prompt_field])
+            column_names = rows.column_names
+        check_columns(column_names, [prompt_field], what=f"task.data.prompt_field={prompt_field!r}")
+        names = [c for c in column_names if c != prompt_field] if columns is None else list(columns)
+        check_columns(column_names, names, what=f"task.data.columns={names}")
         reserved = sorted(set(names) & set(RESERVED_COLUMNS + (ROW_COLUMN,)))
         if reserved:
             raise ValueError(f"the data set's column(s) {reserved} clash with names LongStrawModule or the reward "
                              f"call reserve ({list(RESERVED_COLUMNS)}): rename them, or pass task.data.columns=[...]")
-        if len(rows) == 0:
+        if rows is not None and len(rows) == 0:
             raise ValueError(f"task.data.path={path!r} holds no rows")
         self.path, self.seq_len, self.truncate, self.chat_template = path, seq_len, truncate, chat_template
         self.prompt_field, self.columns = prompt_field, names
-        self.source = rows.select_columns([prompt_field, *names]).add_column(ROW_COLUMN, range(len(rows)))
-        self._shard: tuple[tuple[int, int], PromptRows] | None = None  # ((dp rank, dp size), its rows)
+        self.source = None if rows is None else rows.select_columns([prompt_field, *names]).add_column(
+            ROW_COLUMN, range(len(rows)))
 
     @property
     def rows(self) -> PromptRows:
         """This dp rank's prompts (:meth:`shard_rows`)."""
         return self.shard_rows()
 
-    def shard_rows(self) -> PromptRows:
-        """This dp rank's prompts, tokenized on first use for the current layout (see the module docstring)."""
-        layout = self.dp_layout()
-        if self._shard is None or self._shard[0] != layout:
-            self._shard = (layout, self._read_shard(*layout))
-        return self._shard[1]
-
-    def dp_layout(self) -> tuple[int, int]:
-        """``(rank, size)`` of the attached Trainer's data-parallel ranks when its strategy shards the data (a
-        ``ParallelStrategy``'s ``distributed_sampler_kwargs``: the dp ranks under ``strategy="ulysses"``), else
-        ``(0, 1)``."""
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
-        return (int(kwargs["rank"]), int(kwargs["num_replicas"])) if kwargs else (0, 1)
-
     def _read_shard(self, rank: int, size: int) -> PromptRows:
         """Rows of ``split_dataset_by_node(rank, size)``, checked and tokenized, padded to ``ceil(n / size)`` rows
-        by repeating the shard's first rows (row ``rank % n`` of the data set when the shard is empty)."""
+        by repeating the shard's first rows (row ``rank % n`` of the data set when the shard is empty); streamed,
+        the rows of the rank's byte range (:func:`.jsonl_shard.read_shard`; the data's first row when the range
+        holds none), padded in ``setup``."""
+        if self.streaming:
+            lines = list(read_shard(self.files, rank, size, [self.prompt_field])) or [first_row(self.files)]
+            prompts = [line.row[self.prompt_field] for line in lines]
+            columns = {name: [line.row.get(name) for line in lines] for name in self.columns}
+            ids = [encode_prompt(self.tokenizer, p, chat_template=self.chat_template) for p in prompts]
+            prompt_ids = self._fit_lengths(ids, lambda i: lines[i].where(), self.seq_len, self.truncate,
+                                           self.prompt_field)
+            return PromptRows(prompt_ids, prompts, columns)
         from datasets.distributed import split_dataset_by_node
 
         shard = split_dataset_by_node(self.source, rank=rank, world_size=size)
@@ -359,49 +425,64 @@ class TextPromptData(pl.LightningDataModule):
             raise ValueError(f"task.data.path={self.path!r}: row(s) {null[:10]} have no {self.prompt_field!r} "
                              "(null)")
         ids = [encode_prompt(self.tokenizer, p, chat_template=self.chat_template) for p in prompts]
-        prompt_ids = self._fit_lengths(ids, rows, self.seq_len, self.truncate, self.prompt_field)
+        prompt_ids = self._fit_lengths(ids, lambda i: f"row {rows[i]}", self.seq_len, self.truncate,
+                                       self.prompt_field)
         columns = {name: list(shard[name]) for name in self.columns}
-        target = -(-len(self.source) // size)
-        pad = [i % len(prompt_ids) for i in range(target - len(prompt_ids))]  # DistributedSampler-like padding
-        return PromptRows(prompt_ids + [prompt_ids[i] for i in pad], prompts + [prompts[i] for i in pad],
-                          {name: values + [values[i] for i in pad] for name, values in columns.items()})
+        return self._padded(PromptRows(prompt_ids, prompts, columns), -(-len(self.source) // size))
+
+    def _padded(self, rows: PromptRows, target: int) -> PromptRows:
+        return PromptRows(repeat_first(rows.prompt_ids, target), repeat_first(rows.prompts, target),
+                          {name: repeat_first(values, target) for name, values in rows.columns.items()})
 
     @staticmethod
-    def _fit_lengths(ids: list[list[int]], rows: list[int], seq_len: int, truncate: str | None,
+    def _fit_lengths(ids: list[list[int]], name_of: Callable[[int], str], seq_len: int, truncate: str | None,
                      field: str) -> list[torch.Tensor]:
+        """``ids`` as int32 tensors of at most ``seq_len`` tokens (``truncate="left"``: their last ones), else a
+        ValueError naming each prompt too long (``name_of(i)``: ``row 3``, ``prompts.jsonl:4``) and its length."""
         lengths = [len(x) for x in ids]
-        empty = [row for row, n in zip(rows, lengths) if n == 0]
+        empty = [name_of(i) for i, n in enumerate(lengths) if n == 0]
         if empty:
-            raise ValueError(f"row(s) {empty[:10]} of column {field!r} tokenize to no tokens")
-        long = [(row, n) for row, n in zip(rows, lengths) if n > seq_len]
+            raise ValueError(f"{', '.join(empty[:10])} of column {field!r}: tokenize(s) to no tokens")
+        long = [(i, n) for i, n in enumerate(lengths) if n > seq_len]
         if long and truncate is None:
-            shown = ", ".join(f"row {i} ({n} tokens)" for i, n in long[:5])
+            shown = ", ".join(f"{name_of(i)} ({n} tokens)" for i, n in long[:5])
             raise ValueError(f"{len(long)} prompt(s) longer than task.seq_len={seq_len} tokens: {shown}"
                              f"{', ...' if len(long) > 5 else ''}; raise task.seq_len (the memory plan checks it), "
                              f"or set task.data.truncate=left to keep each prompt's last {seq_len} tokens")
         if long:
-            log.warning("truncated %d prompt(s) longer than task.seq_len=%d from the left (row %d: %d tokens)",
-                        len(long), seq_len, *long[0])
+            log.warning("truncated %d prompt(s) longer than task.seq_len=%d from the left (%s: %d tokens)",
+                        len(long), seq_len, name_of(long[0][0]), long[0][1])
         return [torch.tensor(x[-seq_len:], dtype=torch.int32) for x in ids]
 
-    def setup(self, stage: str | None = None) -> None:
-        """Read this rank's shard on every rank; a refusal on any rank (a too-long prompt, a null one) stops
-        every rank, each with the message (one all-gather of the messages), instead of leaving the others
-        waiting in the next collective."""
-        failure: ValueError | None = None
-        try:
-            self.shard_rows()
-        except ValueError as exc:
-            failure = exc
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            messages: list[str | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(messages, None if failure is None else str(failure))
-            refused = [(rank, m) for rank, m in enumerate(messages) if m is not None]
-            if failure is None and refused:
-                rank, message = refused[0]
-                raise ValueError(f"rank {rank} refused its shard of task.data: {message}")
-        if failure is not None:
-            raise failure
+    def check_before_launch(self) -> None:
+        """Refuse a prompt longer than ``seq_len`` now, in the process that launches the ranks, when the data is
+        local and cheap to scan (not streamed, at most :data:`SCAN_BEFORE_LAUNCH_BYTES` of Arrow data): every
+        prompt is tokenized once here (the ranks tokenize their shards again), and the ValueError names each
+        too-long row of the whole data set and its length. Streamed or larger data is not scanned (that would
+        read and tokenize all of it in one process before any rank starts): each rank refuses such a prompt when
+        it reads its shard, naming its file and line, and stops every rank. Returns whether the data was scanned
+        (nothing to do with ``truncate="left"``)."""
+        if self.truncate is not None:
+            return False
+        if self.source is None or self.source.data.nbytes > SCAN_BEFORE_LAUNCH_BYTES:
+            what = "streamed" if self.source is None else f"{self.source.data.nbytes / 2**20:.0f} MiB"
+            log.info("task.data (%s) is not scanned for prompts longer than task.seq_len=%d before launch: each rank "
+                     "checks its shard as it reads it", what, self.seq_len)
+            return False
+        prompts, rows = self.source[self.prompt_field], self.source[ROW_COLUMN]
+        null = [row for row, p in zip(rows, prompts) if p is None]
+        if null:
+            raise ValueError(f"task.data.path={self.path!r}: row(s) {null[:10]} have no {self.prompt_field!r} "
+                             "(null)")
+        lengths = [len(encode_prompt(self.tokenizer, p, chat_template=self.chat_template)) for p in prompts]
+        long = [(row, n) for row, n in zip(rows, lengths) if n > self.seq_len]
+        if long:
+            shown = ", ".join(f"row {row} ({n} tokens)" for row, n in long[:5])
+            raise ValueError(f"task.data.path={self.path!r}: {len(long)} prompt(s) longer than task.seq_len="
+                             f"{self.seq_len} tokens: {shown}{', ...' if len(long) > 5 else ''} (the longest: "
+                             f"{max(lengths)} tokens); raise task.seq_len (the memory plan checks it), or set "
+                             f"task.data.truncate=left to keep each prompt's last {self.seq_len} tokens")
+        return True
 
     def train_dataloader(self) -> DataLoader:
         rows = self.rows
@@ -410,6 +491,7 @@ class TextPromptData(pl.LightningDataModule):
                           num_workers=self.num_workers)
 
 
-__all__ = ["FORMATS", "RESERVED_COLUMNS", "TEXT_EXTRA", "PromptRows", "TextPromptData", "chat_ids", "check_columns",
+__all__ = ["FORMATS", "RESERVED_COLUMNS", "SCAN_BEFORE_LAUNCH_BYTES", "TEXT_EXTRA", "PromptRows", "ShardedTextData",
+           "TextPromptData", "repeat_first", "chat_ids", "check_columns",
            "check_text_file", "encode_prompt", "has_chat_template", "is_conversation", "load_rows", "load_tokenizer",
            "marks_assistant_tokens", "require_text_extra"]

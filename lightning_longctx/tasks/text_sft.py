@@ -29,16 +29,19 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..parallel import IGNORE_INDEX
 from ..task_options import TextSFTDataOptions
+from .jsonl_shard import data_files, first_row, read_shard, use_streaming
 from .text_data import (
+    ROW_COLUMN,
+    ShardedTextData,
     chat_ids,
     check_columns,
     has_chat_template,
@@ -46,6 +49,7 @@ from .text_data import (
     load_rows,
     load_tokenizer,
     marks_assistant_tokens,
+    repeat_first,
 )
 
 log = logging.getLogger(__name__)
@@ -133,8 +137,14 @@ def collate_sft(items: list[dict], pad_token_id: int = 0) -> dict[str, torch.Ten
     return {"input_ids": ids, "labels": labels}
 
 
-class TextSFTData(pl.LightningDataModule):
-    """SFT batches from ``path`` (see the module docstring).
+class TextSFTData(ShardedTextData):
+    """SFT batches from ``path`` (see the module docstring), each dp rank reading and tokenizing only its shard.
+
+    The rows are split over the attached Trainer's dp ranks as :class:`~.text_data.TextPromptData` splits them
+    (``split_dataset_by_node``, contiguous chunks; ``streaming``: each rank's byte range of the JSON-lines files,
+    :mod:`.jsonl_shard`); each rank tokenizes, truncates or packs its own rows when it first reads them (in
+    ``setup``, or :attr:`samples` without a Trainer: every row), and the shards are padded to the longest by
+    repeating their first sequences, so every rank runs as many steps. Packing packs each shard on its own.
 
     Args:
         path: the data (:func:`~.text_data.load_rows`).
@@ -144,11 +154,14 @@ class TextSFTData(pl.LightningDataModule):
         messages_field: the chat-record column (lists of ``{"role", "content"}``).
         packing: concatenate and cut into ``seq_len`` chunks instead of truncating each sequence.
         add_eos: end each plain document with EOS.
-        batch_size, shuffle, seed, num_workers: the DataLoader's (DP ranks: Lightning's DistributedSampler).
+        batch_size, shuffle, seed, num_workers: the DataLoader's; ``shuffle`` orders this rank's shard
+            (``DistributedSampler(num_replicas=1)``, a new permutation of ``seed`` + epoch each epoch).
         split, cache_dir: see :func:`~.text_data.load_rows`.
+        streaming: see :class:`~.text_data.TextPromptData`.
     Raises:
         FileNotFoundError / ValueError: a missing path, an unknown column, a tokenizer without a chat template
-            for chat records, a record without an assistant turn, or no sample with a loss token.
+            for chat records; when the shard is read, a record without an assistant turn (naming its row), or no
+            sample with a loss token.
     """
 
     def __init__(self, path: str, *, seq_len: int, tokenizer_path: str | None = TextSFTDataOptions.tokenizer_path,
@@ -157,36 +170,70 @@ class TextSFTData(pl.LightningDataModule):
                  add_eos: bool = TextSFTDataOptions.add_eos, batch_size: int = TextSFTDataOptions.batch_size,
                  shuffle: bool = TextSFTDataOptions.shuffle, seed: int = TextSFTDataOptions.seed,
                  num_workers: int = TextSFTDataOptions.num_workers, split: str = TextSFTDataOptions.split,
-                 cache_dir: str | None = TextSFTDataOptions.cache_dir) -> None:
+                 cache_dir: str | None = TextSFTDataOptions.cache_dir,
+                 streaming: bool | str = TextSFTDataOptions.streaming) -> None:
         super().__init__()
         if seq_len < 2:
             raise ValueError(f"task.seq_len={seq_len} must be >= 2")
         self.batch_size, self.shuffle, self.seed, self.num_workers = batch_size, shuffle, seed, num_workers
         self.tokenizer = load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path)
         field = text_field or messages_field
-        rows = load_rows(path, split=split, cache_dir=cache_dir, fields=[field])
         what = f"task.data.text_field={text_field!r}" if text_field else f"task.data.messages_field={messages_field!r}"
-        check_columns(rows.column_names, [field], what=what)
-        if len(rows) == 0:
-            raise ValueError(f"task.data.path={path!r} holds no rows")
+        self.streaming = use_streaming(path, streaming)
+        if self.streaming:
+            self.files, self.source = data_files(path), None
+            column_names = list(first_row(self.files).row)
+        else:
+            rows = load_rows(path, split=split, cache_dir=cache_dir, fields=[field])
+            column_names = rows.column_names
+        check_columns(column_names, [field], what=what)
+        if not self.streaming:
+            if len(rows) == 0:
+                raise ValueError(f"task.data.path={path!r} holds no rows")
+            self.source = rows.select_columns([field]).add_column(ROW_COLUMN, range(len(rows)))
         if text_field is None and not has_chat_template(self.tokenizer):
             raise ValueError(f"{what}: chat records need a tokenizer with a chat template, and the tokenizer at "
                              f"{tokenizer_path!r} has none; set task.data.text_field=<column> for plain text")
+        self.field, self.what, self.text_field, self.add_eos = field, what, text_field, add_eos
+        self.seq_len, self.packing = seq_len, packing
+        self.pad_token_id = self.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+
+    @property
+    def samples(self) -> list[tuple[list[int], list[int]]]:
+        """This dp rank's ``(input_ids, labels)`` sequences (:meth:`shard_rows`)."""
+        return self.shard_rows().samples
+
+    def _read_shard(self, rank: int, size: int) -> SFTSequences:
+        """This rank's rows (``split_dataset_by_node``, or its byte range when streamed), tokenized and fitted to
+        ``seq_len`` (:meth:`_fit`); not padded (``setup`` pads to the longest shard)."""
+        if self.streaming:
+            lines = list(read_shard(self.files, rank, size, [self.field])) or [first_row(self.files, [self.field])]
+            values, name_of = [line.row[self.field] for line in lines], lambda i: lines[i].where()
+        else:
+            from datasets.distributed import split_dataset_by_node
+
+            shard = split_dataset_by_node(self.source, rank=rank, world_size=size)
+            if len(shard) == 0:
+                shard = self.source.select([rank % len(self.source)])
+            values = list(shard[self.field])
+            name_of = [f"row {row}" for row in shard[ROW_COLUMN]].__getitem__  # the row of the whole data set
         samples = []
-        for index, value in enumerate(rows[field]):
+        for index, value in enumerate(values):
             try:
-                if text_field:
-                    samples.append(tokenize_text(self.tokenizer, value, add_eos=add_eos))
+                if self.text_field:
+                    samples.append(tokenize_text(self.tokenizer, value, add_eos=self.add_eos))
                 elif not is_conversation(value):
                     raise ValueError(f"expected a list of {{'role', 'content'}} messages, got {type(value).__name__}")
                 else:
                     samples.append(tokenize_chat(self.tokenizer, value))
             except ValueError as exc:
-                raise ValueError(f"{what}, row {index}: {exc}") from exc
-        self.samples = self._fit(samples, seq_len, packing)
-        self.pad_token_id = self.tokenizer.pad_token_id
-        if self.pad_token_id is None:
-            self.pad_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+                raise ValueError(f"{self.what}, {name_of(index)}: {exc}") from exc
+        return SFTSequences(self._fit(samples, self.seq_len, self.packing))
+
+    def _padded(self, rows: SFTSequences, target: int) -> SFTSequences:
+        return SFTSequences(repeat_first(rows.samples, target))
 
     @staticmethod
     def _fit(samples: list, seq_len: int, packing: bool) -> list:
@@ -208,16 +255,26 @@ class TextSFTData(pl.LightningDataModule):
         return kept
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(SFTSequences(self.samples), batch_size=self.batch_size, shuffle=self.shuffle,
-                          generator=torch.Generator().manual_seed(self.seed), num_workers=self.num_workers,
+        # LongSFTModule's own on_before_batch_transfer is the one to run: Lightning says so in a warning when the
+        # data comes from a data module; this is the data module meant for it, so the warning only misleads
+        warnings.filterwarnings("ignore", message=_MODULE_HOOK_WARNING)
+        rows = self.shard_rows()
+        sampler = DistributedSampler(rows, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed)
+        return DataLoader(rows, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
                           collate_fn=functools.partial(collate_sft, pad_token_id=self.pad_token_id))
 
 
+_MODULE_HOOK_WARNING = r"You have overridden `on_before_batch_transfer` in `LightningModule` but have passed in a"
+
+
 def text_sft_dataloader(path: str, **kwargs: Any) -> DataLoader:
-    """``TextSFTData(path, **kwargs).train_dataloader()``: what ``task=text_sft``'s ``task.data`` node builds (a
-    plain DataLoader, since ``LongSFTModule`` has its own ``on_before_batch_transfer``, which Lightning warns
-    about next to a data module)."""
-    return TextSFTData(path, **kwargs).train_dataloader()
+    """One plain ``DataLoader`` over the whole data set, tokenized here (Lightning's ``DistributedSampler`` splits
+    it over the dp ranks, so every rank tokenizes every row): for a Trainer of one's own without a data module.
+    ``task=text_sft`` builds :class:`TextSFTData`, whose ranks each tokenize only their shard."""
+    data = TextSFTData(path, **kwargs)
+    return DataLoader(SFTSequences(data.samples), batch_size=data.batch_size, shuffle=data.shuffle,
+                      generator=torch.Generator().manual_seed(data.seed), num_workers=data.num_workers,
+                      collate_fn=functools.partial(collate_sft, pad_token_id=data.pad_token_id))
 
 
 text_sft_dataloader.__signature__ = inspect.signature(TextSFTData)  # the same keywords (config checks read them)
