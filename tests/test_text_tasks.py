@@ -453,7 +453,7 @@ def test_sft_data_masks_prompts_truncates_or_packs(tmp_path, tokenizer):
     cut = TextSFTData(str(docs), seq_len=10, tokenizer=tokenizer, text_field="text", shuffle=False)
     assert [s[0] for s in cut.samples] == [s[0][:10] for s in text.samples]
     with pytest.raises(ValueError, match="no sample has a loss token within task.seq_len=8"):
-        TextSFTData(str(chats), seq_len=8, tokenizer=tokenizer).samples  # every answer is cut off (read: the shard)
+        TextSFTData(str(chats), seq_len=8, tokenizer=tokenizer).shard_rows()  # every answer is cut off
 
 
 def test_bad_sft_data_stops_with_its_message(tmp_path, hf_dir, tokenizer):
@@ -468,7 +468,7 @@ def test_bad_sft_data_stops_with_its_message(tmp_path, hf_dir, tokenizer):
         TextSFTData(str(chats), seq_len=64, tokenizer=bare)
     lonely = make_data.write_jsonl(tmp_path / "lonely.jsonl", [{"messages": [{"role": "user", "content": "a"}]}])
     with pytest.raises(ValueError, match=r"messages_field='messages', row 0: a chat record has no assistant message"):
-        TextSFTData(str(lonely), seq_len=64, tokenizer=tokenizer).samples  # refused when the shard is read
+        TextSFTData(str(lonely), seq_len=64, tokenizer=tokenizer).shard_rows()  # refused as the shard is read
 
 
 def test_text_sft_yaml_instantiates_and_trains_two_steps_in_process(tmp_path, hf_dir):

@@ -22,7 +22,11 @@ prompt, a prompt longer than ``seq_len``: refused naming the rows and their leng
 keeps each prompt's last ``seq_len`` tokens, since the question usually sits at the end of a long-context
 prompt), and a refusal on any rank stops every rank with it. Without a Trainer (the held-out data of
 :class:`~lightning_longctx.training.evaluation.RolloutEvaluation`, which splits prompts itself) the shard is
-every row.
+every row. Large JSON-lines data streams instead (``streaming``, :mod:`.jsonl_shard`): each rank reads only the
+lines of its byte range, the shards padded in ``setup`` once their row counts are gathered.
+:meth:`TextPromptData.check_before_launch` (``longctx-train``, in the launching process) refuses a too-long
+prompt of local, not streamed data before any rank starts. :class:`ShardedTextData` is what the GRPO and SFT
+data modules share.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """SFT on a user's long documents or chat records: ``task=text_sft`` (module: :class:`.long_sft.LongSFTModule`).
 
-:class:`TextSFTData` reads rows with :func:`~.text_data.load_rows` and yields HF-style batches for
-``strategy="ulysses"`` (which shards each sequence over SP)::
+:class:`TextSFTData` (a data module: each dp rank reads and tokenizes only its shard, as
+:class:`~.text_data.TextPromptData`'s ranks do, streamed for large JSON-lines data) reads rows with
+:func:`~.text_data.load_rows` and yields HF-style batches for ``strategy="ulysses"`` (which shards each
+sequence over SP)::
 
     input_ids  [batch, s]   s = the longest sequence of the batch (<= seq_len), right-padded with pad_token_id
     labels     [batch, s]   = input_ids where the loss counts, -100 elsewhere (padding, prompt turns)
