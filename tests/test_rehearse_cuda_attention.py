@@ -90,3 +90,34 @@ def test_only_fake_cpu_tensors_stand_for_cuda_and_only_inside_the_block():
         with devices.fake_cpu_as_cuda((7, 5)):  # below sm80 torch's efficient kernel runs
             assert attention_cuda.torch_cuda_kernel(fake) == "efficient"
     assert devices.stand_in_capability() is None and resolve_backend("auto", real) == "torch_cpu_flash"
+
+
+def _adamw_step_peak(make, foreach):
+    """The tracked peak of one AdamW step (states allocated by a first step) over three parameters."""
+    params = [torch.nn.Parameter(make(n)) for n in (4096, 1000, 24)]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
+    for p in params:
+        p.grad = make(p.numel())
+    optimizer.step()
+    with MemoryTracker() as mem:
+        mem.track(*params, *(p.grad for p in params),
+                  *(v for state in optimizer.state.values() for v in state.values()))
+        optimizer.step()
+    return mem.peak_bytes - mem.current_bytes
+
+
+def test_a_rehearsal_standing_for_cuda_takes_the_optimizers_cuda_implementation():
+    """torch's optimizers take the foreach implementation for CUDA parameters when ``foreach=None`` (the per-
+    parameter loop for CPU ones): a rehearsal standing for CUDA does too. Its step's transient is a whole
+    group's (AdamW's ``_foreach_sqrt`` of every second moment, float32) on fake tensors as on real ones."""
+    from lightning_longctx.rehearse.run import cuda_optimizer_defaults
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
+    assert cuda_optimizer_defaults(optimizer).startswith("optimizer: AdamW's foreach")
+    assert optimizer.param_groups[0]["foreach"] is True and cuda_optimizer_defaults(optimizer) is None
+    with FakeTensorMode():
+        fake = _adamw_step_peak(lambda n: torch.empty(n), foreach=True)
+    real = _adamw_step_peak(lambda n: torch.randn(n), foreach=True)
+    loop = _adamw_step_peak(lambda n: torch.randn(n), foreach=False)
+    assert fake == real >= (4096 + 1000 + 24) * 4  # every second moment's square root at once
+    assert loop <= 2 * 4096 * 4  # the largest parameter's temporaries

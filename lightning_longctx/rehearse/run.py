@@ -274,7 +274,7 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     notes = [sp_choice.describe(ClusterShape.from_config(cluster))] if sp_choice else []
     knobs = plan_knobs(cfg)
     hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
-    standing = contextlib.nullcontext()
+    standing = cpu_kernels = contextlib.nullcontext()
     if cluster.accelerator in ("gpu", "cuda") and device.type == "cpu":
         if hw is not None:  # the GPU's attention glue and fused SDPA ops (fake kernels) run: its plan is compared
             standing = fake_cpu_as_cuda(hw.compute_capability)
@@ -294,6 +294,8 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
                    fsdp_sharding=cluster.sharding) as world:
         mesh = world.dp_sp_mesh
         module, data, optimizer, _ = _setup(cfg, world, precision, mesh, expert_parallel)
+        if standing is not cpu_kernels:
+            notes += [note] if (note := cuda_optimizer_defaults(optimizer)) else []
         notes += [note] if (note := grouped_experts(module, precision)) else []
         if hw is not None and cluster.accelerator in ("gpu", "cuda"):
             notes.append(kernels_note(module, precision, hw))
@@ -328,6 +330,22 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     return Rehearsal(rows=rows, plan=planned, seconds=time.perf_counter() - start, device=str(device),
                      world_size=world.world_size, notes=notes, hardware=asdict(hw) if hw is not None else None,
                      host_folded=folded)
+
+
+def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> str | None:
+    """Where the optimizer leaves ``foreach`` to torch (None), take what torch takes for CUDA parameters
+    (``torch.optim.optimizer._default_to_fused_or_foreach``): the foreach implementation, whose temporaries span
+    a whole parameter group (AdamW's ``_foreach_sqrt`` of every second moment), not the per-parameter loop it
+    takes for CPU tensors. For a rehearsal on fake CPU tensors standing for CUDA; returns the output's note
+    (None: nothing changed)."""
+    groups = [g for g in optimizer.param_groups if "foreach" in g and g["foreach"] is None and not g.get("fused")
+              and not g.get("differentiable")]
+    for group in groups:
+        group["foreach"] = True
+    if not groups:
+        return None
+    return (f"optimizer: {type(optimizer).__name__}'s foreach implementation (what torch picks for CUDA parameters "
+            "when foreach=None; its CPU default is the per-parameter loop, with one parameter's temporaries)")
 
 
 def kernels_note(module, precision: str, hw) -> str:
