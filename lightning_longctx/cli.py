@@ -84,13 +84,22 @@ def trainer_precision(memory_cfg: DictConfig) -> str:
         raise ConfigError(str(err)) from err
 
 
-def collective_timeout(cluster_cfg: DictConfig):
-    """``cluster.collective_timeout_s`` as the process groups' ``timedelta``; ConfigError naming a bad value."""
-    seconds = cluster_cfg.get("collective_timeout_s")
+def collective_timeout(cluster_cfg: DictConfig, key: str = "collective_timeout_s"):
+    """``cluster.collective_timeout_s`` (or ``key``) as the process groups' ``timedelta``; ConfigError naming a
+    bad value."""
+    seconds = cluster_cfg.get(key)
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
-        raise ConfigError(f"cluster.collective_timeout_s={seconds!r} must be a positive number of seconds (e.g. 1800 "
+        raise ConfigError(f"cluster.{key}={seconds!r} must be a positive number of seconds (e.g. 1800 "
                           "on GPUs, 120 on CPU)")
     return timedelta(seconds=float(seconds))
+
+
+def init_timeout(cluster_cfg: DictConfig):
+    """``cluster.init_timeout_s`` as a ``timedelta`` (None when unset: ``collective_timeout_s`` throughout);
+    ConfigError naming a bad value."""
+    if cluster_cfg.get("init_timeout_s") is None:
+        return None
+    return collective_timeout(cluster_cfg, "init_timeout_s")
 
 
 def _is_rank_zero() -> bool:
@@ -208,7 +217,7 @@ def run_train(cfg: DictConfig) -> Any:
     from .training.nonfinite import check_policy
     from .training.processes import kill_launched_ranks
 
-    timeout = collective_timeout(cfg.cluster)  # bad values fail before any work
+    timeout, first_timeout = collective_timeout(cfg.cluster), init_timeout(cfg.cluster)  # bad values: before any work
     try:
         check_policy(cfg.on_nonfinite)
     except ValueError as err:
@@ -233,7 +242,8 @@ def run_train(cfg: DictConfig) -> Any:
     expert_parallel = expert_parallel_choice(cfg)
     strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
                                sharding=cluster.sharding, process_group_backend=cluster.process_group_backend,
-                               timeout=timeout, on_nonfinite=cfg.on_nonfinite, expert_parallel=expert_parallel)
+                               timeout=timeout, init_timeout=first_timeout, on_nonfinite=cfg.on_nonfinite,
+                               expert_parallel=expert_parallel)
     trainer = pl.Trainer(
         strategy=strategy, accelerator=cluster.accelerator, devices=cluster.devices, num_nodes=cluster.num_nodes,
         precision=precision, logger=loggers, **kwargs,

@@ -167,7 +167,9 @@ class ClusterConf:
     ``collective_timeout_s``: every collective's limit (the default process group and the SP / DP subgroups):
     a dead or hung rank makes the others fail after it, naming the timeout and the phase, and the launcher
     exits non-zero (docs/reliability.md). 1800 on the GPU presets (a checkpoint save or a long prefill on one
-    rank must fit in it), 120 on the CPU preset.
+    rank must fit in it), 120 on the CPU preset. ``init_timeout_s`` (None = ``collective_timeout_s``): the
+    limit until the second training batch starts instead: the process group's creation, the model's set-up, a
+    checkpoint load and the first batch (its first communicators) may take longer than a step's collectives.
     """
 
     # the planner's defaults (ClusterShape), but the accelerator: a bare ClusterShape plans a GPU, a cluster
@@ -180,6 +182,7 @@ class ClusterConf:
     sharding: str = ClusterShape.sharding
     process_group_backend: str | None = None
     collective_timeout_s: float = 1800.0
+    init_timeout_s: float | None = None
     # per node, shared by its ranks (planner/host.py); None = not budgeted
     host_memory_gib: float | None = ClusterShape.host_memory_gib
 

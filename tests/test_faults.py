@@ -4,8 +4,9 @@ must do about them (docs/reliability.md):
 - a dead rank (SIGKILL of rank 1 after the step-2 checkpoint): the run ends non-zero within the collective
   timeout + 60 s, the survivor's error names the phase and the rank, no process of the run is left, and
   ``ckpt_path=last`` then finishes with the parameters of an uninterrupted run (SFT; LongStraw under ``slow``);
-- a hung rank (SIGSTOP of rank 1, ``cluster.collective_timeout_s=10``): rank 0 fails naming the 10 s timeout
-  and the phase, the launcher exits non-zero, the stopped rank is killed with it;
+- a hung rank (SIGSTOP of rank 1, ``cluster.collective_timeout_s=10``; the set-up and the first batch under
+  ``cluster.init_timeout_s=120``, so that a loaded machine's slow start is not the fault): rank 0 fails naming
+  the 10 s timeout and the phase, the launcher exits non-zero, the stopped rank is killed with it;
 - a kill during a save (rank 0 SIGKILLs itself after writing its shard of the step-4 sharded checkpoint): the
   directory holds a half-written ``.partial``, ``last.ckpt`` still points at step 2, rank 1 died with rank 0,
   and the resumed run ignores and removes the partial and ends with the uninterrupted run's parameters
@@ -117,8 +118,10 @@ def test_a_dead_rank_fails_fast_and_the_run_resumes_exactly(task, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_hung_rank_fails_the_run_after_the_collective_timeout(tmp_path):
+    # the steps' collectives get 10 s; the process group's set-up and the first batch the CPU preset's 120 s
+    # (on 2 loaded cores rank 1's start alone can take over 10 s): rank 0 failing after 10 s below is the switch
     run = Run(tmp_path / "run", "trainer.max_steps=1000", "checkpoint.every_n_steps=2",
-              "cluster.collective_timeout_s=10")
+              "cluster.collective_timeout_s=10", f"cluster.init_timeout_s={CPU_TIMEOUT_S}")
     try:
         run.wait_for("checkpoints/last.ckpt", link="step_00000002.ckpt")
         start = time.monotonic()
@@ -134,6 +137,7 @@ def test_a_hung_rank_fails_the_run_after_the_collective_timeout(tmp_path):
     assert rc != 0, out[-3000:]
     assert 10 <= seconds < 10 + 60, seconds
     assert "collective timed out after 10 s during" in out and "on rank 0" in out, out[-3000:]
+    assert "(cluster.collective_timeout_s; a peer rank is hung or dead)" in out, out[-3000:]
     assert not survivors, f"processes left behind (the stopped rank?): {survivors}"
 
 
@@ -246,16 +250,77 @@ def test_nonfinite_policy_and_timeout_are_checked_before_any_work():
 
     from lightning_longctx import UlyssesStrategy
     from lightning_longctx.app import ConfigError
-    from lightning_longctx.cli import collective_timeout
+    from lightning_longctx.cli import collective_timeout, init_timeout
 
     with pytest.raises(ValueError, match="on_nonfinite='ignore' must be one of"):
         UlyssesStrategy(on_nonfinite="ignore")
     with pytest.raises(ValueError, match="timeout=.*must be a positive"):
         UlyssesStrategy(timeout=timedelta(seconds=0))
+    with pytest.raises(ValueError, match="init_timeout=.*must be a positive"):
+        UlyssesStrategy(init_timeout=timedelta(seconds=-1))
     for bad in (0, -5, "soon", True):
         with pytest.raises(ConfigError, match=f"cluster.collective_timeout_s={bad!r}"):
             collective_timeout(OmegaConf.create({"collective_timeout_s": bad}))
+        with pytest.raises(ConfigError, match=f"cluster.init_timeout_s={bad!r}"):
+            init_timeout(OmegaConf.create({"init_timeout_s": bad}))
     assert collective_timeout(OmegaConf.create({"collective_timeout_s": 120})) == timedelta(seconds=120)
+    assert init_timeout(OmegaConf.create({"init_timeout_s": None})) is None
+    assert init_timeout(OmegaConf.create({"init_timeout_s": 600})) == timedelta(seconds=600)
+
+
+def _timeout_error(strategy) -> str:
+    """The message of a gloo timeout raised inside one of ``strategy``'s guarded blocks."""
+    from lightning_longctx.parallel.collective_guard import CollectiveError
+
+    with pytest.raises(CollectiveError) as err, strategy._guard("training_step"):
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1ms for recv operation")
+    return str(err.value)
+
+
+def test_the_init_timeout_holds_until_the_second_batch_then_every_group_gets_the_step_timeout(monkeypatch):
+    from datetime import timedelta
+
+    import lightning_longctx.training.common as common
+    from lightning_longctx import UlyssesStrategy
+
+    strategy = UlyssesStrategy(timeout=timedelta(seconds=10), init_timeout=timedelta(seconds=120))
+    assert strategy._timeout == timedelta(seconds=120)  # what Lightning's init_process_group and the mesh get
+    assert "timed out after 120 s during training_step on rank ? (cluster.init_timeout_s;" in _timeout_error(strategy)
+    switched = []
+    monkeypatch.setattr(common, "set_mesh_timeout", lambda mesh, timeout: switched.append((mesh, timeout)))
+    strategy._device_mesh = mesh = object()
+    with monkeypatch.context() as patch:  # a process group "exists" (torch.distributed's own flag)
+        patch.setattr(common.dist, "is_initialized", lambda: True)
+        strategy.on_train_batch_start(None, 0)  # the first batch (set-up and checkpoint load before it): unchanged
+        assert not switched and strategy._timeout == timedelta(seconds=120)
+        strategy.on_train_batch_start(None, 1)
+    assert switched == [(mesh, timedelta(seconds=10))] and strategy._timeout == timedelta(seconds=10)
+    assert "timed out after 10 s during training_step on rank ? (cluster.collective_timeout_s;" in \
+        _timeout_error(strategy)
+    strategy.on_train_batch_start(None, 2)
+    assert len(switched) == 1  # once
+    plain = UlyssesStrategy(timeout=timedelta(seconds=10))  # no init_timeout: one limit throughout
+    plain.on_train_batch_start(None, 0), plain.on_train_batch_start(None, 1)
+    assert plain._timeout == timedelta(seconds=10) and len(switched) == 1
+
+
+def test_set_mesh_timeout_sets_the_default_group_and_each_mesh_group_of_more_than_one_rank(monkeypatch):
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import lightning_longctx.parallel.mesh as mesh
+
+    def group(name: str, size: int):
+        return SimpleNamespace(name=name, size=lambda: size)
+
+    world, dp, one = group("world", 4), group("dp", 2), group("sp", 1)
+    fake = SimpleNamespace(mesh_dim_names=("dp", "sp", "world"),
+                           get_group=lambda name: {"dp": dp, "sp": one, "world": world}[name])
+    seen = []
+    monkeypatch.setattr(mesh, "dist", SimpleNamespace(group=SimpleNamespace(WORLD=world)))
+    monkeypatch.setattr(mesh, "_set_pg_timeout", lambda timeout, g: seen.append((g.name, timeout)))
+    assert mesh.set_mesh_timeout(fake, timedelta(seconds=3)) == 2
+    assert seen == [("world", timedelta(seconds=3)), ("dp", timedelta(seconds=3))]  # the world dim once
 
 
 # ---------------------------------------------------------------------------------------- the launcher's environment

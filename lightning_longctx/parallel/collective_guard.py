@@ -45,9 +45,13 @@ def _rank() -> str:
     return str(dist.get_rank()) if dist.is_available() and dist.is_initialized() else "?"
 
 
-def describe(exc: BaseException, timeout_s: float | None) -> CollectiveError | None:
+STEP_SETTING = "cluster.collective_timeout_s"  # the limit of the training steps' collectives
+INIT_SETTING = "cluster.init_timeout_s"  # the set-up's and the first batch's, where it is a longer one
+
+
+def describe(exc: BaseException, timeout_s: float | None, setting: str = STEP_SETTING) -> CollectiveError | None:
     """A :class:`CollectiveError` for a backend error that looks like a timed-out collective or a lost peer
-    (None for anything else: it propagates unchanged)."""
+    (None for anything else: it propagates unchanged); ``setting``: the config key of ``timeout_s``."""
     if isinstance(exc, CollectiveError) or not isinstance(exc, RuntimeError):
         return None
     backend_error = isinstance(exc, getattr(dist, "DistBackendError", ()))
@@ -55,7 +59,7 @@ def describe(exc: BaseException, timeout_s: float | None) -> CollectiveError | N
     where = f"during {last_phase()} on rank {_rank()}"
     limit = f"{timeout_s:g} s" if timeout_s is not None else "the process group's timeout"
     if _TIMEOUT.search(text) and (backend_error or "gloo" in text or "ms for" in text or "NCCL" in text):
-        return CollectiveError(f"collective timed out after {limit} {where} (cluster.collective_timeout_s; "
+        return CollectiveError(f"collective timed out after {limit} {where} ({setting}; "
                                f"a peer rank is hung or dead): {text.splitlines()[0][:300]}")
     if backend_error or ("gloo" in text and _PEER_GONE.search(text)):
         why = ("a peer rank closed its connection (died?)" if _CLOSED.search(text) else "the backend failed")
@@ -65,14 +69,16 @@ def describe(exc: BaseException, timeout_s: float | None) -> CollectiveError | N
 
 
 @contextlib.contextmanager
-def collective_guard(timeout_s: float | None, name: str | None = None) -> Iterator[None]:
-    """Re-raise a collective failure inside the block as :class:`CollectiveError` (see :func:`describe`);
-    ``name`` marks a phase for the block too. Other exceptions pass unchanged."""
+def collective_guard(timeout_s: float | None, name: str | None = None,
+                     setting: str = STEP_SETTING) -> Iterator[None]:
+    """Re-raise a collective failure inside the block as :class:`CollectiveError` (see :func:`describe`;
+    ``setting``: the config key the timeout comes from); ``name`` marks a phase for the block too. Other
+    exceptions pass unchanged."""
     try:
         with phase(name) if name else contextlib.nullcontext():
             yield
     except RuntimeError as exc:
-        error = describe(exc, timeout_s)
+        error = describe(exc, timeout_s, setting)
         if error is None:
             raise
         forget_failure()
@@ -82,4 +88,4 @@ def collective_guard(timeout_s: float | None, name: str | None = None) -> Iterat
             forget_failure()
 
 
-__all__ = ["CollectiveError", "collective_guard", "describe"]
+__all__ = ["INIT_SETTING", "STEP_SETTING", "CollectiveError", "collective_guard", "describe"]

@@ -8,6 +8,8 @@ Timeouts: a mesh dimension spanning the whole world is the default process group
 ``init_process_group`` got); the smaller SP and DP subgroups are new groups, which torch would create with its
 default timeout (30 min for gloo, 10 for NCCL) whatever the default group's is: :func:`build_dp_sp_mesh`
 passes ``timeout`` to them, so a dead or hung peer fails every collective after the same configured time.
+:func:`set_mesh_timeout` changes them all at once later (the strategies' ``init_timeout``: a longer limit for
+the set-up and the first batch, then the step's).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 
 def check_sp_size(world_size: int, sp_size: int) -> None:
@@ -50,6 +53,19 @@ def build_dp_sp_mesh(sp_size: int, device_type: str = "cpu", timeout: timedelta 
         # a dim of the whole world stays the default group (an override would create a second communicator)
         override = {name: options for name, size in zip(("dp", "sp"), shape) if 1 < size < world}
     return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "sp"), backend_override=override or None)
+
+
+def set_mesh_timeout(mesh: DeviceMesh | None, timeout: timedelta) -> int:
+    """From now on every collective of the default process group and of ``mesh``'s groups (its dims' groups of
+    more than one rank) waits at most ``timeout`` on this rank (a local setting: no collective; each rank sets
+    its own). Returns how many groups were set."""
+    groups = [dist.group.WORLD]
+    if mesh is not None:
+        groups += [mesh.get_group(name) for name in mesh.mesh_dim_names or ()]
+    unique = {id(group): group for group in groups if group is not None and group.size() > 1}
+    for group in unique.values():
+        _set_pg_timeout(timeout, group)
+    return len(unique)
 
 
 def set_sequence_parallel_group(module: nn.Module, group: dist.ProcessGroup | None) -> int:

@@ -36,7 +36,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import CheckpointException
 
 from ..checkpoint_paths import LAST, resolve_ckpt_path
-from ..parallel.collective_guard import collective_guard
+from ..parallel.collective_guard import STEP_SETTING, collective_guard
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,8 @@ class AtomicCheckpoint(ModelCheckpoint):
     def _guard(trainer, name: str):
         """A collective failure during the save names the timeout and the checkpoint (see parallel.collective_guard)."""
         timeout = getattr(trainer.strategy, "_timeout", None)
-        return collective_guard(timeout.total_seconds() if timeout is not None else None, name)
+        setting = getattr(trainer.strategy, "timeout_setting", STEP_SETTING)
+        return collective_guard(timeout.total_seconds() if timeout is not None else None, name, setting)
 
     def load_state_dict(self, state_dict: dict) -> None:
         # resuming into another directory (ckpt_path=<other run>): the paths recorded there are that run's

@@ -18,7 +18,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 
 from ..parallel import build_dp_sp_mesh, check_sp_size
-from ..parallel.collective_guard import collective_guard
+from ..parallel.collective_guard import INIT_SETTING, STEP_SETTING, collective_guard
+from ..parallel.mesh import set_mesh_timeout
 from .batch import shard_sequence_batch
 from .nonfinite import NonfiniteGuard
 from .parallelize import SHARDING_MODES, broadcast_replicas, parallelize, pretrained_models
@@ -32,7 +33,8 @@ def _check_args(sp_size: int | None, head_chunk_size: int | None, sharding: str)
         raise ValueError(f"sharding={sharding!r} must be one of {SHARDING_MODES}")
 
 
-def check_strategy_args(backend: str | None, save_distributed_checkpoint=True, timeout=None) -> None:
+def check_strategy_args(backend: str | None, save_distributed_checkpoint=True, timeout=None,
+                        init_timeout=None) -> None:
     """The ``ModelParallelStrategy`` arguments Lightning stores unchecked (a bad backend would fail only in
     ``init_process_group``, after the processes started); also run on ``cluster.*`` by ``longctx-train``."""
     if backend is not None:
@@ -44,8 +46,9 @@ def check_strategy_args(backend: str | None, save_distributed_checkpoint=True, t
                              f"{[b for b in dist.Backend.backend_list if b != 'undefined']} or None (the device's)")
     if not isinstance(save_distributed_checkpoint, bool):
         raise TypeError(f"save_distributed_checkpoint={save_distributed_checkpoint!r} must be a bool")
-    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-        raise ValueError(f"timeout={timeout!r} must be a positive datetime.timedelta (or None)")
+    for name, value in (("timeout", timeout), ("init_timeout", init_timeout)):
+        if value is not None and (not isinstance(value, timedelta) or value.total_seconds() <= 0):
+            raise ValueError(f"{name}={value!r} must be a positive datetime.timedelta (or None)")
 
 
 class UlyssesMixin:
@@ -67,15 +70,20 @@ class UlyssesMixin:
         timeout: timedelta | None = default_pg_timeout,
         on_nonfinite: str | None = "raise",
         expert_parallel: bool = False,
+        init_timeout: timedelta | None = None,
     ) -> None:
         """The arguments of both strategies (documented on :class:`~.strategy.UlyssesStrategy`); Lightning's
-        ``ModelParallelStrategy`` gets the ones it owns, plus :meth:`_lightning_arguments`."""
+        ``ModelParallelStrategy`` gets the ones it owns, plus :meth:`_lightning_arguments`: its ``timeout``
+        (``init_process_group``'s, the mesh's subgroups') is ``init_timeout`` until :meth:`start_step_timeout`."""
         self.nonfinite = NonfiniteGuard(on_nonfinite) if on_nonfinite is not None else None
         self.expert_parallel = expert_parallel
+        check_strategy_args(process_group_backend, save_distributed_checkpoint, timeout, init_timeout)
+        self._step_timeout = timeout
+        self._init_timeout_on = init_timeout is not None and init_timeout != timeout
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout, **self._lightning_arguments())
+                         process_group_backend=process_group_backend,
+                         timeout=init_timeout if self._init_timeout_on else timeout, **self._lightning_arguments())
         _check_args(sp_size, head_chunk_size, sharding)
-        check_strategy_args(process_group_backend, save_distributed_checkpoint, timeout)
         self._requested_sp_size = sp_size
         self.head_chunk_size = head_chunk_size
         self.sharding = sharding
@@ -91,7 +99,25 @@ class UlyssesMixin:
     def _guard(self, name: str):
         """Collective failures in the block re-raised naming the timeout, ``name`` (or a finer phase), the rank."""
         timeout = getattr(self, "_timeout", None)
-        return collective_guard(timeout.total_seconds() if timeout is not None else None, name)
+        return collective_guard(timeout.total_seconds() if timeout is not None else None, name, self.timeout_setting)
+
+    @property
+    def timeout_setting(self) -> str:
+        """The config key of the collectives' limit now: ``cluster.init_timeout_s`` until
+        :meth:`start_step_timeout` (when it differs from ``timeout``), then ``cluster.collective_timeout_s``."""
+        return INIT_SETTING if self._init_timeout_on else STEP_SETTING
+
+    def start_step_timeout(self) -> None:
+        """From here on every collective waits at most ``timeout``, not ``init_timeout``: the default process
+        group and the mesh's SP / DP subgroups (this rank's setting, no collective). ``UlyssesStrategy`` calls it
+        when the second training batch starts (the set-up, a checkpoint load and the first batch, with its first
+        communicators, had ``init_timeout``); under Fabric call it after your first step. Once; then a no-op."""
+        if not self._init_timeout_on:
+            return
+        self._init_timeout_on = False
+        self._timeout = self._step_timeout
+        if self._step_timeout is not None and dist.is_available() and dist.is_initialized():
+            set_mesh_timeout(getattr(self, "_device_mesh", None), self._step_timeout)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(sp_size={self._requested_sp_size}, head_chunk_size={self.head_chunk_size}, "

@@ -10,7 +10,8 @@
 - ``fabric.save`` / ``fabric.load`` write and read distributed checkpoints (any dp x sp layout on reload).
 - ``timeout``: every collective's limit, the mesh's SP / DP subgroups included (the loop is yours: wrap it in
   ``lightning_longctx.parallel.collective_guard.collective_guard`` to get the phase-naming errors the Trainer strategy
-  raises).
+  raises). ``init_timeout`` (None = ``timeout``): the limit until you call ``strategy.start_step_timeout()``
+  (e.g. after your first step): the process group's creation, the set-up and the first communicators.
 - ``on_nonfinite``: as the Trainer strategy's, on the gradients (Fabric's ``optimizer.step()`` sees no loss):
   ``"raise"`` (default) stops naming the first non-finite parameter, ``"skip"`` leaves parameters and
   optimizer state untouched (``strategy.nonfinite.skipped`` counts the skips; ``optimizer.step()`` returns
@@ -39,7 +40,7 @@ class UlyssesFabricStrategy(UlyssesMixin, ModelParallelStrategy):
 
     Args: as :class:`lightning_longctx.training.UlyssesStrategy` (``sp_size``, ``head_chunk_size``,
     ``sharding``, ``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``, ``on_nonfinite``,
-    ``expert_parallel``).
+    ``expert_parallel``, ``init_timeout``: until :meth:`start_step_timeout`, which the loop calls).
     """
 
     _namespace_hint = "[a lightning.fabric strategy: use lightning.fabric.Fabric, not lightning_fabric.Fabric]"

@@ -27,7 +27,8 @@ reduction); for a module that handles SP itself (plain replicas) Lightning's aut
 ``"bf16-true"`` (everything bf16, no master copy) is only an explicit memory option.
 
 Faults (docs/reliability.md): ``timeout`` is every collective's limit, on the default process group and on the
-mesh's SP / DP subgroups alike (``longctx-train``: ``cluster.collective_timeout_s``); a collective that times out
+mesh's SP / DP subgroups alike (``longctx-train``: ``cluster.collective_timeout_s``; ``init_timeout``, when
+given, until the second training batch starts: ``cluster.init_timeout_s``); a collective that times out
 or loses its peer inside a strategy hook (setup, batch sharding, ``training_step``, backward, optimizer step,
 barriers, checkpoint save / load) is re-raised as :class:`~lightning_longctx.parallel.collective_guard.CollectiveError`
 naming the timeout, the phase (the innermost marked one: LongStraw marks prefill, sampling, each replay branch,
@@ -79,6 +80,10 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
         save_distributed_checkpoint, process_group_backend: as in ``ModelParallelStrategy``.
         timeout: every collective's limit (default process group and the mesh's subgroups); a collective that
             times out (or whose peer died) raises ``CollectiveError`` naming it and the phase.
+        init_timeout: the limit until the second training batch starts instead (None = ``timeout``): the
+            process group's creation, the set-up (parallelize, parameter broadcast), a checkpoint load and the
+            first batch (its first communicators, compilation) wait longer than a step's collectives
+            (torchtitan's init / train timeouts; ``longctx-train``: ``cluster.init_timeout_s``).
         on_nonfinite: ``"raise"`` (default: :class:`~.nonfinite.NonFiniteError` naming the step and the first
             non-finite parameter), ``"skip"`` (no optimizer step: parameters and optimizer state untouched,
             ``train/nonfinite_skipped`` counts them) or None (no check); one decision for all ranks.
@@ -87,6 +92,7 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
     strategy_name = "ulysses"
     _namespace_hint = "[a lightning.pytorch strategy: use lightning.pytorch.Trainer, not pytorch_lightning.Trainer]"
     last_step_skipped = False  # whether the last optimizer_step was skipped (non-finite, "skip")
+    _train_batches_started = 0
 
     # ------------------------------------------------------------------------------------------------ faults
     def setup_environment(self) -> None:
@@ -95,6 +101,13 @@ class UlyssesStrategy(UlyssesMixin, ModelParallelStrategy):
             self._setup_layout()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # the first batch of this fit (after a resume too) has init_timeout; the others the step's timeout
+        if self._train_batches_started:
+            self.start_step_timeout()
+        self._train_batches_started += 1
+        super().on_train_batch_start(batch, batch_idx)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._guard("training_step"):
