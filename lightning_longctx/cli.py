@@ -67,6 +67,7 @@ from .planner import (
     kv_cache_bytes,
 )
 from .planner import plan as make_plan
+from .planner.longstraw import detached_step_reason
 from .planner.shapes import describe_model
 from .planner.sp_degree import crosses_nodes, longest_context
 from .safe_load import UntrustedCheckpointError
@@ -159,8 +160,11 @@ def format_plan(cfg: DictConfig, overrides: list[str] | None = None) -> str:
     ls, ls_sp = longest_longstraw_prompt(cfg, model, sp_sizes)
     held = shape.sharding if world > 1 else "replicate"
     how = f"FSDP-sharded over the {world} ranks" if held == "fsdp" else "replicated"
+    # what the planner planned: the detached step for prefix-frozen LoRA although prompt_grad=full
+    detached = detached_step_reason(model, request["prompt_grad"])
+    step = f"prompt_grad={request['prompt_grad']}" if detached is None else f"the detached step, {detached}"
     lines.append(f"  LongStraw: {ls:>14,} prompt tokens (G={request['group_size']}, responses of "
-                 f"{request['response_len']:,} tokens, prompt_grad={request['prompt_grad']}; parameters, "
+                 f"{request['response_len']:,} tokens, {step}; parameters, "
                  f"gradients and optimizer states {how}, as LongStrawModule runs) {at(ls_sp)}")
     if world > 1 and held != "fsdp":
         sharded, sharded_sp = longest_longstraw_prompt(cfg, model, sp_sizes, param_sharding="fsdp")

@@ -60,6 +60,23 @@ def test_plan_shows_longstraw_accumulators_and_kv_for_the_hybrid(tmp_path):
         assert component in text, text
 
 
+def test_plan_says_the_detached_step_it_plans_for_prefix_frozen_lora():
+    """``model.lora.on_prompt=false`` with ``task.prompt_grad=full``: the "LongStraw:" line is planned at the
+    detached step's cost (no grouped backward: a longer prompt than the adapters on the prompt allow) and says so,
+    not "prompt_grad=full"."""
+    args = ("task=needle_grpo", "model.lora.r=4")
+    frozen = compose_cfg(*args, "model.lora.on_prompt=false", config_name="plan")
+    assert frozen.task.get("prompt_grad", "full") == "full"
+    text = cli.format_plan(frozen, overrides=[])
+    line = next(line for line in text.splitlines() if line.startswith("  LongStraw:"))
+    assert "the detached step, prefix-frozen LoRA (model.lora.on_prompt=false)" in line, line
+    assert "prompt_grad=full" not in line, line
+    tokens = int(re.search(r"LongStraw:\s+([\d,]+) prompt tokens", line).group(1).replace(",", ""))
+    on_prompt = compose_cfg(*args, config_name="plan")
+    exact, _ = cli.longest_longstraw_prompt(on_prompt, cli.model_shape(on_prompt))
+    assert tokens > exact
+
+
 def test_plan_and_budget_check_take_the_tasks_state_segment_as_the_step_does():
     """``task.state_segment`` (the module's, so the step's) reaches the planner's ``MemoryKnobs.state_segment``
     in longctx-plan's table and longctx-train's check: the hybrid's Gated DeltaNet states every 128 prompt

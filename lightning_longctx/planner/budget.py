@@ -21,7 +21,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .host import host_budget_bytes, pinned_block, recomputed_layers
-from .longstraw import choose_prompt_checkpoint_every, grouped_backward_runs, host_blocks, longstraw_phases
+from .longstraw import (
+    choose_prompt_checkpoint_every,
+    detached_step_reason,
+    host_blocks,
+    longstraw_phases,
+)
 from .mla_moe import mla_layout
 from .phases import stage_layout
 from .reserve import RESERVE_TERMS, reserve_terms
@@ -194,9 +199,7 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
     if mode == "longstraw" and cluster.world > 1 and param_sharding is None and held.sharding == "replicate":
         notes.append("LongStraw: parameters, gradients and optimizer states are full replicas on every rank "
                      "(cluster.sharding=replicate)")
-    if mode == "longstraw" and not grouped_backward_runs(model, prompt_grad):
-        why = ("prefix-frozen LoRA (model.lora.on_prompt=false): the prompt state depends on frozen weights only"
-               if prompt_grad == "full" else "prompt_grad=none: the prompt state is detached (biased)")
+    if mode == "longstraw" and (why := detached_step_reason(model, prompt_grad)):
         notes.append(f"LongStraw detached step, {why}: no prompt checkpoints, no cache gradients, no grouped "
                      "backward")
     if mode == "longstraw" and every > 1:

@@ -421,6 +421,16 @@ def grouped_backward_runs(model: ModelShape, prompt_grad: str) -> bool:
     return prompt_grad == "full" and not (model.lora_r and not model.lora_on_prompt)
 
 
+def detached_step_reason(model: ModelShape, prompt_grad: str) -> str | None:
+    """Why the LongStraw step is planned (and runs) detached, naming the setting; None when it runs the grouped
+    backward (:func:`grouped_backward_runs`). What the plan's note and ``longctx-plan``'s "LongStraw:" line say."""
+    if grouped_backward_runs(model, prompt_grad):
+        return None
+    if prompt_grad == "full":  # exact: nothing trainable acts on the prompt
+        return "prefix-frozen LoRA (model.lora.on_prompt=false): the prompt state depends on frozen weights only"
+    return "prompt_grad=none: the prompt state is detached (biased)"
+
+
 def host_blocks(host: dict[str, int], model: ModelShape, cluster: ClusterShape, knobs: MemoryKnobs, seq_len: int,
                 ) -> dict[str, int]:
     """The pinned host blocks (:func:`.host.pinned_block`: each tensor in its own pages) of a LongStraw plan's
@@ -475,5 +485,5 @@ def choose_prompt_checkpoint_every(model: ModelShape, cluster: ClusterShape, kno
     return min(scored)[2]
 
 
-__all__ = ["STATE_SEGMENT", "choose_keep_attention_output", "choose_prompt_checkpoint_every",
+__all__ = ["STATE_SEGMENT", "choose_keep_attention_output", "choose_prompt_checkpoint_every", "detached_step_reason",
            "grouped_backward_runs", "host_blocks", "longstraw_phases"]
