@@ -55,6 +55,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero)
         self.mlp = build_moe(config) if config.is_sparse_layer(layer_index) else DecoderMLP(config)
         self.mlp_chunk_size = memory.mlp_chunk_size
+        # a MoE block's token is num_experts_per_tok (token, expert) rows of the experts' intermediates
+        self.mlp_rows_per_token = config.num_experts_per_tok if config.is_sparse_layer(layer_index) else 1
         self.adapter_start: int | None = None
 
     @property
@@ -112,8 +114,16 @@ class DecoderLayer(nn.Module):
 
     def mlp_block(self, hidden: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``h + mlp(norm(h))`` on the residual sum ``h [b, s_l, E]`` (:meth:`residual_mlp` after its add)."""
-        return hidden + tiled_mlp(self.mlp, self.post_attention_layernorm(hidden), self.mlp_chunk_size,
+        return hidden + tiled_mlp(self.mlp, self.post_attention_layernorm(hidden), self.mlp_tile_tokens,
                                   token_mask=lora_mask)
+
+    @property
+    def mlp_tile_tokens(self) -> int | None:
+        """Tokens per tile of the MLP: ``mlp_chunk_size`` rows of its intermediates, so a MoE block's tile is
+        ``mlp_chunk_size // num_experts_per_tok`` tokens (at least 1; each token runs through ``k`` experts:
+        DeepSeek-V3's 16,384-row tile is 2,048 tokens) and a dense MLP's ``mlp_chunk_size``; None: untiled."""
+        chunk = self.mlp_chunk_size
+        return None if chunk is None else max(1, chunk // self.mlp_rows_per_token)
 
     def prompt_state(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, state_every: int | None = None):
         """Only this layer's state for ``hidden``, as ``forward(..., return_state=True)`` returns it, without the

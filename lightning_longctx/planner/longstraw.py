@@ -51,6 +51,7 @@ from .mla_moe import (
     mlp_token_saved,
     moe_backward_bytes,
     moe_nograd_bytes,
+    moe_tile_tokens,
 )
 from .phases import (
     STATE_SEGMENT,
@@ -273,7 +274,8 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     mlp_nograd = ((3 + lora_mlp) * s_l if chunk is None or chunk >= s_l else (4 + lora_mlp) * chunk) \
         * model.intermediate_size * b
     prefill_mlp = s_l * (2 * e * b + norm_bytes(model, b)) + mlp_nograd
-    moe_tokens = s_l if chunk is None or chunk >= s_l else chunk
+    moe_chunk = moe_tile_tokens(model, knobs) if model.sparse_layers else None  # (token, expert) rows per tile
+    moe_tokens = s_l if moe_chunk is None or moe_chunk >= s_l else moe_chunk
     prefill_moe = s_l * (2 * e * b + norm_bytes(model, b)) + moe_nograd_bytes(model, knobs, moe_tokens)
 
     def prefill_layer(i: int) -> int:

@@ -224,12 +224,19 @@ def moe_nograd_bytes(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
                      + e * b)
 
 
+def moe_tile_tokens(model: ModelShape, knobs: MemoryKnobs) -> int | None:
+    """Tokens per tile of a MoE block (``DecoderLayer.mlp_tile_tokens``): ``mlp_chunk_size`` (token, expert)
+    rows, ``mlp_chunk_size // k`` tokens (at least 1); None: untiled."""
+    chunk = knobs.mlp_chunk_size
+    return None if chunk is None else max(1, chunk // model.num_experts_per_tok)
+
+
 def moe_backward_bytes(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> int:
     """A MoE block's backward transient beyond its saved tensors, ``tokens`` tokens: per pair the gradients of the
     weighted and the expert output ``2 k E b`` (measured; the expert-wise gate/up and product gradients are one
     expert's rows at a time), or the shared SwiGLU's ``2 I_s b`` if larger, and the expert weights' full-size
     gradients ``3 X I_m E b`` (the loop backend's ``select``
-    backward; the grouped matmul's is the gradient itself). Tiled (``mlp_chunk_size`` < tokens): one tile's
+    backward; the grouped matmul's is the gradient itself). Tiled (:func:`moe_tile_tokens` < tokens): one tile's
     recompute and backward, the input's gradient ``E b`` over all tokens, and ``tiled_mlp``'s per-tile parameter
     gradients summed in float32: the block's parameters x ``(2a + b)`` (half: a tile's gradient, its float32
     copy and the sum) or ``2a``. LoRA (a frozen base): no expert-weight gradient exists."""
@@ -241,7 +248,7 @@ def moe_backward_bytes(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> in
     weights = model.expert_parameters() // knobs.expert_parallel_size * b \
         if knobs.attention_backend == "eager" and not frozen else 0
     dispatch = expert_dispatch_bytes(model, knobs, 1)  # per token: the gradients' exchange, as the forward's
-    chunk = knobs.mlp_chunk_size
+    chunk = moe_tile_tokens(model, knobs)
     per_token = max(2 * k * e, 2 * model.shared_width) * b + dispatch
     if chunk is None or chunk >= tokens:
         return tokens * per_token + weights
@@ -252,8 +259,8 @@ def moe_backward_bytes(model: ModelShape, knobs: MemoryKnobs, tokens: int) -> in
 
 def mlp_token_saved(model: ModelShape, knobs: MemoryKnobs, index: int, tokens: int) -> int:
     """Per token, layer ``index``'s MLP saved tensors when it runs untiled on ``tokens`` tokens (0 tiled): the
-    SwiGLU's ``4 I b`` or :func:`moe_token_saved`."""
-    chunk = knobs.mlp_chunk_size
+    SwiGLU's ``4 I b`` or :func:`moe_token_saved` (a MoE block tiles :func:`moe_tile_tokens`)."""
+    chunk = moe_tile_tokens(model, knobs) if model.is_sparse(index) else knobs.mlp_chunk_size
     if chunk is not None and chunk < tokens:
         return 0
     return moe_token_saved(model, knobs) if model.is_sparse(index) else 4 * model.intermediate_size * knobs.dtype_bytes
@@ -272,5 +279,6 @@ __all__ = [
     "expert_dispatch_bytes",
     "moe_backward_bytes",
     "moe_nograd_bytes",
+    "moe_tile_tokens",
     "moe_token_saved",
 ]

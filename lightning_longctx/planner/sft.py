@@ -16,6 +16,7 @@ from .mla_moe import (
     mlp_token_saved,
     moe_backward_bytes,
     moe_nograd_bytes,
+    moe_tile_tokens,
 )
 from .phases import (
     attention_stage_bytes,
@@ -69,7 +70,7 @@ def _mlp_transients_of(model: ModelShape, knobs: MemoryKnobs, tokens: int, index
     pairs and the scattered sum ``(k + 1) E b`` per token; tiled one tile's no-grad forward)."""
     if not model.is_sparse(index):
         return mlp_transients(model, knobs, tokens)
-    chunk = knobs.mlp_chunk_size
+    chunk = moe_tile_tokens(model, knobs)
     tiled = chunk is not None and chunk < tokens
     fwd = moe_nograd_bytes(model, knobs, chunk) if tiled else \
         tokens * (model.num_experts_per_tok + 1) * model.hidden_size * knobs.dtype_bytes
