@@ -228,6 +228,7 @@ def run_train(cfg: DictConfig) -> Any:
         raise ConfigError(str(err)) from err
 
     from .training.checkpoint import AtomicCheckpoint
+    from .training.evaluation import RolloutEvaluation
     from .training.progress import PhaseProgress
 
     route_lightning_deprecations()
@@ -259,12 +260,18 @@ def run_train(cfg: DictConfig) -> Any:
     pl.seed_everything(cfg.seed, workers=True)
     model = build_model(cfg, expert_shard=expert_shard)
     module, data = build_task(cfg, model)
-    check_data = getattr(data, "check_before_launch", None)  # text prompts: a too-long one, before any rank starts
-    if callable(check_data) and _is_rank_zero():
-        try:
-            check_data()
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
+    if _is_rank_zero():  # text prompts, training and held-out: a too-long one, before any rank starts
+        sources = [("task.data", data)]
+        evaluation = next((c for c in kwargs["callbacks"] if isinstance(c, RolloutEvaluation)), None)
+        if evaluation is not None:
+            sources.append(("task.eval_data", evaluation.data))
+        for key, source in sources:
+            check_data = getattr(source, "check_before_launch", None)
+            if callable(check_data):
+                try:
+                    check_data(key)
+                except ValueError as err:
+                    raise ConfigError(str(err)) from err
     if cfg.task.mode == "longstraw" and getattr(module, "progress", "") is None:
         # log lines with an ETA for phases longer than 30 s (a bar would fight Lightning's own progress bar)
         module.progress = PhaseProgress(mode="log", min_interval_s=30.0)

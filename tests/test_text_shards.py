@@ -194,3 +194,39 @@ def test_a_too_long_prompt_is_refused_before_launch_naming_its_row_and_length(hf
         in caplog.text
     with pytest.raises(ValueError, match=rf"1 prompt\(s\) longer than task.seq_len=50 tokens: {path}:4 \({length} "):
         streamed.shard_rows()
+
+
+def test_a_too_long_held_out_prompt_is_refused_before_launch_naming_eval_data(hf_dir, tmp_path, monkeypatch):
+    """``task.eval_data`` (held-out prompts, ``task.eval_every_n_steps > 0``) gets the training data's check: a
+    prompt longer than ``task.seq_len`` stops ``longctx-train`` before ``fit``, naming ``task.eval_data``, the
+    row and its length (the training data, all short, passes)."""
+    import lightning.pytorch as pl
+    from hydra import compose, initialize_config_module
+
+    from lightning_longctx import cli
+    from lightning_longctx.config_checks import ConfigError
+    from lightning_longctx.tasks.text_data import TextPromptData
+
+    short = {"prompt": "the magic word is ember ."}
+    train = _write(tmp_path / "train.jsonl", [short] * 2)
+    heldout = _write(tmp_path / "heldout.jsonl", [short, {"prompt": " ".join(["word"] * 80)}, short])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "build_loggers", lambda cfg: [])
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("fit started before the held-out data was checked")
+
+    monkeypatch.setattr(pl.Trainer, "fit", forbidden)
+    with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "task=text_grpo", f"model.pretrained={hf_dir}", f"task.data.path={train}", "task.seq_len=50",
+            "task.eval_every_n_steps=1", f"task.eval_data.path={heldout}",
+            "task.reward_funcs=[lightning_longctx.tasks.rewards.environment_reward]", "trainer=smoke",
+            "plan.check=false"])
+    tokenizer = TextPromptData(str(train), seq_len=512, tokenizer_path=str(hf_dir)).tokenizer
+    length = len(tokenizer(" ".join(["word"] * 80))["input_ids"])
+    assert length > 50
+    with pytest.raises(ConfigError, match=rf"^task.eval_data.path='{heldout}': 1 prompt\(s\) longer than "
+                                          rf"task.seq_len=50 tokens: row 1 \({length} tokens\).*"
+                                          r"task.eval_data.truncate=left"):
+        cli.run_train(cfg)

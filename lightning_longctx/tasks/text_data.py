@@ -458,34 +458,35 @@ class TextPromptData(ShardedTextData):
                         len(long), seq_len, name_of(long[0][0]), long[0][1])
         return [torch.tensor(x[-seq_len:], dtype=torch.int32) for x in ids]
 
-    def check_before_launch(self) -> None:
+    def check_before_launch(self, key: str = "task.data") -> bool:
         """Refuse a prompt longer than ``seq_len`` now, in the process that launches the ranks, when the data is
         local and cheap to scan (not streamed, at most :data:`SCAN_BEFORE_LAUNCH_BYTES` of Arrow data): every
         prompt is tokenized once here (the ranks tokenize their shards again), and the ValueError names each
         too-long row of the whole data set and its length. Streamed or larger data is not scanned (that would
         read and tokenize all of it in one process before any rank starts): each rank refuses such a prompt when
         it reads its shard, naming its file and line, and stops every rank. Returns whether the data was scanned
-        (nothing to do with ``truncate="left"``)."""
+        (nothing to do with ``truncate="left"``). ``key``: the config node the messages name (``task.eval_data``
+        for the held-out prompts)."""
         if self.truncate is not None:
             return False
         if self.source is None or self.source.data.nbytes > SCAN_BEFORE_LAUNCH_BYTES:
             what = "streamed" if self.source is None else f"{self.source.data.nbytes / 2**20:.0f} MiB"
-            log.info("task.data (%s) is not scanned for prompts longer than task.seq_len=%d before launch: each rank "
-                     "checks its shard as it reads it", what, self.seq_len)
+            log.info("%s (%s) is not scanned for prompts longer than task.seq_len=%d before launch: each rank "
+                     "checks its shard as it reads it", key, what, self.seq_len)
             return False
         prompts, rows = self.source[self.prompt_field], self.source[ROW_COLUMN]
         null = [row for row, p in zip(rows, prompts) if p is None]
         if null:
-            raise ValueError(f"task.data.path={self.path!r}: row(s) {null[:10]} have no {self.prompt_field!r} "
+            raise ValueError(f"{key}.path={self.path!r}: row(s) {null[:10]} have no {self.prompt_field!r} "
                              "(null)")
         lengths = [len(encode_prompt(self.tokenizer, p, chat_template=self.chat_template)) for p in prompts]
         long = [(row, n) for row, n in zip(rows, lengths) if n > self.seq_len]
         if long:
             shown = ", ".join(f"row {row} ({n} tokens)" for row, n in long[:5])
-            raise ValueError(f"task.data.path={self.path!r}: {len(long)} prompt(s) longer than task.seq_len="
+            raise ValueError(f"{key}.path={self.path!r}: {len(long)} prompt(s) longer than task.seq_len="
                              f"{self.seq_len} tokens: {shown}{', ...' if len(long) > 5 else ''} (the longest: "
                              f"{max(lengths)} tokens); raise task.seq_len (the memory plan checks it), or set "
-                             f"task.data.truncate=left to keep each prompt's last {self.seq_len} tokens")
+                             f"{key}.truncate=left to keep each prompt's last {self.seq_len} tokens")
         return True
 
     def train_dataloader(self) -> DataLoader:
