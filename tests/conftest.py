@@ -152,17 +152,17 @@ def leave_no_process_group():
 TEXT_EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "text_grpo"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory) -> pathlib.Path:
-    """The tiny Qwen3-shaped HF checkpoint and tokenizer of ``examples/text_grpo/make_model.py`` (one per test
-    file)."""
+    """The tiny Qwen3-shaped HF checkpoint and tokenizer of ``examples/text_grpo/make_model.py`` (one per pytest
+    process: ~2 CPU s to train the tokenizer and write the model, and five test files read it; none writes)."""
     sys.path.insert(0, str(TEXT_EXAMPLE))
     import make_model  # here, not at the top: only the text tests pay for importing transformers
 
     return make_model.make_model(tmp_path_factory.mktemp("hf") / "tiny_qwen3")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def qa_jsonl(tmp_path_factory) -> pathlib.Path:
     """Six question/answer rows of ``examples/text_grpo/make_data.py`` (20-word documents) as a JSONL file."""
     sys.path.insert(0, str(TEXT_EXAMPLE))
