@@ -7,10 +7,11 @@ spends ~2.5 s of CPU (4 on the loaded 2-core machine) importing torch and ``torc
 line. Here a zygote (one ``python -c`` per pytest process, started at the first call) imports those two once and
 forks one child per call: the child is the interpreter ``python -c`` would be after ``import torch`` (the same
 ``sys.path``, with ``''`` first, ``sys.argv == ['-c']``, ``__name__ == '__main__'``, the call's cwd and
-environment), runs the code, and exits as ``python -c`` does (``SystemExit`` status, 1 and the traceback on
-stderr for an exception, exit handlers run). Before the code runs the child checks that no module of the package,
-of Lightning (``lightning``, ``lightning_fabric``, ``lightning_utilities``, ``pytorch_lightning``) or of
-``torchmetrics`` is imported: the freshness the checks rely on.
+environment; a call whose ``PYTHON*`` variables differ from the zygote's gets a new zygote), runs the code and
+exits as ``python -c`` does (``SystemExit`` status; 1 and the traceback on stderr for an exception; exit handlers
+run). Before the code runs the child checks that no module of the package, of Lightning (``lightning``,
+``lightning_fabric``, ``lightning_utilities``, ``pytorch_lightning``) or of ``torchmetrics`` is imported: the
+freshness the checks rely on.
 
 Only for code whose subject is not torch's own import (torch is already imported, as it is in every real use).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,14 +77,22 @@ class Completed:
     stderr: str
 
 
+def _startup_environment(env: dict) -> dict:
+    """The variables an interpreter reads when it starts (``PYTHONPATH``, ``PYTHONHASHSEED``, ...): a child of a
+    zygote started under others would not be the interpreter ``python -c`` gives."""
+    return {k: v for k, v in env.items() if k.startswith("PYTHON")}
+
+
 class _Zygote:
     def __init__(self):
         self.proc = None
+        self.startup_env: dict = {}
         self._pending = b""  # read from the zygote's stdout, not yet a whole line
 
-    def start(self) -> None:
+    def start(self, env: dict) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     bufsize=0, cwd=os.getcwd())
+                                     bufsize=0, cwd=os.getcwd(), env=env)
+        self.startup_env = _startup_environment(env)
         self._pending = b""
 
     def send(self, request: dict) -> None:
@@ -121,14 +131,16 @@ def run(code: str, *, cwd: str | os.PathLike, timeout: float = 120.0, env: dict 
     """``subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=timeout)``,
     in a child of the zygote (see the module docstring). Raises ``subprocess.TimeoutExpired`` past ``timeout``
     (the child killed, as ``subprocess.run`` does)."""
+    env = dict(os.environ if env is None else env)
     zygote = _ZYGOTE_PROCESS
+    if zygote.alive() and zygote.startup_env != _startup_environment(env):
+        zygote.stop()
     if not zygote.alive():
-        zygote.start()
+        zygote.start(env)
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="fresh_python_") as scratch:
         out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
-        request = {"code": code, "cwd": os.fspath(cwd), "env": dict(os.environ if env is None else env),
-                   "stdout": out, "stderr": err}
+        request = {"code": code, "cwd": os.fspath(cwd), "env": env, "stdout": out, "stderr": err}
         zygote.send(request)
         started = zygote.read_line(time.monotonic() + 60)  # the fork: at once, unless the zygote is gone
         if not started:
@@ -137,8 +149,9 @@ def run(code: str, *, cwd: str | os.PathLike, timeout: float = 120.0, env: dict 
         pid = int(started)
         done = zygote.read_line(deadline)
         if not done:
-            os.kill(pid, 9)
-            zygote.stop()  # its reply for the killed child would come first next time: a new zygote
+            os.kill(pid, signal.SIGKILL)
+            if not zygote.read_line(time.monotonic() + 30):  # its report of the killed child, or a new zygote
+                zygote.stop()
             raise subprocess.TimeoutExpired([sys.executable, "-c", code], timeout)
         status = int(done.split()[1])
         returncode = os.waitstatus_to_exitcode(status)
