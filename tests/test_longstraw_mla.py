@@ -95,7 +95,7 @@ def _sp_worker(rank, world):
     assert_grads_close(got, want, label=f"offload rank {rank}")
     worst = max(worst, max(((got[n] - w).norm() / w.norm()).item() for n, w in want.items()))
     if world == 2:  # FSDP2-sharded parameters: the grouped backward's recompute runs inside FSDP's hooks
-        worst = max(worst, _fsdp_step(rank))
+        worst = max(worst, _fsdp_step(rank), _fsdp_step(rank, offload=True))
     from lightning_longctx.longstraw import sample  # decoding over the sequence-sharded prompt latent
 
     prompt, _, _ = make_group(1, prompt_len=21, seed=3)
@@ -104,7 +104,10 @@ def _sp_worker(rank, world):
     return worst
 
 
-def _fsdp_step(rank):
+def _fsdp_step(rank, offload=False):
+    """``offload``: the prompt latents and their sums on the host (a StagedLatent through FSDP2's forward hooks)."""
+    import contextlib
+
     import torch.distributed as dist
 
     from lightning_longctx.training.parallelize import (
@@ -120,11 +123,13 @@ def _fsdp_step(rank):
     shard_modules(model, [model], sharding="fsdp", mesh=fsdp_mesh("fsdp", "cpu"),
                   mp_policy=mixed_precision_policy(None))
     register_prefix_state_methods([model])
-    out = longstraw_step(model, prompt, responses, advantages, memory=StepMemory(measure_memory=False),
-                         groups=StepGroups(sp_group=dist.group.WORLD))
+    with simulated_streams() if offload else contextlib.nullcontext():
+        out = longstraw_step(model, prompt, responses, advantages,
+                             memory=StepMemory(measure_memory=False, offload_prompt_cache=offload),
+                             groups=StepGroups(sp_group=dist.group.WORLD))
     assert abs(out.loss - want_loss) <= 1e-8 * abs(want_loss), (out.loss, want_loss)
     got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    assert_grads_close(got, want, label=f"FSDP2 rank {rank}")
+    assert_grads_close(got, want, label=f"FSDP2 rank {rank} offload={offload}")
     return max(((got[n] - w).norm() / w.norm()).item() for n, w in want.items())
 
 
