@@ -1,4 +1,4 @@
-"""What ``longctx-train`` builds from its config, and the checks that run before any work.
+"""What ``longctx-train`` builds from its config (the checks that run before any work: :mod:`.config_checks`).
 
 The contract (``conf/``, schemas in :mod:`.config_schema`):
 
@@ -11,8 +11,8 @@ The contract (``conf/``, schemas in :mod:`.config_schema`):
 - ``model``: :func:`build_model` (``DecoderLM`` from ``model.pretrained`` or the architecture fields, LoRA from
   ``model.lora``), or the builder ``model._target_`` names.
 - ``tokenizer.path``: default ``model.pretrained``; tasks interpolate ``${tokenizer.path}``.
-- ``trainer``: any ``lightning.pytorch.Trainer`` argument (:func:`check_trainer_keys`), ``trainer.callbacks`` a
-  list of ``_target_`` nodes (:func:`trainer_kwargs`).
+- ``trainer``: any ``lightning.pytorch.Trainer`` argument (:func:`.config_checks.check_trainer_keys`),
+  ``trainer.callbacks`` a list of ``_target_`` nodes (:func:`trainer_kwargs`).
 
 Every ``_target_`` of the config is imported, and the keyword arguments of a node are checked against its
 target's signature, before the planner and before any process starts (:func:`.config_checks.check_targets`); the current
@@ -33,16 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 # Lightning and the training layer are imported inside the functions that build the Trainer's pieces: the
 # planning path (longctx-plan, longctx-rehearse's checks) imports this module without Lightning's import time.
-from .config_checks import (  # the checks before any work; re-exported for cli.py and the tests
-    ConfigError,
-    check_config,
-    check_targets,
-    check_task,
-    check_trainer_keys,
-    importable_cwd,
-    keyword_parameters,
-    locate,
-)
+from .config_checks import ConfigError, check_task, check_trainer_keys, keyword_parameters, locate
 from .config_plan import longstraw_choices
 from .config_schema import decoder_config
 from .models import DecoderLM, MemoryConfig
@@ -393,9 +384,6 @@ def build_callbacks(cfg: DictConfig, user: list[Any], trainer_args: dict[str, An
     return callbacks
 
 
-__all__ = ["ConfigError", "build_callbacks", "build_evaluation", "build_loggers", "build_model", "build_task",
-           "check_config",
-           "check_targets", "check_task", "check_trainer_keys", "checkpoint_dir", "decoder_config", "importable_cwd",
-           "locate", "model_memory_knobs", "parameters_digest", "route_console_logging",
-           "route_lightning_deprecations", "run_dir",
-           "summary_callback", "trainer_kwargs"]
+__all__ = ["build_callbacks", "build_evaluation", "build_loggers", "build_model", "build_task", "checkpoint_dir",
+           "model_memory_knobs", "parameters_digest", "route_console_logging", "route_lightning_deprecations",
+           "run_dir", "summary_callback", "trainer_kwargs"]

@@ -25,15 +25,11 @@ from omegaconf import DictConfig
 
 from . import config_schema  # noqa: F401  (registers the structured configs)
 from .app import (
-    ConfigError,
     build_callbacks,
     build_loggers,
     build_model,
     build_task,
-    check_config,
     checkpoint_dir,
-    decoder_config,
-    importable_cwd,
     model_memory_knobs,
     parameters_digest,
     route_console_logging,
@@ -43,7 +39,7 @@ from .app import (
     trainer_kwargs,
 )
 from .checkpoint_paths import resolve_ckpt_path
-from .config_checks import apply_renamed_keys, check_schema_keys
+from .config_checks import ConfigError, apply_renamed_keys, check_config, check_schema_keys, importable_cwd
 from .config_plan import (
     check_plan,
     demo_default_groups,
@@ -437,7 +433,7 @@ if __name__ == "__main__":
 
 
 __all__ = ["PlanError", "SlurmLayoutCheck", "build_model", "build_task", "check_launch", "check_plan",
-           "check_slurm_layout", "decoder_config", "explicit_model_fields", "export", "fail_cleanly", "format_plan",
+           "check_slurm_layout", "explicit_model_fields", "export", "fail_cleanly", "format_plan",
            "model_memory_knobs", "model_shape",
            "parameters_digest", "plan", "plan_request", "route_lightning_deprecations", "run_train", "train",
            "trainer_precision", "use_expandable_segments"]

@@ -34,7 +34,7 @@ Open nodes (any key, no ``+`` needed; checked where they are used, before any wo
 A task's top level carries the planner's keys (``name``, ``mode`` = ``sft`` | ``longstraw``, ``seq_len``; for
 LongStraw also ``group_size``, ``max_new_tokens``, ``prompt_grad``) and any knobs its ``module`` / ``data``
 interpolate. A task from elsewhere starts from ``schema/task/base`` (open ``module``/``data``, the planner keys
-required) and is checked at launch (:func:`lightning_longctx.app.check_task`).
+required) and is checked at launch (:func:`lightning_longctx.config_checks.check_task`).
 
 Importing this module registers the schemas (``cli.py`` and ``lightning_longctx.conf`` do before Hydra composes).
 """

@@ -18,9 +18,10 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from lightning_longctx import app, config_plan, config_schema
-from lightning_longctx.cli import check_slurm_layout, decoder_config, plan_request, trainer_precision
+from lightning_longctx import app, config_checks, config_plan, config_schema
+from lightning_longctx.cli import check_slurm_layout, plan_request, trainer_precision
 from lightning_longctx.config_checks import check_schema_keys
+from lightning_longctx.config_schema import decoder_config
 from lightning_longctx.planner import ClusterShape, ModelShape, kv_cache_bytes, plan
 from lightning_longctx.planner.budget import MemoryKnobs, suggestions
 
@@ -87,7 +88,7 @@ def check_combinations(combos: list[tuple[str, str, str, str]]) -> None:
             if task in config_schema.TASK_SCHEMAS:
                 assert OmegaConf.get_type(cfg.task) is config_schema.TASK_SCHEMAS[task], where
             assert (cfg.model.name, cfg.cluster.name, cfg.memory.name, cfg.task.name) == (model, cluster, memory, task)
-            app.check_task(cfg)  # the planner's keys at the top, module / data _target_ nodes
+            config_checks.check_task(cfg)  # the planner's keys at the top, module / data _target_ nodes
             # the planner takes every combination (pure: no model is built); a layout the model cannot run
             # (the tiny models' 4 heads on 8 ranks) is refused with the numbers. cluster.sp_size=auto (the SLURM
             # preset) is resolved first, as the console scripts do: an allowed degree, or a refusal naming each
@@ -209,8 +210,8 @@ def test_built_in_tasks_are_target_nodes_that_interpolate_their_knobs():
 ])
 def test_bad_keys_and_targets_are_named_before_any_work(overrides, message):
     cfg = compose_cfg(*overrides)
-    with pytest.raises(app.ConfigError) as err:
-        app.check_config(cfg)
+    with pytest.raises(config_checks.ConfigError) as err:
+        config_checks.check_config(cfg)
     assert message in str(err.value), str(err.value)
 
 
@@ -382,8 +383,8 @@ def test_the_model_node_is_decoder_config():
     glm = decoder_config(compose_cfg("model=tiny_mla_moe", "model.first_k_dense_replace=null",
                                      "model.mlp_layer_types=[sparse,dense,sparse]").model)
     assert glm.mlp_layer_types == ["sparse", "dense", "sparse"] and glm.shape_model_type() == "glm4_moe_lite"
-    with pytest.raises(app.ConfigError, match=r"model\.initializer_range=-1\.0 must be a finite number >= 0"):
-        app.check_config(compose_cfg("model.initializer_range=-1"))
+    with pytest.raises(config_checks.ConfigError, match=r"model\.initializer_range=-1\.0 must be a finite number >= 0"):
+        config_checks.check_config(compose_cfg("model.initializer_range=-1"))
 
 
 def test_each_target_takes_its_defaults_from_its_options_class():
@@ -477,8 +478,8 @@ def test_each_memory_and_cluster_knob_has_one_default():
 def test_a_key_added_with_plus_is_refused_naming_the_closest(overrides, message):
     """Hydra adds a ``+`` key to any node, typed or not; the launch checks refuse one the schema does not have
     (it would be ignored), before any work."""
-    with pytest.raises(app.ConfigError) as err:
-        app.check_config(compose_cfg(*overrides))
+    with pytest.raises(config_checks.ConfigError) as err:
+        config_checks.check_config(compose_cfg(*overrides))
     assert message in str(err.value), str(err.value)
 
 
@@ -487,7 +488,7 @@ def test_a_model_builder_may_take_keys_of_its_own(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     check_schema_keys(compose_cfg("model._target_=my_builder.build", "+model.my_width=3"))
-    with pytest.raises(app.ConfigError, match="model.my_widht is not a key of model"):
+    with pytest.raises(config_checks.ConfigError, match="model.my_widht is not a key of model"):
         check_schema_keys(compose_cfg("model._target_=my_builder.build", "+model.my_widht=3"))
 
 
@@ -530,7 +531,7 @@ def test_each_knob_reaches_the_module_as_the_yaml_or_the_signature_says(task):
     defaults = _schema_defaults(schema)
     written = _written("task", task)
     nodes = {part: written.pop(part) for part in ("module", "data", "eval_data") if part in written}
-    signatures = [(config_schema.target_parameters(app.locate(nodes[part]["_target_"], part)), "")
+    signatures = [(config_schema.target_parameters(config_checks.locate(nodes[part]["_target_"], part)), "")
                   for part in ("module", "data")] + [(config_schema.target_parameters(RolloutEvaluation), "eval_")]
     interpolated = " ".join(str(v) for node in nodes.values() for v in node.values())
     knobs = sorted(set(defaults) - {"module", "data", "eval_data", "name", "mode"})

@@ -249,8 +249,8 @@ def test_nonfinite_policy_and_timeout_are_checked_before_any_work():
     from omegaconf import OmegaConf
 
     from lightning_longctx import UlyssesStrategy
-    from lightning_longctx.app import ConfigError
     from lightning_longctx.cli import collective_timeout, init_timeout
+    from lightning_longctx.config_checks import ConfigError
 
     with pytest.raises(ValueError, match="on_nonfinite='ignore' must be one of"):
         UlyssesStrategy(on_nonfinite="ignore")

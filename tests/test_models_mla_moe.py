@@ -207,7 +207,7 @@ def test_presets_build_the_deepseek_v3_shapes_and_the_planner_plans_them():
     from hydra import compose, initialize_config_module
 
     from lightning_longctx import cli
-    from lightning_longctx.app import decoder_config
+    from lightning_longctx.config_schema import decoder_config
     from lightning_longctx.planner.shapes import ModelShape
 
     with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):

@@ -31,7 +31,7 @@ def _rehearse(cfg: DictConfig) -> None:
 def rehearse() -> None:
     """``longctx-rehearse [overrides]``, e.g. ``longctx-rehearse model=llama3_8b cluster=node_8gpu
     memory=h100_80g task=long_sft task.seq_len=5242880 rehearsal.out=llama.json``."""
-    from ..app import importable_cwd
+    from ..config_checks import importable_cwd
 
     importable_cwd()  # a task.module._target_ from the current directory, as for longctx-train
     _rehearse()

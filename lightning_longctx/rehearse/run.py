@@ -254,8 +254,8 @@ def prime_optimizer(module, optimizer: torch.optim.Optimizer) -> None:
 
 def rehearse(cfg: DictConfig) -> Rehearsal:
     """Rehearse ``cfg`` (see the module docstring); returns the measured and planned figures."""
-    from ..app import check_config
     from ..cli import model_shape, plan_request, trainer_precision
+    from ..config_checks import check_config
     from ..config_plan import expert_parallel_choice, plan_knobs, resolve_sp_size
     from ..ops.transfers import TransferCounter
     from ..planner import ClusterShape
