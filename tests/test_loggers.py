@@ -4,8 +4,10 @@ subprocesses on one CPU process (the demo task, tiny model)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,8 @@ def test_tensorboard_and_csv_together_log_the_config_and_a_resume_stays_in_one_v
     run = tmp_path / "run"
     train(run, "logger=[tensorboard,csv]", "trainer.max_steps=2", *ONE_PROCESS)
     out = train(run, "logger=[tensorboard,csv]", "trainer.max_steps=3", "ckpt_path=last", *ONE_PROCESS)
-    assert "TensorBoard logdir" in out and "CSV logdir" in out, out[-2000:]
+    assert "TensorBoard logdir" in out and "\nCSV logdir" in out, out[-2000:]  # Lightning's name, not the subclass's
+    assert "earlier run" not in (run / "longctx.log").read_text()  # the resumed run was not told to resume
     for kind in ("tb", "csv"):
         versions = sorted(p.name for p in (run / kind / "needle_grpo").iterdir())
         assert versions == ["version_0"], (kind, versions)
@@ -52,6 +55,8 @@ def test_tensorboard_and_csv_together_log_the_config_and_a_resume_stays_in_one_v
     assert sorted(int(r["step"]) for r in rows) == [0, 1, 2], rows
     scalars = _scalars(run / "tb")
     assert sorted(scalars["train/loss"]) == [0, 1, 2], scalars.get("train/loss")
+    # the progress bar's short names stay there: logged once, as train/reward_mean and train/prompts
+    assert {"reward", "prompts"}.isdisjoint(set(scalars) | set(rows[0])), sorted(scalars)
 
 
 def test_no_logger():
@@ -61,14 +66,16 @@ def test_no_logger():
     assert cli.build_loggers(cfg) == []
 
 
-@pytest.mark.parametrize("name, cls", [("mlflow", "MLFlowLogger"), ("wandb", "WandbLogger")])
+@pytest.mark.parametrize("name, cls", [("mlflow", "lightning_longctx.training.loggers.LocalMLFlowLogger"),
+                                       ("wandb", "lightning.pytorch.loggers.WandbLogger")])
 def test_mlflow_and_wandb_presets_are_local_and_refused_naming_the_package_when_missing(tmp_path, monkeypatch,
                                                                                         name, cls):
     """The presets write inside the run directory (MLflow: a ``file:`` store; W&B: offline). Without the
     package the run stops when the loggers are built, before the model, naming what to install."""
     cfg = _compose(f"logger=[tensorboard,{name}]")
     node = cfg.logger[name]
-    assert node._target_ == f"lightning.pytorch.loggers.{cls}"
+    assert node._target_ == cls
+    cls = cls.rsplit(".", 1)[1]
     if name == "mlflow":
         assert str(node._get_node("tracking_uri")._value()).startswith("file:${hydra:runtime.output_dir}")
         cfg.logger.mlflow.tracking_uri = f"file:{tmp_path}/mlruns"
@@ -82,6 +89,28 @@ def test_mlflow_and_wandb_presets_are_local_and_refused_naming_the_package_when_
         return
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli, "build_model", lambda cfg: pytest.fail("the model was built before the loggers"))
-    with pytest.raises(ConfigError, match=rf"logger\.{name} \(lightning\.pytorch\.loggers\.{cls}\) cannot be built.*"
-                                          rf"pip install"):
+    with pytest.raises(ConfigError, match=rf"logger\.{name} \(\S+\.{cls}\) cannot be built.*pip install"):
         cli.run_train(cfg)
+
+
+def test_mlflow_preset_opts_in_to_the_file_store_and_keeps_the_parents_keywords(tmp_path, monkeypatch):
+    """MLflow 3 refuses a ``file:`` store unless ``MLFLOW_ALLOW_FILE_STORE=true`` (the preset's store failed to
+    build: "maintenance mode"): ``LocalMLFlowLogger`` sets it for a ``file:`` URI only, before MLflow opens the
+    store, leaves a value the user set, and takes ``MLFlowLogger``'s keywords (a typo is refused by the checks)."""
+    from lightning_longctx.training.loggers import ALLOW_FILE_STORE, LocalMLFlowLogger
+
+    def build(**kwargs):
+        with contextlib.suppress(ModuleNotFoundError):  # no mlflow: the opt-in happened before Lightning's check
+            LocalMLFlowLogger(**kwargs)
+
+    monkeypatch.delenv(ALLOW_FILE_STORE, raising=False)
+    build(tracking_uri="http://localhost:5000")
+    assert ALLOW_FILE_STORE not in os.environ
+    build(tracking_uri=f"file:{tmp_path}/mlruns")
+    assert os.environ[ALLOW_FILE_STORE] == "true"
+    monkeypatch.setenv(ALLOW_FILE_STORE, "false")
+    build(tracking_uri=f"file:{tmp_path}/mlruns")
+    assert os.environ[ALLOW_FILE_STORE] == "false"
+    cfg = _compose("logger=[mlflow]", "+logger.mlflow.tracking_urii=x")
+    with pytest.raises(ConfigError, match="tracking_urii"):
+        cli.check_config(cfg)

@@ -283,3 +283,41 @@ def test_resumable_dataloader_continues_mid_epoch_and_across_the_epoch_end(tmp_p
                                "step_00000003.ckpt")
     # what Lightning 2.6 does with a plain DataLoader: the epoch starts over at its first batch
     assert restarted[:2] == want[:2] and restarted != want[6:]
+
+
+@pytest.mark.filterwarnings("ignore:.*does not have many workers", "ignore:The number of training batches",
+                            "ignore:Be aware that when using `ckpt_path`",
+                            "ignore:You're resuming from a checkpoint that ended before the epoch ended")
+def test_the_earlier_run_warning_is_for_fresh_runs_only(tmp_path):
+    """A checkpoint dir holding step checkpoints warns a run that starts from scratch there, not one that resumes
+    from it (``ckpt_path=last``: Lightning sets ``trainer.ckpt_path`` only after the setup hooks, where the check
+    used to run, so every resumed run was told to resume)."""
+    import logging
+
+    from torch.utils.data import DataLoader
+
+    from lightning_longctx.training.dataloader import make_resumable
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records = Records()
+    logger = logging.getLogger("lightning_longctx.training.checkpoint")
+    logger.addHandler(records)
+    try:
+        def fit(max_steps, ckpt_path=None):
+            records.messages.clear()
+            _fit_recording(tmp_path, make_resumable(DataLoader(list(range(8)), batch_size=2)), max_steps,
+                           ckpt_path=ckpt_path, every=1)
+            return [m for m in records.messages if "earlier run" in m]
+
+        assert fit(2) == []  # an empty dir
+        assert fit(3, ckpt_path=tmp_path / "ck" / "step_00000002.ckpt") == []  # resumed from it
+        assert len(fit(1)) == 1  # from scratch next to them
+    finally:
+        logger.removeHandler(records)

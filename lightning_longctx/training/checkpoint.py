@@ -112,25 +112,25 @@ class AtomicCheckpoint(ModelCheckpoint):
 
     # --------------------------------------------------------------------------------------- triggers
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self._resuming = trainer.ckpt_path is not None
         super().setup(trainer, pl_module, stage)
         if trainer.is_global_zero and self.dirpath and os.path.isdir(self.dirpath):
             for leftover in Path(self.dirpath).glob(f".*{PARTIAL_SUFFIX}"):  # a run killed mid-write
                 _remove(leftover)
         trainer.strategy.barrier("AtomicCheckpoint.setup")
 
-    def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath) -> None:  # ModelCheckpoint.setup's check
-        if getattr(self, "_resuming", False):
-            return
-        if self.dirpath and os.path.isdir(self.dirpath) and any(checkpoint_step(p) is not None
-                                                                for p in os.listdir(self.dirpath)):
-            log.warning("checkpoint dir %s holds checkpoints of an earlier run: new ones are added next to them "
-                        "(resume with ckpt_path=last)", self.dirpath)
+    def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath) -> None:
+        # ModelCheckpoint.setup's check: too early, trainer.ckpt_path is still None there (Lightning sets it after
+        # the setup hooks), so a resumed run was told to resume; on_train_start checks instead
+        pass
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
         if trainer.ckpt_path is not None:  # resumed: that step is saved already
             self._last_global_step_saved = trainer.global_step
+        elif trainer.is_global_zero and self.dirpath and os.path.isdir(self.dirpath) and any(
+                checkpoint_step(p) is not None for p in os.listdir(self.dirpath)):
+            log.warning("checkpoint dir %s holds checkpoints of an earlier run: new ones are added next to them "
+                        "(resume with ckpt_path=last)", self.dirpath)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         # also under manual optimisation (LongStrawModule): the state after the optimizer step is the one to keep

@@ -11,17 +11,21 @@ TensorBoard also takes the metrics its HParams tab shows, CSV, MLflow and W&B ta
 One version directory per run directory: the presets fix ``version: 0``, so a resumed run
 (``ckpt_path=last``) appends to the same TensorBoard and CSV directory. Lightning's ``CSVLogger`` deletes an
 existing ``metrics.csv`` when it starts; :class:`AppendingCSVLogger` (``logger=csv``) keeps it and appends.
+MLflow 3 refuses its file store (``file:<dir>``: "maintenance mode") unless ``MLFLOW_ALLOW_FILE_STORE=true``, and
+its database store needs SQLAlchemy, which ``mlflow-skinny`` lacks: :class:`LocalMLFlowLogger` (``logger=mlflow``)
+opts in when its tracking URI is a ``file:`` one.
 """
 
 from __future__ import annotations
 
 import csv
 import inspect
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 
@@ -45,6 +49,26 @@ class AppendingCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+ALLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"
+_MLFLOW_INIT = inspect.signature(MLFlowLogger.__init__)
+
+
+class LocalMLFlowLogger(MLFlowLogger):
+    """``MLFlowLogger`` that may write to a local file store: with a ``file:`` ``tracking_uri`` it sets
+    ``MLFLOW_ALLOW_FILE_STORE=true`` (unless the environment sets it already) before MLflow opens the store.
+    The arguments are ``MLFlowLogger``'s."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        uri = _MLFLOW_INIT.bind(self, *args, **kwargs).arguments.get("tracking_uri")
+        if isinstance(uri, str) and uri.startswith("file:"):
+            os.environ.setdefault(ALLOW_FILE_STORE, "true")
+        super().__init__(*args, **kwargs)
+
+
+# the config checks read the target's signature: MLFlowLogger's keywords, a typo refused as for the parent
+LocalMLFlowLogger.__init__.__signature__ = _MLFLOW_INIT  # type: ignore[attr-defined]
 
 
 def build_loggers(nodes: Mapping[str, Any], instantiate: Callable[[Any], Any]) -> list[Logger]:
@@ -85,6 +109,14 @@ def log_metrics(loggers: list[Logger], metrics: dict[str, float], step: int) -> 
         logger.log_metrics(metrics, step=step)
 
 
+def _kind(logger: Logger) -> str:
+    """The name of the first Lightning logger class in ``logger``'s bases (``AppendingCSVLogger`` -> ``CSV``)."""
+    for cls in type(logger).__mro__:
+        if cls.__module__.startswith("lightning.") and issubclass(cls, Logger):
+            return cls.__name__.removesuffix("Logger")
+    return type(logger).__name__.removesuffix("Logger")
+
+
 def log_dirs(loggers: list[Logger]) -> list[tuple[str, str]]:
     """``(kind, directory)`` of every logger that writes to a local directory, for the run summary
     (``TensorBoard`` -> ``tensorboard --logdir``)."""
@@ -92,8 +124,9 @@ def log_dirs(loggers: list[Logger]) -> list[tuple[str, str]]:
     for logger in loggers:
         directory = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
         if isinstance(directory, str) and "://" not in directory:
-            out.append((type(logger).__name__.removesuffix("Logger"), directory))
+            out.append((_kind(logger), directory))
     return out
 
 
-__all__ = ["AppendingCSVLogger", "build_loggers", "log_config", "log_dirs", "log_metrics", "takes_metrics"]
+__all__ = ["ALLOW_FILE_STORE", "AppendingCSVLogger", "LocalMLFlowLogger", "build_loggers", "log_config", "log_dirs",
+           "log_metrics", "takes_metrics"]

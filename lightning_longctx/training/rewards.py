@@ -194,8 +194,10 @@ class GroupRewards:
             metrics["train/env_tokens"] = mean(float(e.mask.numel() - e.mask.count_nonzero()) for e in episodes)
         self.reward_history.extend(r.mean().item() for r in rewards)
         self.log_dict(metrics, on_step=True, prog_bar=False, batch_size=1, rank_zero_only=True)
-        self.log("reward", metrics["train/reward_mean"], prog_bar=True, batch_size=1, rank_zero_only=True)
-        self.log("prompts", metrics["train/prompts"], prog_bar=True, batch_size=1, rank_zero_only=True)
+        # the progress bar's short names, not logged again (the loggers have train/reward_mean, train/prompts)
+        self.log("reward", metrics["train/reward_mean"], prog_bar=True, logger=False, batch_size=1,
+                 rank_zero_only=True)
+        self.log("prompts", metrics["train/prompts"], prog_bar=True, logger=False, batch_size=1, rank_zero_only=True)
 
 
 __all__ = ["REWARD_ERROR_POLICIES", "REWARD_HISTORY", "GroupRewards"]
