@@ -6,10 +6,11 @@ of them imports torch (and Lightning, transformers... when the test's module doe
 ``MultiProcContinuousTest``) starts the ranks once and sends each call's ``(fn, args)`` to them over a pipe.
 
 The ranks are forked from multiprocessing's forkserver, a fresh interpreter (not a fork of pytest) that imported
-``PRELOAD`` once: a pool of 4 ranks, or one respawned after a failure, then does not import torch again per
-rank (~4 s of CPU each on the 2-core machine). Only modules whose import reads no per-rank state are preloaded;
-Lightning sets ``rank_zero_only.rank`` from ``RANK`` / ``LOCAL_RANK`` when it is imported, so the call imports
-it, with the rank's environment already set, as in a freshly spawned process.
+``PRELOAD`` once: a pool of 4 ranks, or one respawned after a failure, then does not import torch (nor
+torchmetrics, with the transformers and matplotlib it imports) again per rank (~4 + 1.4 s of CPU each on the
+2-core machine). Only modules whose import reads no per-rank state are preloaded; Lightning sets
+``rank_zero_only.rank`` from ``RANK`` / ``LOCAL_RANK`` when it is imported, so the call imports it, with the
+rank's environment already set, as in a freshly spawned process.
 
 Per call every rank
 - takes the caller's ``os.environ`` (plus ``RANK``/``WORLD_SIZE``/``MASTER_*`` and a fresh ``MASTER_PORT``),
@@ -53,7 +54,9 @@ from lightning_longctx.parallel.spawn import free_port, rank_environment
 
 _SHUTDOWN = b""  # an empty message tells a worker to exit
 _FAILURE_GRACE = 1.0  # seconds the other ranks get to report after the first failure
-PRELOAD = ("torch", "torch._dynamo")  # imported once by the forkserver (Lightning imports torch._dynamo)
+# Imported once by the forkserver: Lightning imports torch._dynamo and torchmetrics (which imports transformers and
+# matplotlib.pyplot: ~1.2 of the ~1.7 CPU s a rank spends on its first Lightning import)
+PRELOAD = ("torch", "torch._dynamo", "torchmetrics")
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(list(PRELOAD))  # read when the forkserver starts: at the first pool's first rank
 
