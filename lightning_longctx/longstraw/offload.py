@@ -5,7 +5,10 @@ tens of GiB per rank). With offload they live in host memory, in pinned pages on
 (:class:`~lightning_longctx.ops.host_pages.PagedHostTensor`: no power-of-two rounding of whole tensors; every
 host<->device copy here is one copy per page):
 
-- prefill: each attention layer's K/V go to the host as they are made;
+- prefill: each attention layer's K/V go to the host as they are made (an MLA layer's latent and a DSA layer's
+  index keys alike: :class:`~lightning_longctx.models.mla.StagedLatent` is their replay's handle, fetching the
+  latent inside the checkpointed attention in forward and again in its backward, whose gradient goes to a sink
+  that adds it into the layer's sums as below, ``state.PromptState``);
 - replay: layer ``l``'s keys and values are copied to the device when the branch's forward reaches layer
   ``l``, while layer ``l + 1``'s copy is already in flight (double buffering). The fused attention does not
   keep that copy for its backward: the backward fetches layer ``l`` again (layer ``l - 1`` in flight) with

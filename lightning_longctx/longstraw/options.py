@@ -101,10 +101,11 @@ class StepMemory:
     Args:
         logits_chunk_size: tokens per lm_head chunk (never materialises ``[tokens, vocab]``); None = one chunk.
         offload_checkpoints: keep the prompt's layer checkpoints in pinned host memory.
-        offload_prompt_cache: keep the attention layers' prompt K/V and its fp32 gradient buffer in (pinned)
-            host memory; each branch brings one layer at a time to the device, the next one in flight on a
-            side stream, and the grouped backward stages the summed gradients the same way (device memory: two
-            layers' K/V instead of all; cost: the cache crosses PCIe once per branch).
+        offload_prompt_cache: keep the attention layers' prompt K/V (MLA / DSA layers: the latent and the index
+            keys) and its fp32 gradient buffer in (pinned) host memory; each branch brings one layer at a time to
+            the device, the next one in flight on a side stream, and the grouped backward stages the summed
+            gradients the same way (device memory: two layers' K/V instead of all; cost: the cache crosses PCIe
+            once per branch).
         state_segment: Gated DeltaNet layers keep their recurrent state every that many prompt tokens (a
             multiple of 64; optionally on the host with ``offload_checkpoints``), and the grouped backward
             recomputes their scan one such segment at a time, in reverse (memory per layer: one state per

@@ -81,7 +81,8 @@ def prefill(
     ``grad_dtype``: the dtype the cache gradients accumulate in over the group (see :class:`PromptState`).
     ``state_segment``: with ``keep_checkpoints``, linear layers also keep their state every that many tokens
     (a multiple of 64), where the grouped backward restarts their scan segment by segment.
-    ``offload_prompt_cache``: attention layers' K/V and their gradient buffers live on the host (:mod:`.offload`).
+    ``offload_prompt_cache``: attention layers' K/V (MLA / DSA: latents and index keys) and their gradient buffers
+    live on the host (:mod:`.offload`).
     ``keep_attention_output`` (``"device"`` / ``"host"``, with ``keep_checkpoints``): attention layers below the
     last also keep their stage outputs and LSEs there (``PromptState.attention_outputs``), so the grouped
     backward does not attend over the prompt again; ``"off"``: it recomputes them.
