@@ -14,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from ..planner import GIB, Plan
+from .roofline import phase_times
 
 # per task mode, the phases the offloaded (host) tensors live through, freed before the update: SFT's checkpoints;
 # LongStraw's prompt checkpoints and K/V cache (prefill to grouped backward)
@@ -73,8 +74,6 @@ def phase_rows(names, tracker, counters, transfers, plan: Plan, hw=None, num_nod
     and a node's devices, where its all-to-alls run: :func:`~.roofline.phase_times`). ``host_folded``: host bytes the
     measurement cannot tell from device bytes (a CPU stand-in for the GPU), added to the planned phases they live
     through (:data:`HOST_LIVE_PHASES` of the plan's mode)."""
-    from .roofline import phase_times
-
     # a phase the step did not mark (e.g. "segment forward" without segment checkpoints) has no row
     seen = [n for n in names if n in tracker.device_peaks] + [n for n in tracker.device_peaks if n not in names]
     rows = []
