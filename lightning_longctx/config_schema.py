@@ -57,8 +57,8 @@ from .models import DecoderConfig, MemoryConfig
 from .planner import ClusterShape, MemoryKnobs
 from .task_options import (
     CalculatorDataOptions,
+    CalculatorGRPOOptions,
     EvaluationOptions,
-    LongStrawOptions,
     NeedleDataOptions,
     NeedleGRPOOptions,
     RecallDataOptions,
@@ -341,11 +341,11 @@ TASK_SCHEMAS = {
         "log_completions_every_n_steps", "eval_every_n_steps", "eval_samples", "eval_greedy",
         "eval_pass_threshold", "eval_data", "env", "max_turn_tokens", "turn_end"), _DECLARED),
     # multi-turn tool rollouts: env (a _target_ node, deep-copied per branch), max_turn_tokens, turn_end_ids
-    "calculator_grpo": task_schema("calculator_grpo", "longstraw", ((LongStrawOptions, ""),
+    "calculator_grpo": task_schema("calculator_grpo", "longstraw", ((CalculatorGRPOOptions, ""),
                                                                     (CalculatorDataOptions, ""), _EVAL), (
         "seq_len", "num_prompts", *_LONGSTRAW_KNOBS, "max_turn_tokens", "turn_end_ids", "env", "max_operand",
-        "top_p", "top_k", "seed", "num_workers", "eval_every_n_steps", "eval_samples", "eval_greedy",
-        "eval_pass_threshold", "eval_data"), {**_DECLARED, "env": (Any, {})}),
+        "top_p", "top_k", "seed", "num_workers", "log_completions_every_n_steps", "eval_every_n_steps",
+        "eval_samples", "eval_greedy", "eval_pass_threshold", "eval_data"), {**_DECLARED, "env": (Any, {})}),
     "text_sft": task_schema("text_sft", "sft", ((SFTOptions, ""), (TextSFTDataOptions, "")), ("seq_len", "lr")),
 }
 NeedleGRPOConf, LongSFTConf = TASK_SCHEMAS["needle_grpo"], TASK_SCHEMAS["long_sft"]

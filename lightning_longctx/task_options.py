@@ -79,6 +79,11 @@ class NeedleGRPOOptions(CompletionLogOptions, LongStrawOptions):
 
 
 @dataclass(frozen=True)
+class CalculatorGRPOOptions(CompletionLogOptions, LongStrawOptions):
+    """``CalculatorGRPO``'s keyword arguments: its completions table, then ``LongStrawModule``'s."""
+
+
+@dataclass(frozen=True)
 class TextGRPOOptions(CompletionLogOptions, LongStrawOptions):
     """``TextGRPOModule``'s keyword arguments (documented there) but ``tokenizer`` (an object): the tokenizer's
     path, the reward functions, the stop ids' source, the multi-turn ``turn_end``, its completions table, then

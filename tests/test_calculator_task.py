@@ -4,6 +4,9 @@ held-out evaluation of episodes at the end."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -24,6 +27,7 @@ from lightning_longctx.tasks.calculator import (
     TIMES,
     ArithmeticPrompts,
     Calculator,
+    calculator_text,
     digits,
 )
 
@@ -113,6 +117,7 @@ def test_longctx_train_runs_two_steps_of_the_calculator_task(tmp_path, monkeypat
             "task=calculator_grpo", "trainer=smoke", "cluster.devices=1", "task.seq_len=48", "task.group_size=3",
             "task.max_new_tokens=10", "task.max_turn_tokens=4", "task.max_operand=9", "task.eval_every_n_steps=2",
             "task.eval_samples=2", "task.eval_greedy=false", "task.eval_data.num_prompts=2",
+            "task.log_completions_every_n_steps=1",
             f"logger.tensorboard.save_dir={tmp_path}", f"trainer.default_root_dir={tmp_path}"])
     trainer = cli.run_train(cfg)
     assert trainer.global_step == 2
@@ -123,3 +128,17 @@ def test_longctx_train_runs_two_steps_of_the_calculator_task(tmp_path, monkeypat
     assert trainer.callback_metrics["train/env_tokens"] > 0 and trainer.callback_metrics["train/turns"] >= 1
     assert len(masks) == 2 and all(len(m) == 3 for m in masks)  # one group of G=3 per step
     assert any(not bool(m.all()) for group in masks for m in group)  # the calculator's tokens, masked out
+    # the completions table: each step's G=3 episodes, the calculator's answers in brackets
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 0, 0, 1, 1, 1], rows
+    assert all(re.fullmatch(r"\[\d+ filler\] QUESTION \d (PLUS|TIMES) \d \(answer \d+\)", r["prompt"]) for r in rows)
+    assert any("[RESULT" in r["completion"] for r in rows), rows
+
+
+def test_calculator_text_names_the_tokens_and_brackets_the_environments():
+    call = [CALL, *digits(12), TIMES, *digits(7), END_CALL]
+    result = [RESULT, *digits(84), RESULT_END]
+    tokens = torch.tensor([*call, *result, ANSWER, *digits(84), STOP])
+    mask = torch.tensor([True] * len(call) + [False] * len(result) + [True] * 4)
+    assert calculator_text(tokens, mask) == "CALL 1 2 TIMES 7 END_CALL [RESULT 8 4 RESULT_END] ANSWER 8 4 STOP"
+    assert calculator_text([25, 30, 31, QUESTION, *digits(3), PLUS, *digits(4)]) == "[3 filler] QUESTION 3 PLUS 4"

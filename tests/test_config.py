@@ -393,7 +393,7 @@ def test_each_target_takes_its_defaults_from_its_options_class():
     names, types and defaults (the objects a caller builds aside). Where the LongStraw step has the knob, the
     module's default is the step's."""
     from lightning_longctx import longstraw, task_options
-    from lightning_longctx.tasks.calculator import calculator_dataloader
+    from lightning_longctx.tasks.calculator import CalculatorGRPO, calculator_dataloader
     from lightning_longctx.tasks.long_sft import LongSFTModule, recall_dataloader
     from lightning_longctx.tasks.needle import NeedleGRPO, needle_dataloader
     from lightning_longctx.tasks.text_data import TextPromptData
@@ -408,6 +408,7 @@ def test_each_target_takes_its_defaults_from_its_options_class():
              (RolloutEvaluation, task_options.EvaluationOptions), (needle_dataloader, task_options.NeedleDataOptions),
              (recall_dataloader, task_options.RecallDataOptions),
              (calculator_dataloader, task_options.CalculatorDataOptions),
+             (CalculatorGRPO, task_options.CalculatorGRPOOptions),
              (TextPromptData, task_options.TextPromptDataOptions), (TextSFTData, task_options.TextSFTDataOptions),
              (text_sft_dataloader, task_options.TextSFTDataOptions)]
     for target, options_class in pairs:

@@ -12,6 +12,11 @@ tokens, is at most ``task.max_new_tokens`` tokens.
 Token ids (a vocabulary of at least ``FIRST_FILLER + 1``): ``0`` pad, ``1`` STOP, ``2`` CALL, ``3`` END_CALL,
 ``4`` RESULT, ``5`` RESULT_END, ``6`` PLUS, ``7`` TIMES, ``8`` ANSWER, ``9`` QUESTION, ``10..19`` the digits
 ``0..9``, ``20..`` filler.
+
+:class:`CalculatorGRPO` is the task's module: ``LongStrawModule`` (the reward: the episode's environment rewards)
+with a completions table (``task.log_completions_every_n_steps``) that shows each response in these names, the
+calculator's tokens in brackets (:func:`calculator_text`: ``CALL 1 2 TIMES 7 END_CALL [RESULT 8 4 RESULT_END]
+ANSWER 8 4 STOP``), so what the tool answered and what the model did with it can be read.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from ..task_options import CalculatorDataOptions
+from ..task_options import CalculatorDataOptions, CalculatorGRPOOptions
+from ..training.completions import CompletionLog
 from ..training.dataloader import ResumableDataLoader
+from ..training.longstraw_module import LongStrawModule
 from .needle import collate_prompt_groups
+from .signatures import KeywordSignature
 
 PAD, STOP, CALL, END_CALL, RESULT, RESULT_END, PLUS, TIMES, ANSWER, QUESTION = range(10)
 DIGIT0 = 10
@@ -80,6 +88,78 @@ class Calculator:
         return [RESULT, RESULT_END], 0.0, False
 
 
+NAMES = {PAD: "<pad>", STOP: "STOP", CALL: "CALL", END_CALL: "END_CALL", RESULT: "RESULT", RESULT_END: "RESULT_END",
+         PLUS: "PLUS", TIMES: "TIMES", ANSWER: "ANSWER", QUESTION: "QUESTION"}
+
+
+def calculator_text(tokens: torch.Tensor | list[int], mask: torch.Tensor | list[bool] | None = None) -> str:
+    """``tokens`` ``[T]`` in the calculator's names (digits as digits, a run of filler as ``[n filler]``); with
+    ``mask`` ``[T]`` (False: the environment wrote the token) each run of environment tokens in brackets."""
+    tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
+    model = [True] * len(tokens) if mask is None else [bool(m) for m in (
+        mask.tolist() if isinstance(mask, torch.Tensor) else mask)]
+    words: list[str] = []
+    filler = 0
+    for i, token in enumerate(tokens):
+        if token >= FIRST_FILLER:
+            filler += 1
+            continue
+        if filler:
+            words.append(f"[{filler} filler]")
+            filler = 0
+        word = str(token - DIGIT0) if DIGIT0 <= token < DIGIT0 + 10 else NAMES[token]
+        if not model[i] and (i == 0 or model[i - 1]):
+            word = "[" + word
+        if not model[i] and (i + 1 == len(tokens) or model[i + 1]):
+            word += "]"
+        words.append(word)
+    if filler:
+        words.append(f"[{filler} filler]")
+    return " ".join(words)
+
+
+class CalculatorGRPO(LongStrawModule):
+    """The module of ``task=calculator_grpo``: ``LongStrawModule`` rewarded by the calculator episodes (the sum of
+    their environment rewards) with a completions table.
+
+    Args:
+        model: the policy (:class:`~lightning_longctx.models.DecoderLM`).
+        log_completions_every_n_steps: every this many optimizer steps (0, N, 2N, ...) a table of the prompts'
+            questions, the responses (:func:`calculator_text`, the calculator's answers in brackets) and their
+            rewards goes to ``<run dir>/completions.jsonl`` and TensorBoard's text tab; None or 0 = off.
+        completions_max_rows, completions_max_chars: the table's bound (rows per logged step, characters per
+            completion).
+        **kwargs: :class:`~lightning_longctx.LongStrawModule`'s (``env`` among them).
+    """
+
+    def __init__(self, model: torch.nn.Module, *,
+                 log_completions_every_n_steps: int | None = CalculatorGRPOOptions.log_completions_every_n_steps,
+                 completions_max_rows: int = CalculatorGRPOOptions.completions_max_rows,
+                 completions_max_chars: int = CalculatorGRPOOptions.completions_max_chars, **kwargs) -> None:
+        completions = CompletionLog(log_completions_every_n_steps, max_rows=completions_max_rows,
+                                    max_chars=completions_max_chars)
+        super().__init__(model, **kwargs)
+        self.completion_log = completions
+
+    def reward(self, prompt_ids, responses, **fields):
+        rewards = super().reward(prompt_ids, responses, **fields)
+        episodes = fields.get("episodes")
+        if not self.evaluating and self._trainer is not None and episodes is not None:
+            step = self.trainer.global_step
+            if self.completion_log.due(step) and self.trainer.is_global_zero:
+                prompt = calculator_text(prompt_ids) + f" (answer {fields.get('answer')})"
+                self.completion_log.add(step, prompt, [calculator_text(e.response, e.mask) for e in episodes],
+                                        rewards.tolist(), {})
+        return rewards
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        """Write the step's completions table (rows exist only on global rank 0, on a due step)."""
+        self.completion_log.write(self.trainer.default_root_dir, self.loggers)
+
+
+CalculatorGRPO.__signature__ = KeywordSignature()  # its keywords and LongStrawModule's (config checks)
+
+
 class ArithmeticPrompts(Dataset):
     """Prompt groups: ``prompt_ids [haystack + question]`` ending in ``QUESTION a OP b``, and the ``answer``.
 
@@ -120,4 +200,5 @@ def calculator_dataloader(num_prompts: int, seq_len: int, vocab_size: int, *,
     return ResumableDataLoader(data, batch_size=batch_size, collate_fn=collate_prompt_groups, num_workers=num_workers)
 
 
-__all__ = ["ArithmeticPrompts", "Calculator", "calculator_dataloader", "digits", "evaluate", "number"]
+__all__ = ["ArithmeticPrompts", "Calculator", "CalculatorGRPO", "calculator_dataloader", "calculator_text", "digits",
+           "evaluate", "number"]
