@@ -71,3 +71,27 @@ def test_bench_longest_prompt_is_the_one_longctx_plan_prints():
     assert longest == int(printed.group(1).replace(",", ""))
     default = _bench().longest_prompt(overrides[:2])
     assert longest != default  # the segment is planned (2,812,928 vs 2,904,064 prompt tokens)
+
+
+def test_the_largest_tensors_walk_survives_a_storage_freed_during_it(monkeypatch):
+    """A storage freed while the tracker lists the largest live ones (the garbage collector runs mid-walk and a
+    weakref callback pops it from the live set) must not end the rehearsal ("dictionary changed size during
+    iteration": run (a) of issue 24, after 30 minutes)."""
+    import heapq
+
+    import torch
+
+    from lightning_longctx.rehearse import measure
+
+    with measure.PhaseTracker() as tracker:
+        tensors = [torch.empty(n) for n in (10, 20, 30)]
+    nlargest = heapq.nlargest
+
+    def freeing(n, iterable):
+        it = iter(iterable)
+        first = next(it)
+        tensors.pop()  # its storage dies now: the tracker's callback forgets it
+        return nlargest(n, [first, *it])
+
+    monkeypatch.setattr(measure.heapq, "nlargest", freeing)
+    assert [t["bytes"] for t in tracker._largest()] == [120, 80, 40]

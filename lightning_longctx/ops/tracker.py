@@ -156,6 +156,12 @@ class MemoryTracker(TorchDispatchMode):
             return NotImplemented  # let the subclass unwrap; its inner ops come back here as plain tensors
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func, args, kwargs: dict, out) -> None:
+        """The bookkeeping after op ``func`` returned ``out``: its new storages counted (each also handed to
+        :meth:`_added`), the op's declared transient, the peak (a subclass's dispatch calls it directly)."""
         input_ids = None  # storages of the inputs, computed only when an unknown output storage appears
         for t in op_tensors(out):
             st = tensor_storage(t)
@@ -174,10 +180,13 @@ class MemoryTracker(TorchDispatchMode):
                 if id(st) in input_ids:
                     continue  # a view or in-place result of a tensor this tracker does not count
             self._add(st)
+            self._added(t)
         transient = _TRANSIENTS.get(func)
         self.last_transient_bytes = 0 if transient is None else transient(*args, **kwargs)
         self._peak = max(self._peak, self._current + self.last_transient_bytes)
-        return out
+
+    def _added(self, t: torch.Tensor) -> None:
+        """``t``'s storage was just counted by an op's output (a hook for subclasses)."""
 
     # ------------------------------------------------------------------------------------ context manager
     def __enter__(self) -> MemoryTracker:

@@ -23,7 +23,7 @@ import sys
 from collections import defaultdict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..ops.attention import blockwise_flops
@@ -31,10 +31,16 @@ from ..ops.gated_delta import scan_flops
 from ..ops.step_phase import current_phase
 from ..ops.tracker import MemoryTracker, op_tensors, tensor_storage
 
+_BASES: dict[str, str] = {}  # a phase with its detail -> without (asked for every op)
+
 
 def phase_name() -> str:
     """The current phase without its detail."""
-    return current_phase().split(" (")[0]
+    name = current_phase()
+    base = _BASES.get(name)
+    if base is None:
+        base = _BASES[name] = name.split(" (")[0]
+    return base
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -61,11 +67,15 @@ class PhaseTracker(MemoryTracker):
     Args:
         host: the device type counted as host memory (``"cpu"`` when the step computes on CUDA; None when it
             computes on the CPU, where every byte is device memory).
+        counters: a :class:`StepCounters` counted in this mode's dispatch rather than in a mode of its own (one
+            dispatch mode fewer per op: each costs ~10 us on fake tensors, a rehearsal runs millions of ops).
     """
 
-    def __init__(self, host: str | None = None) -> None:
+    def __init__(self, host: str | None = None, counters: StepCounters | None = None) -> None:
         super().__init__()
         self.host = host
+        self.counters = counters
+        self._new: list[torch.Tensor] = []  # the current op's outputs whose storages were just counted
         self._host_live: dict[int, int] = {}  # id(storage) -> nbytes of the host storages recorded
         self.host_current = 0
         self.device_peaks: dict[str, int] = {}
@@ -104,7 +114,11 @@ class PhaseTracker(MemoryTracker):
     def _largest(self) -> list[dict]:
         """The :data:`TOP_TENSORS` largest live device storages, with the shape, dtype and allocation site of
         the tensor that first held them."""
-        device = ((nbytes, key) for key, (_, nbytes) in self._live.items() if key not in self._host_live)
+        # a copy: a storage the garbage collector frees mid-walk pops itself from _live (its weakref callback);
+        # iterating the dict itself then raised "dictionary changed size during iteration" (run (a) of issue 24
+        # after 30 minutes)
+        live = self._live.copy()
+        device = ((nbytes, key) for key, (_, nbytes) in live.items() if key not in self._host_live)
         top = []
         for nbytes, key in heapq.nlargest(TOP_TENSORS, device):
             shape, dtype, where = self._site.get(key, ((), "?", "tracked on entry"))
@@ -129,10 +143,19 @@ class PhaseTracker(MemoryTracker):
         self._note(tensors, site="held before the step (parameters, gradients, optimizer states)")
         return self
 
+    def _added(self, t: torch.Tensor) -> None:
+        self._new.append(t)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if out is not NotImplemented:
-            self._note(op_tensors(out), transient=self.last_transient_bytes)
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # let the subclass unwrap; its inner ops come back here as plain tensors
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._record(func, args, kwargs, out)
+        if self.counters is not None:
+            self.counters.count(func, args, kwargs, out)
+        new, self._new = self._new, []
+        self._note(new, transient=self.last_transient_bytes)
         return out
 
 
@@ -195,10 +218,15 @@ class StepCounters(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.count(func, args, kwargs, out)
+        return out
+
+    def count(self, func, args, kwargs: dict, out) -> None:
+        """Count op ``func`` that returned ``out`` (a :class:`PhaseTracker` given these counters calls it)."""
         packet = func._overloadpacket
         if func.namespace == "c10d":
             self._collective(func, args, kwargs)
-            return out
+            return
         name = phase_name()
         if func in EXTRA_FLOPS:
             self.flops[name] += EXTRA_FLOPS[func](*args, **kwargs)
@@ -206,7 +234,6 @@ class StepCounters(TorchDispatchMode):
             self.flops[name] += int(flop_registry[packet](*args, **kwargs, out_val=out))
         if not func.is_view:
             self.traffic[name] += sum(_nbytes(t) for t in op_tensors((args, kwargs, out)))
-        return out
 
     def _collective(self, func, args, kwargs) -> None:
         kind = func._overloadpacket.__name__

@@ -308,10 +308,10 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
                 prime_optimizer(module, optimizer)  # its steps are long: the states without a first step
             for _ in range(steps - 1):
                 step_function(module, batch, optimizer)
-            tracker = PhaseTracker(host="cpu" if device.type != "cpu" else None)
-            counters = StepCounters()
+            counters = StepCounters()  # counted in the tracker's dispatch (one mode fewer per op)
+            tracker = PhaseTracker(host="cpu" if device.type != "cpu" else None, counters=counters)
             reads.reads.clear()
-            with TransferCounter() as transfers, counters, tracker:
+            with TransferCounter() as transfers, tracker:
                 with phase(phases[0]):  # what the step starts with: the state of the steps before
                     tracker.track(*_local_tensors(module, optimizer))
                 step_function(module, batch, optimizer)
