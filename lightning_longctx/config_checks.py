@@ -207,6 +207,7 @@ def check_task(cfg: DictConfig) -> None:
                 raise ConfigError(f"task.{key}={value!r}: a LongStraw task needs a positive int (the planner reads it)")
         if task.get("prompt_grad", "full") not in ("full", "none"):
             raise ConfigError(f"task.prompt_grad={task.prompt_grad!r} must be 'full' or 'none'")
+        check_manual_optimization(cfg.get("trainer"))
         cluster = cfg.get("cluster")
         # sp_size=auto: the planner's choice takes only degrees whose dp ranks share the prompts evenly
         if "prompts_per_step" in task and isinstance(cluster, DictConfig) and cluster.get("sp_size") != "auto":
@@ -218,6 +219,25 @@ def check_task(cfg: DictConfig) -> None:
         node = task.get(key)
         if not isinstance(node, DictConfig) or not node.get("_target_"):
             raise ConfigError(f"task.{key}._target_ is required (a dotted path: task.{key} is instantiated)")
+
+
+# Trainer arguments Lightning refuses under manual optimisation (a LongStraw task's module steps its optimizer
+# itself), only once the ranks run: the knob that does it instead
+MANUAL_OPTIMIZATION = {"accumulate_grad_batches": (1, "task.prompts_per_step (prompt groups per optimizer step, "
+                                                      "their gradients accumulated)"),
+                       "gradient_clip_val": (0, "task.max_grad_norm (the module clips each step)")}
+
+
+def check_manual_optimization(trainer_cfg: Any) -> None:
+    """A LongStraw task's ``trainer`` node: no argument of :data:`MANUAL_OPTIMIZATION` other than its neutral
+    value. Raises :class:`ConfigError` naming the task knob to use."""
+    if not isinstance(trainer_cfg, DictConfig):
+        return
+    for key, (neutral, instead) in MANUAL_OPTIMIZATION.items():
+        value = trainer_cfg.get(key)
+        if value is not None and value != neutral:
+            raise ConfigError(f"trainer.{key}={value!r}: a LongStraw task optimises manually, which Lightning "
+                              f"refuses with {key}; use {instead}")
 
 
 def check_trainer_keys(trainer_cfg: DictConfig) -> None:

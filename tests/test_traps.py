@@ -1,6 +1,7 @@
 """The traps of issue 26 item 6, each refused or fixed before it costs a run: ``group_size=1`` (GRPO trains
-nothing), ``task.data.shuffle=false`` (Lightning's sampler shuffled anyway), each dp rank reading only its shard
-of the text data, the text tasks without the ``[text]`` extra, a ``LongStrawModule`` subclass given the text
+nothing), ``trainer.accumulate_grad_batches`` / ``gradient_clip_val`` under manual optimisation,
+``task.data.shuffle=false`` (Lightning's sampler shuffled anyway), each dp rank reading only its shard of the text
+data, the text tasks without the ``[text]`` extra, a ``LongStrawModule`` subclass given the text
 task's arguments, a transformers model's loss under the strategy (the 2-rank exactness check is
 tests/strategy_workers.py ``hf_check``), the planner's over-budget suggestions (each re-planned from its override)
 and its demo-defaults note, and the needle task's evaluation and completions."""
@@ -37,6 +38,17 @@ def test_group_size_one_is_refused_with_the_reason():
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=8))
     with pytest.raises(ValueError, match=r"group_size=1"):
         LongStrawModule(model, group_size=1)
+
+
+def test_trainer_arguments_manual_optimisation_refuses_are_refused_before_launch_naming_the_task_knob():
+    """``trainer.accumulate_grad_batches=2`` (what a TRL user reaches for) and ``trainer.gradient_clip_val`` under a
+    LongStraw task failed inside the ranks with Lightning's MisconfigurationException; the SFT task takes them."""
+    with pytest.raises(ConfigError, match=r"trainer\.accumulate_grad_batches=2: .* use task\.prompts_per_step"):
+        cli.check_config(_compose("trainer.accumulate_grad_batches=2"))
+    with pytest.raises(ConfigError, match=r"trainer\.gradient_clip_val=1\.0: .* use task\.max_grad_norm"):
+        cli.check_config(_compose("task=calculator_grpo", "trainer.gradient_clip_val=1.0"))
+    cli.check_config(_compose("trainer.accumulate_grad_batches=1", "trainer.gradient_clip_val=0"))
+    cli.check_config(_compose("task=long_sft", "trainer.accumulate_grad_batches=2", "trainer.gradient_clip_val=1.0"))
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
