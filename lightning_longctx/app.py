@@ -311,7 +311,9 @@ def summary_callback(cfg: DictConfig):
 
         def on_train_end(self, trainer, pl_module) -> None:
             _, self.digest = parameters_digest(pl_module)  # every rank: a collective
-            head = (f"== longctx-train summary ({cfg.task.name}, model={cfg.model.name}, cluster={cfg.cluster.name}, "
+            pretrained = cfg.model.get("pretrained")  # the checkpoint's architecture, not the preset's
+            model = f"{cfg.model.name} from {pretrained}" if pretrained else cfg.model.name
+            head = (f"== longctx-train summary ({cfg.task.name}, model={model}, cluster={cfg.cluster.name}, "
                     f"global step {trainer.global_step}) ==")
             if not trainer.is_global_zero:
                 if trainer.local_rank == 0:  # one line per node

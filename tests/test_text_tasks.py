@@ -528,4 +528,4 @@ def test_longctx_train_text_sft_on_two_processes(tmp_path, hf_dir):
     chats = make_data.write_jsonl(tmp_path / "chats.jsonl", make_data.make_chat_records(4, 30))
     text = _longctx_train("task=text_sft", f"model.pretrained={hf_dir}", f"task.data.path={chats}",
                           "task.seq_len=512", "trainer=smoke", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert "longctx-train summary (text_sft" in text and "train/loss" in text, text[-2000:]
+    assert f"longctx-train summary (text_sft, model=tiny from {hf_dir}," in text and "train/loss" in text, text[-2000:]
