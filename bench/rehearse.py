@@ -115,6 +115,15 @@ def stored(name: str) -> dict | None:
         return {**json.load(f), **meta}
 
 
+def device_difference(p: dict) -> str:
+    """A phase's measured vs planned **device** bytes: both less the planned host bytes folded into them (a CPU
+    stand-in measures the offloaded tensors with the device's; folded into both sides they dilute the diff)."""
+    folded = p.get("folded_bytes", 0)
+    if p["planned_bytes"] is None or not folded or p["planned_bytes"] <= folded:
+        return "-"
+    return f"{100 * (p['measured_bytes'] - p['planned_bytes']) / (p['planned_bytes'] - folded):+.1f}%"
+
+
 def verdict(r: dict) -> str:
     """The row's verdict: the device peak + the reserve vs the budget; with offloaded bytes folded into the
     measured ones (a CPU stand-in), the measured peak and the host bytes taken off it said as well."""
@@ -130,7 +139,9 @@ def markdown(results: dict[str, dict]) -> str:
     lines = ["# Full-size rehearsals (`longctx-rehearse`, issue 24)", "",
              "Written by `python bench/rehearse.py` on the 2-core CPU machine (fake tensors, fake process group; "
              "on this CPU-only build fake CPU tensors stand for the GPU's: docs/rehearsal.md). Bytes per rank, "
-             "GiB; `diff` = (measured - planned) / planned; the verdict adds the planner's runtime reserve.", ""]
+             "GiB; `diff` = (measured - planned) / planned; `device diff` the same of the device shares (the planned "
+             "host bytes taken off both sides where a CPU stand-in measures them with the device's); the verdict "
+             "adds the planner's runtime reserve.", ""]
     for name, r in results.items():
         lines += [f"## {name}", "", f"`longctx-rehearse {r['command']}`", ""]
         if "error" in r:
@@ -142,14 +153,14 @@ def markdown(results: dict[str, dict]) -> str:
         cpu = f", {r['cpu_s']:.0f} CPU s" if r.get("cpu_s") is not None else ""
         lines += [f"rehearsal wall time {r['seconds']:.0f} s (process {r['wall_s']:.0f} s{cpu}, {load}); rank 0 of "
                   f"{r['world_size']}; {verdict(r)}",
-                  "", "| phase | measured GiB | planned GiB | diff | TFLOP | collectives (count) |",
-                  "|---|---:|---:|---:|---:|---|"]
+                  "", "| phase | measured GiB | planned GiB | diff | device diff | TFLOP | collectives (count) |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
         for p in r["phases"]:
             planned = f"{p['planned_bytes'] / GIB:.2f}" if p["planned_bytes"] is not None else "-"
             diff = f"{100 * p['difference']:+.1f}%" if p["difference"] is not None else "-"
             coll = ", ".join(f"{k} x{v['count']}" for k, v in p["collectives"].items()) or "-"
             lines.append(f"| {p['name']} | {p['measured_bytes'] / GIB:.2f} | {planned} | {diff} | "
-                         f"{p['flops'] / 1e12:.1f} | {coll} |")
+                         f"{device_difference(p)} | {p['flops'] / 1e12:.1f} | {coll} |")
         if r.get("estimated_step_s"):
             hw = r["hardware"]
             rate = r.get("estimated_tokens_per_s_per_gpu")
