@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import logging
 import re
 import textwrap
 from pathlib import Path
@@ -295,7 +296,16 @@ def test_import_contracts_hold():
     imports only the layers below it (cli -> app -> training -> longstraw | planner -> models -> parallel -> ops),
     and the Lightning-free layers import no Lightning. Here too so a violation fails CI whatever the Makefile runs."""
     cli = pytest.importorskip("importlinter.cli", reason="import-linter is not installed (pip install -e '.[dev]')")
-    status = cli.lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True)
+    # lint_imports configures logging with logging.config.dictConfig, which disables every logger that exists
+    # (disable_existing_loggers defaults to True): put them back, or a later test in this process loses the
+    # records of e.g. lightning_longctx.models.hf_io (seen in a full -n 2 run)
+    loggers = [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    saved = [(lg, lg.disabled, lg.level, list(lg.handlers), lg.propagate) for lg in [logging.root, *loggers]]
+    try:
+        status = cli.lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True)
+    finally:
+        for lg, disabled, level, handlers, propagate in saved:
+            lg.disabled, lg.level, lg.handlers[:], lg.propagate = disabled, level, handlers, propagate
     assert status == 0, "lint-imports found a broken contract: see the captured stdout"
 
 
