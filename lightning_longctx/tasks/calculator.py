@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..task_options import CalculatorDataOptions, CalculatorGRPOOptions
-from ..training.completions import CompletionLog
+from ..training.completions import CompletionLog, CompletionsTable
 from ..training.dataloader import ResumableDataLoader
 from ..training.longstraw_module import LongStrawModule
 from .needle import collate_prompt_groups
@@ -118,7 +118,7 @@ def calculator_text(tokens: torch.Tensor | list[int], mask: torch.Tensor | list[
     return " ".join(words)
 
 
-class CalculatorGRPO(LongStrawModule):
+class CalculatorGRPO(CompletionsTable, LongStrawModule):
     """The module of ``task=calculator_grpo``: ``LongStrawModule`` rewarded by the calculator episodes (the sum of
     their environment rewards) with a completions table.
 
@@ -144,17 +144,12 @@ class CalculatorGRPO(LongStrawModule):
     def reward(self, prompt_ids, responses, **fields):
         rewards = super().reward(prompt_ids, responses, **fields)
         episodes = fields.get("episodes")
-        if not self.evaluating and self._trainer is not None and episodes is not None:
-            step = self.trainer.global_step
-            if self.completion_log.due(step) and self.trainer.is_global_zero:
-                prompt = calculator_text(prompt_ids) + f" (answer {fields.get('answer')})"
-                self.completion_log.add(step, prompt, [calculator_text(e.response, e.mask) for e in episodes],
-                                        rewards.tolist(), {})
+        step = None if self.evaluating or self._trainer is None or episodes is None else self.completions_step()
+        if step is not None:
+            prompt = calculator_text(prompt_ids) + f" (answer {fields.get('answer')})"
+            self.completion_log.add(step, prompt, [calculator_text(e.response, e.mask) for e in episodes],
+                                    rewards.tolist(), {})
         return rewards
-
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        """Write the step's completions table (rows exist only on global rank 0, on a due step)."""
-        self.completion_log.write(self.trainer.default_root_dir, self.loggers)
 
 
 CalculatorGRPO.__signature__ = KeywordSignature()  # its keywords and LongStrawModule's (config checks)

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..task_options import NeedleDataOptions, NeedleGRPOOptions
-from ..training.completions import CompletionLog
+from ..training.completions import CompletionLog, CompletionsTable
 from ..training.dataloader import ResumableDataLoader
 from ..training.longstraw_module import LongStrawModule
 from .signatures import KeywordSignature
@@ -102,7 +102,7 @@ def needle_text(ids: torch.Tensor | list[int]) -> str:
     return " ".join(words)
 
 
-class NeedleGRPO(LongStrawModule):
+class NeedleGRPO(CompletionsTable, LongStrawModule):
     """GRPO on :class:`NeedleHaystack` prompts with :func:`needle_reward` (the reward part ``needle``).
 
     Args:
@@ -129,12 +129,10 @@ class NeedleGRPO(LongStrawModule):
     def reward(self, prompt_ids, responses, answer):
         rewards = needle_reward(responses, answer)
         self.last_rewards = rewards
-        if not self.evaluating and self._trainer is not None:
-            step = self.trainer.global_step
-            if self.completion_log.due(step) and self.trainer.is_global_zero:
-                self.completion_log.add(step, needle_text(prompt_ids) + f" (answer K{int(answer)})",
-                                        [needle_text(r) for r in responses], rewards.tolist(),
-                                        {"needle": rewards.tolist()})
+        step = None if self.evaluating or self._trainer is None else self.completions_step()
+        if step is not None:
+            self.completion_log.add(step, needle_text(prompt_ids) + f" (answer K{int(answer)})",
+                                    [needle_text(r) for r in responses], rewards.tolist(), {"needle": rewards.tolist()})
         return rewards
 
     def reward_names(self) -> list[str]:
@@ -142,10 +140,6 @@ class NeedleGRPO(LongStrawModule):
 
     def reward_breakdown(self) -> dict[str, torch.Tensor]:
         return {"needle": self.last_rewards}
-
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        """Write the step's completions table (rows exist only on global rank 0, on a due step)."""
-        self.completion_log.write(self.trainer.default_root_dir, self.loggers)
 
 
 NeedleGRPO.__signature__ = KeywordSignature()  # its keywords and LongStrawModule's (config checks)

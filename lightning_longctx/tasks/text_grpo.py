@@ -44,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..longstraw.sampling import StopIds, stop_token_ids
 from ..task_options import TextGRPOOptions
-from ..training.completions import CompletionLog
+from ..training.completions import CompletionLog, CompletionsTable
 from ..training.longstraw_module import LongStrawModule
 from .rewards import RewardFunctionError, RewardFunctions
 from .signatures import KeywordSignature
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 _NOT_FIELDS = ("prompt_ids", "responses", "old_logprobs")
 
 
-class TextGRPOModule(LongStrawModule):
+class TextGRPOModule(CompletionsTable, LongStrawModule):
     """GRPO with exact LongStraw steps on text prompts, rewarded by TRL-style reward functions.
 
     Args:
@@ -197,17 +197,13 @@ class TextGRPOModule(LongStrawModule):
     def _record_completions(self, prompt: Any, ids: list[list[int]], total: torch.Tensor,
                             per: torch.Tensor) -> None:
         """This group's rows of the completions table when the step is due (global rank 0 only)."""
-        step = self.trainer.global_step
-        if not (self.completion_log.due(step) and self.trainer.is_global_zero):
+        step = self.completions_step()
+        if step is None:
             return
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         shown = prompt[-1].get("content", "") if is_conversation(prompt) else str(prompt)
         self.completion_log.add(step, str(shown), texts, total.tolist(),
                                 {name: per[i].tolist() for i, name in enumerate(self.rewards.names)})
-
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        """Write the step's completions table (rows exist only on global rank 0, on a due step)."""
-        self.completion_log.write(self.trainer.default_root_dir, self.loggers)
 
     def dry_run_rewards(self, prompt: Any, fields: dict[str, Any]) -> None:
         """Call every reward function once with G empty completions (``completion_ids`` = ``[[eos]]``) of ``prompt``

@@ -111,4 +111,21 @@ class CompletionLog:
         return len(rows)
 
 
-__all__ = ["FILE_NAME", "CompletionLog", "markdown_table"]
+class CompletionsTable:
+    """Mixin for a LongStraw task module that logs a :class:`CompletionLog` (its ``completion_log``, made in its
+    ``__init__``): :meth:`completions_step` tells a reward whether to add this step's rows, and the table is
+    written when the training batch ends."""
+
+    completion_log: CompletionLog
+
+    def completions_step(self) -> int | None:
+        """The optimizer step to log rows at, when the table is due at it and this is global rank 0; else None."""
+        step = self.trainer.global_step
+        return step if self.completion_log.due(step) and self.trainer.is_global_zero else None
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        """Write the step's completions table (rows exist only on global rank 0, on a due step)."""
+        self.completion_log.write(self.trainer.default_root_dir, self.loggers)
+
+
+__all__ = ["FILE_NAME", "CompletionLog", "CompletionsTable", "markdown_table"]
