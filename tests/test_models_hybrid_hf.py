@@ -123,7 +123,7 @@ def test_qwen3_5_checkpoint_logits_equal_transformers_and_round_trip(tmp_path, l
         assert_close_rel(back(ids).logits, want, TOL, f"{layout}: round trip into transformers")
 
 
-def test_multimodal_qwen3_5_checkpoint_loads_its_text_tower(tmp_path):
+def test_multimodal_qwen3_5_checkpoint_loads_its_text_tower(tmp_path, caplog):
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT["hidden_size"],
                   patch_size=2, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
     config = transformers.Qwen3_5Config(text_config=_text_config().to_dict(), vision_config=vision)
@@ -139,23 +139,10 @@ def test_multimodal_qwen3_5_checkpoint_loads_its_text_tower(tmp_path):
     ids = _ids()
     with torch.no_grad():
         want = hf(input_ids=ids).logits
-    # a handler on the module's logger itself: the record must not depend on the propagation to the root logger
-    # (caplog's), which an earlier in-process test's logging set-up can leave changed (seen in a full -n 2 run)
-    logger = logging.getLogger("lightning_longctx.models.hf_io")
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with caplog.at_level(logging.INFO, logger="lightning_longctx.models.hf_io"):
         ours = DecoderLM.from_pretrained(tmp_path)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    skipped = [r.getMessage() for r in records if "skipped" in r.getMessage()]
-    state = [(lg.name, lg.disabled, lg.propagate, lg.level) for lg in (logger, logger.parent, logging.getLogger())]
-    assert len(skipped) == 1 and f"skipped {visual + 1} tensors" in skipped[0], (skipped, state)
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and f"skipped {visual + 1} tensors" in skipped[0], skipped
     assert ours.config.model_type == "qwen3_5_text"
     with torch.no_grad():
         assert_close_rel(ours(ids).logits, want, TOL, "qwen3_5 text tower vs Qwen3_5ForConditionalGeneration")
