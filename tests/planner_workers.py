@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from distributed import send_buffers_released_on_return
 from lightning_longctx.longstraw import StepGroups, StepMemory
 
 # Per rank (sp=2): 3 query heads over 1 K/V head of 64 (27B: 3 over 1 of 256), 6 linear value heads of 32 over
@@ -154,7 +155,7 @@ def hybrid_phase_peaks(rank, world, fields, seq, state_segment) -> dict[str, int
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 64, (seq,), generator=gen)
     responses = [torch.randint(0, 64, (8,), generator=gen) for _ in range(4)]
-    with PhaseTracker() as tracker:
+    with send_buffers_released_on_return(), PhaseTracker() as tracker:
         longstraw_step(model, prompt, responses, torch.randn(4, generator=gen),
                        memory=StepMemory(state_segment=state_segment),
                        groups=StepGroups(sp_group=dist.group.WORLD if world > 1 else None))
