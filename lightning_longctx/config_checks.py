@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .config_schema import decoder_config, prompts_per_rank
+from .task_options import LongStrawOptions, TextGRPOOptions
 
 _HYDRA_KEYS = ("_target_", "_partial_", "_convert_", "_recursive_", "_args_")
 # Trainer arguments the CLI sets from other groups: key -> where to set it instead
@@ -288,25 +289,32 @@ def check_module_base(cfg: DictConfig) -> None:
     """A ``task.module._target_`` that subclasses ``LongStrawModule`` but not ``TextGRPOModule`` while the node
     carries the text task's own arguments (``task=text_grpo``: ``tokenizer_path``, ``reward_funcs``, ...): with
     ``**kwargs`` it passes the key check, and ``LongStrawModule`` would refuse them inside the ranks. Raises
-    :class:`ConfigError` naming the arguments and the base class to subclass."""
+    :class:`ConfigError` naming the arguments and the base class to subclass.
+
+    The classes are told apart by the ``options_class`` each names (:mod:`.task_options`: ``LongStrawOptions``
+    and the subclasses of it, ``TextGRPOOptions`` for the text task), so this check imports no Lightning class."""
     node = cfg.task.get("module")
     path = node.get("_target_") if isinstance(node, DictConfig) else None
     if not isinstance(path, str):
         return
-    from .tasks.text_grpo import TextGRPOModule
-    from .training.longstraw_module import LongStrawModule
-
     target = locate(path, "task.module._target_")
-    if not isinstance(target, type) or not issubclass(target, LongStrawModule) or issubclass(target, TextGRPOModule):
+    options = getattr(target, "options_class", None)
+    if (not isinstance(options, type) or not issubclass(options, LongStrawOptions)
+            or issubclass(options, TextGRPOOptions)):
         return
     # the target's own parameters count too (NeedleGRPO logs completions as the text task does)
-    base = set(inspect.signature(LongStrawModule.__init__).parameters) | set(inspect.signature(target).parameters)
-    text_only = sorted(str(k) for k in node if str(k) in set(inspect.signature(TextGRPOModule).parameters) - base)
+    base = _field_names(options) | set(inspect.signature(target).parameters)
+    text = _field_names(TextGRPOOptions) | {"tokenizer"}  # and the one object TextGRPOModule takes
+    text_only = sorted(str(k) for k in node if str(k) in text - base)
     if text_only:
         raise ConfigError(f"task.module._target_={path!r} subclasses LongStrawModule, not TextGRPOModule, but "
                           f"task.module passes the text task's arguments {text_only} (task=text_grpo), which "
                           "LongStrawModule does not take: subclass lightning_longctx.tasks.text_grpo.TextGRPOModule "
                           "(or drop those keys)")
+
+
+def _field_names(options: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(options)}
 
 
 def check_task_env(cfg: DictConfig) -> None:

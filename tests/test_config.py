@@ -414,6 +414,9 @@ def test_each_target_takes_its_defaults_from_its_options_class():
     for target, options_class in pairs:
         taken = {k: v for k, v in config_schema.target_parameters(target).items() if k not in objects}
         assert taken == config_schema.target_parameters(options_class), target.__qualname__
+    modules = (LongStrawModule, NeedleGRPO, TextGRPOModule, LongSFTModule, CalculatorGRPO)
+    for module, options_class in pairs:  # the modules name theirs (what config_checks reads, without Lightning)
+        assert (getattr(module, "options_class", None) is options_class) == (module in modules), module.__qualname__
     step = {f.name: f.default for c in (longstraw.LossOptions, longstraw.StepMemory, longstraw.StepGroups)
             for f in dataclasses.fields(c)}
     for f in dataclasses.fields(task_options.LongStrawOptions):

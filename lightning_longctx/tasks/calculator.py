@@ -132,6 +132,8 @@ class CalculatorGRPO(CompletionsTable, LongStrawModule):
         **kwargs: :class:`~lightning_longctx.LongStrawModule`'s (``env`` among them).
     """
 
+    options_class = CalculatorGRPOOptions
+
     def __init__(self, model: torch.nn.Module, *,
                  log_completions_every_n_steps: int | None = CalculatorGRPOOptions.log_completions_every_n_steps,
                  completions_max_rows: int = CalculatorGRPOOptions.completions_max_rows,

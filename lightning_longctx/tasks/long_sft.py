@@ -80,6 +80,8 @@ class LongSFTModule(pl.LightningModule):
     allocator's peak; CPU: the process's peak resident memory).
     """
 
+    options_class = SFTOptions  # its keyword arguments, Lightning-free (task_options)
+
     def __init__(self, model: torch.nn.Module, *, lr: float = SFTOptions.lr,
                  weight_decay: float = SFTOptions.weight_decay) -> None:
         super().__init__()

@@ -116,6 +116,8 @@ class NeedleGRPO(CompletionsTable, LongStrawModule):
         **kwargs: :class:`~lightning_longctx.LongStrawModule`'s.
     """
 
+    options_class = NeedleGRPOOptions
+
     def __init__(self, model: torch.nn.Module, *,
                  log_completions_every_n_steps: int | None = NeedleGRPOOptions.log_completions_every_n_steps,
                  completions_max_rows: int = NeedleGRPOOptions.completions_max_rows,

@@ -84,6 +84,8 @@ class TextGRPOModule(CompletionsTable, LongStrawModule):
         **kwargs: :class:`~lightning_longctx.LongStrawModule`'s (``group_size``, ``max_new_tokens``, ``lr``, ...).
     """
 
+    options_class = TextGRPOOptions
+
     def __init__(self, model: torch.nn.Module, *, tokenizer_path: str | None = TextGRPOOptions.tokenizer_path,
                  tokenizer: Any = None, reward_funcs: Any = TextGRPOOptions.reward_funcs,
                  reward_weights: Any = TextGRPOOptions.reward_weights,

@@ -173,6 +173,10 @@ class LongStrawModule(GroupRewards, pl.LightningModule):
     # the prompt itself.
     handles_sequence_parallel = True
 
+    # the Lightning-free dataclass of this class's keyword arguments (task_options): what the config checks read
+    # instead of importing the class (config_checks.check_module_base); each subclass names its own
+    options_class: type = LongStrawOptions
+
     # Under ``UlyssesStrategy(sharding="fsdp")`` on several ranks the policy (attention models and hybrids alike)
     # is FSDP2-sharded over the dp x sp mesh (parameters, gradients, optimizer states; bf16 compute, fp32
     # reduce-scatter) and ``longstraw_step`` leaves the gradient reduction to FSDP; ``sharding="replicate"``
