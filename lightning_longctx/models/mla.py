@@ -29,13 +29,18 @@ tokens, so the usual SP sum of parameter gradients is the single-device gradient
 (``head_chunk_size = C``) split each rank's ``H_l`` heads into stages; with more than one stage (or a prompt
 latent to expand) each stage runs under ``torch.utils.checkpoint`` while autograd records, so one stage's
 full-sequence q / expanded K/V are alive at a time, in forward and in backward. Over a prompt latent (a LongStraw
-replay) the gathers run under a checkpoint too: between a layer's forward and its backward only this rank's
-shards are kept, and the backward gathers the prompt again. The attention kernels need
+replay) the stages' checkpoints keep the gathered latents as recipes (saved-tensor hooks, :class:`_Regathered`):
+between a layer's forward and its backward only this rank's shards are kept, and the backward gathers the prompt
+again at its first read, once for all stages (not a checkpoint of the whole stage loop, whose recomputation
+would run every stage's forward once more before the stages' own). The rank's rows of ``kv_b_proj`` (an adapter
+folded in) are built once per layer call for all stages, kept the same way. The attention kernels need
 equal q/k and v widths: the narrower side is zero-padded (exact; the padding's share of the output is dropped).
 
 LoRA (:mod:`.lora`; PEFT's names): ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` run as modules; ``q_proj``
-/ ``q_b_proj`` and ``kv_b_proj`` are sliced per stage and take :func:`~.lora.head_rows_linear` (the rows folded
-with the adapter, never a full-size ``B @ A``). Prefix-frozen adapters pass a token mask ``lora_mask [b, s_l]``
+/ ``q_b_proj`` are sliced per stage and take :func:`~.lora.head_rows_linear` (the rows folded with the adapter,
+never a full-size ``B @ A``); ``kv_b_proj``'s rows of the rank's own heads are folded once per layer call
+(:meth:`MLAttention.kv_rows`, ``1 / P`` of a full-size ``B @ A``). Prefix-frozen adapters pass a token
+mask ``lora_mask [b, s_l]``
 (:meth:`DecoderLayer.adapter_mask`): the token-wise projections mask their rank-``r`` intermediate, the stage's
 query rows take the local mask and ``kv_b_proj``'s rows the gathered one (one extra all-gather of ``[b, s]``
 bytes, only when ``kv_b_proj`` is adapted). The tokens of a ``prefix_state`` are taken to come before the
@@ -45,6 +50,7 @@ base rows of ``kv_b_proj``, as the prefill (run with the adapters disabled) comp
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -59,7 +65,7 @@ from ..ops.attention import attention
 from ..ops.merge import prefix_attention
 from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size
 from ..parallel.head_stages import check_head_layout
-from .lora import LoRALinear, head_rows_linear, masked_linear
+from .lora import LoRALinear, _low_rank, head_rows_linear, masked_linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 
@@ -172,10 +178,67 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """transformers' ``apply_rotary_pos_emb_interleave`` on ``x [b, s, h, r]`` with ``cos, sin [b, s, r]``
     (``cat(freqs, freqs)`` layout): pairs ``(x[2i], x[2i+1])`` rotated by frequency ``i``, output
     ``[rotated evens | rotated odds]``."""
+    return _rope_halves(x, *_interleaved_tables(cos, sin))
+
+
+def _interleaved_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [b, s, r]`` -> the per-pair tables ``[b, s, 1, r / 2]`` :func:`_rope_halves` multiplies by
+    (taken once per layer call, not once per head stage)."""
     half = cos.shape[-1] // 2
-    c, s = cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
+    return cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
+
+
+def _rope_halves(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_interleaved` of ``x [b, s, h, r]`` with its tables ``c, s`` from :func:`_interleaved_tables`."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x [..., d]`` zero-padded to ``[..., width]`` (``x`` itself when ``d == width``: no copy)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+class KVRows(NamedTuple):
+    """This rank's heads' rows of ``kv_b_proj`` for one layer call (:meth:`MLAttention.kv_rows`): ``rows [H_l
+    (n + dv), R]`` for the call's own tokens (the adapter folded in, or the base rows), ``prefix_rows`` the same
+    for a prompt latent (None: no prompt), and for a masked adapter ``lora_a [r, R]``, ``lora_b [H_l (n + dv),
+    r]`` and ``scaling`` (None: no masked adapter)."""
+
+    rows: torch.Tensor
+    prefix_rows: torch.Tensor | None
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+    scaling: float = 0.0
+
+
+class _Regathered:
+    """A gathered tensor that autograd keeps as a recipe, not as bytes: the head stages' checkpoints save the
+    layer's gathered latents as inputs; between the forward and the backward only this rank's shards stay
+    alive, and the first read in the backward gathers again (no graph: the gradient reaches the shards through
+    the forward's own gather node), kept until the last stage's backward has read it."""
+
+    __slots__ = ("_gather", "_value")
+
+    def __init__(self, gather) -> None:
+        self._gather, self._value = gather, None
+
+    def get(self) -> torch.Tensor:
+        if self._value is None:
+            with torch.no_grad():
+                self._value = self._gather()
+        return self._value
+
+
+def _regathered(recipes: dict[int, _Regathered]):
+    """``saved_tensors_hooks`` storing the tensors of ``recipes`` (by ``id``) as their :class:`_Regathered`."""
+    def pack(t):
+        return recipes.get(id(t), t)
+
+    def unpack(x):
+        return x.get() if isinstance(x, _Regathered) else x
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def mla_softmax_scale(config) -> float:
@@ -264,6 +327,11 @@ class MLAttention(nn.Module):
         return mla_stage_plan(self.num_heads, group_size(self.sp_group), group_rank(self.sp_group),
                               self.head_chunk_size, device)
 
+    @property
+    def stage_heads(self) -> int:
+        """``C``: this rank's heads per stage (:func:`check_head_layout`'s effective chunk)."""
+        return check_head_layout(self.num_heads, 1, group_size(self.sp_group), self.head_chunk_size)
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rope_interleaved(x, cos, sin) if self.rope_interleave else apply_rope(x, cos, sin)
 
@@ -290,35 +358,65 @@ class MLAttention(nn.Module):
     def _width(self) -> int:
         return max(self.qk_dim, self.v_dim)
 
-    def expand(self, latent: torch.Tensor, st: MLAStage, lora_mask: torch.Tensor | None = None,
-               adapter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stage's own heads' ``k, v [b, t, C, w]`` (``w = max(dq, dv)``, zero-padded) from a gathered
-        ``latent [b, t, R + r]``, with this rank's rows of ``kv_b_proj`` (and their adapter: on the tokens of
-        ``lora_mask [b, t]``, None: all; ``adapter=False``: none)."""
-        b, t, _ = latent.shape
-        kv = head_rows_linear(self.kv_b_proj, latent[..., :self.kv_lora_rank], st.kv_heads, self.nope + self.v_dim,
-                              lora_mask, adapter).view(b, t, -1, self.nope + self.v_dim)
-        k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
-        k_rot = latent[..., self.kv_lora_rank:].unsqueeze(2).expand(b, t, k_nope.shape[2], self.rope_dim)
-        k = torch.cat((k_nope, k_rot.to(k_nope.dtype)), dim=-1)
-        width = self._width()
-        return F.pad(k, (0, width - self.qk_dim)), F.pad(v, (0, width - self.v_dim))
+    def kv_rows(self, has_prefix: bool, masked: bool, prefix_adapter: bool) -> KVRows:
+        """This rank's heads' rows of ``kv_b_proj``, once per layer call for every stage and both expansions
+        (:class:`KVRows`; ``has_prefix``: a prompt latent is expanded too; ``masked``: the adapter acts on
+        some tokens only; ``prefix_adapter``: it acts on the prompt's tokens). Unmasked, the adapter is folded
+        into the rows, ``W_rows + s * B_rows @ A`` (the rank's ``H_l (n + dv)`` rows: ``H / P`` of a full-size
+        ``B @ A``); masked, each stage adds ``s * (m * x A^T) B_rows^T`` to the base rows' output."""
+        local = self.num_heads // group_size(self.sp_group)
+        first = group_rank(self.sp_group) * local
+        rows = self.nope + self.v_dim
+        m = self.kv_b_proj
+        w = m.weight.view(-1, rows, self.kv_lora_rank).narrow(0, first, local).flatten(0, 1)  # contiguous rows
+        if not (isinstance(m, LoRALinear) and m.lora_enabled):
+            return KVRows(w, w if has_prefix else None)
+        a = m.lora_A.weight
+        b = m.lora_B.weight.view(-1, rows, a.shape[0]).narrow(0, first, local).flatten(0, 1)  # [H_l (n + dv), r]
+        if masked:
+            return KVRows(w, w if has_prefix else None, a, b, m.scaling)
+        folded = (w.to(a.dtype) + m.scaling * (b @ a)).to(w.dtype)
+        return KVRows(folded, None if not has_prefix else (folded if prefix_adapter else w))
 
-    def _stage(self, q_in, latent, prefix, cos, sin, st: MLAStage, q_mask=None, kv_mask=None) -> torch.Tensor:
-        """One stage: ``[b, s_l, C P, dv]`` on the local tokens (heads ``st.q_heads``); ``q_mask [b, s_l]`` /
-        ``kv_mask [b, s]``: the local / gathered tokens the adapters act on (None: all)."""
+    def expand(self, latent: torch.Tensor, rows: torch.Tensor, stage: int, lora: tuple | None = None,
+               lora_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage ``stage``'s own heads' ``k, v [b, t, C, w]`` (``w = max(dq, dv)``, zero-padded) from a gathered
+        ``latent [b, t, R + r]`` and the rank's rows of ``kv_b_proj`` ``rows [H_l (n + dv), R]``
+        (:meth:`kv_rows`); ``lora``: ``(A [r, R], B rows [H_l (n + dv), r], scaling)`` of an adapter acting
+        on the tokens of ``lora_mask [b, t]`` only (None: no adapter, or folded into ``rows``)."""
+        b, t, _ = latent.shape
+        c, width = self.stage_heads, self.nope + self.v_dim
+        x = latent[..., :self.kv_lora_rank]
+        kv = F.linear(x, rows.narrow(0, stage * c * width, c * width))
+        if lora is not None:
+            a, lora_b, scaling = lora
+            kv = kv + _low_rank(x, a, lora_b.narrow(0, stage * c * width, c * width), scaling, lora_mask).to(x.dtype)
+        k_nope, v = kv.view(b, t, c, width).split((self.nope, self.v_dim), dim=-1)
+        k_rot = latent[..., self.kv_lora_rank:].unsqueeze(2).expand(b, t, c, self.rope_dim)
+        k = torch.cat((k_nope, k_rot.to(k_nope.dtype)), dim=-1)
+        return _pad_to(k, self._width()), _pad_to(v, self._width())
+
+    def _stage(self, q_in, latent, prefix, cos, sin, rows, prefix_rows, lora_a, lora_b, scaling: float,
+               index: int, st: MLAStage, q_mask=None, kv_mask=None) -> torch.Tensor:
+        """Stage ``index`` (``st``): ``[b, s_l, C P, dv]`` on the local tokens (heads ``st.q_heads``), from the
+        query input ``q_in [b, s_l, q_lora]``, the gathered ``latent [b, s, R + r]`` and ``prefix [b, S', R + r]``
+        (or None); ``cos, sin``: the query's RoPE tables (:func:`_interleaved_tables`'s for an interleaved RoPE);
+        ``rows, prefix_rows, lora_a, lora_b, scaling``: the fields of :meth:`kv_rows` (each tensor a checkpoint
+        input of its own, so the saved-tensor hooks see it); ``q_mask [b, s_l]`` / ``kv_mask [b, s]``: the
+        local / gathered tokens the adapters act on (None: all)."""
         b, s_l, _ = q_in.shape
         proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
         q = head_rows_linear(proj, q_in, st.q_heads, self.qk_dim, q_mask).view(b, s_l, -1, self.qk_dim)
         q_nope, q_rot = q.split((self.nope, self.rope_dim), dim=-1)
-        q = torch.cat((q_nope, self._rope(q_rot, cos, sin).to(q.dtype)), dim=-1)
-        q = SeqToHead.apply(F.pad(q, (0, self._width() - self.qk_dim)), self.sp_group)  # [b, s, C, w]
-        k, v = self.expand(latent, st, kv_mask)
+        q_rot = _rope_halves(q_rot, cos, sin) if self.rope_interleave else apply_rope(q_rot, cos, sin)
+        q = torch.cat((q_nope, q_rot.to(q.dtype)), dim=-1)
+        q = SeqToHead.apply(_pad_to(q, self._width()), self.sp_group)  # [b, s, C, w]
+        k, v = self.expand(latent, rows, index, None if lora_a is None else (lora_a, lora_b, scaling), kv_mask)
         opts = dict(softmax_scale=self.scaling, backend=self.backend)
         if prefix is None:
             out = attention(q, k, v, causal=True, **opts)
         else:  # a prompt's latent before these tokens: full attention over it, causal over the new tokens
-            k_p, v_p = self.expand(prefix, st, adapter=q_mask is None)  # masked: before the adapters' start
+            k_p, v_p = self.expand(prefix, prefix_rows, index)  # masked: before the adapters' start
             out = prefix_attention(q, k_p, v_p, k, v, **opts)[0]
         return HeadToSeq.apply(out[..., :self.v_dim].contiguous(), self.sp_group)
 
@@ -338,12 +436,7 @@ class MLAttention(nn.Module):
         if prefix_length(prefix_state) > 0:  # staged: fetched inside _attend (and again by its recomputation)
             prefix = prefix_state if isinstance(prefix_state, StagedLatent) else prefix_state.latent.to(hidden.dtype)
         q_in = self.query_input(hidden, lora_mask)
-        if prefix is not None and torch.is_grad_enabled():
-            # a replay over a prompt latent: keep only this rank's shards, gather the prompt again in backward,
-            # so no layer holds the gathered [S', R + r] prompt between its forward and its backward
-            out = checkpoint(self._attend, q_in, latent, prefix, cos, sin, lora_mask, use_reentrant=False)
-        else:
-            out = self._attend(q_in, latent, prefix, cos, sin, lora_mask)
+        out = self._attend(q_in, latent, prefix, cos, sin, lora_mask)
         out = masked_linear(self.o_proj, out.flatten(2), lora_mask)
         return (out, MLAState(latent)) if return_state else out
 
@@ -359,20 +452,44 @@ class MLAttention(nn.Module):
 
     def _attend(self, q_in, latent, prefix, cos, sin, lora_mask=None) -> torch.Tensor:
         """The attention output ``[b, s_l, H, dv]`` from the query input, this rank's latent ``[b, s_l, R + r]``
-        and (optionally) its shard of a prompt latent ``[b, S'/P, R + r]``: one all-gather of each, then the
-        head stages (``lora_mask [b, s_l]``: as :meth:`forward`'s)."""
-        full = gather_sequence(latent, self.sp_group)  # [b, s, R + r]: one all-gather per layer
-        prefix = prefix_latent(prefix, cos.dtype)  # a staged latent fetched here (cos is in the hidden dtype)
-        prefix = None if prefix is None else gather_sequence(prefix, self.sp_group)
-        masks = (lora_mask, self._gathered_mask(lora_mask))
+        and (optionally) its shard of a prompt latent ``[b, S'/P, R + r]`` (or a :class:`StagedLatent`): one
+        all-gather of each, the rank's rows of ``kv_b_proj`` (:meth:`kv_rows`), then the head stages
+        (``lora_mask [b, s_l]``: as :meth:`forward`'s).
+
+        Under autograd each stage runs under a checkpoint, which saves its inputs. The rows of ``kv_b_proj`` are
+        kept as a recipe (:class:`_Regathered`: rebuilt at the first read in the backward, no graph), and over a
+        prompt latent (a LongStraw replay) so are both gathered latents: between the layer's forward and its
+        backward only this rank's shards are kept, and the backward gathers the prompt again, so no layer holds
+        the gathered ``[S', R + r]`` prompt (or ``kv_b_proj``'s rows) in between."""
+        group, dtype = self.sp_group, cos.dtype  # cos is in the hidden dtype
+        full = gather_sequence(latent, group)  # [b, s, R + r]: one all-gather per layer
+        prefix_shard = prefix
+        prefix = prefix_latent(prefix_shard, dtype)  # a staged latent fetched here (and again in backward)
+        prefix = None if prefix is None else gather_sequence(prefix, group)
+        kv_mask = self._gathered_mask(lora_mask)
+        kv_opts = (prefix is not None, kv_mask is not None, lora_mask is None)
+        kv = self.kv_rows(*kv_opts)
+        tables = _interleaved_tables(cos, sin) if self.rope_interleave else (cos, sin)
         stages, inverse = self.stages(q_in.device)
         staged = torch.is_grad_enabled() and (len(stages) > 1 or prefix is not None)
+        recipes: dict[int, _Regathered] = {}
+        if staged:
+            if prefix is not None:
+                full_again = _Regathered(lambda: gather_sequence(latent, group))
+                prefix_again = _Regathered(lambda: gather_sequence(prefix_latent(prefix_shard, dtype), group))
+                recipes |= {id(full): full_again, id(prefix): prefix_again}
+            kv_again = _Regathered(lambda: self.kv_rows(*kv_opts))
+            for i, t in enumerate(kv):
+                if isinstance(t, torch.Tensor) and id(t) not in recipes:
+                    recipes[id(t)] = _Regathered(lambda i=i: kv_again.get()[i])
         outs = []
-        for st in stages:
-            if staged:  # only this stage's full-sequence q and expanded K/V alive, in forward and in backward
-                outs.append(checkpoint(self._stage, q_in, full, prefix, cos, sin, st, *masks, use_reentrant=False))
-            else:
-                outs.append(self._stage(q_in, full, prefix, cos, sin, st, *masks))
+        with _regathered(recipes) if staged else contextlib.nullcontext():
+            for index, st in enumerate(stages):
+                args = (q_in, full, prefix, *tables, *kv, index, st, lora_mask, kv_mask)
+                if staged:  # only this stage's full-sequence q and expanded K/V alive, in forward and in backward
+                    outs.append(checkpoint(self._stage, *args, use_reentrant=False))
+                else:
+                    outs.append(self._stage(*args))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [b, s_l, H, dv] in stage order
         return out if inverse is None else out.index_select(2, inverse)
 
