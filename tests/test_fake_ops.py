@@ -117,7 +117,12 @@ def test_scan_through_autograd_tracks_the_kernels_peak():
         return scan_backward(*seeds, *[x.detach() for x in inputs[:5]], starts, 8 ** -0.5, True, 16, 2, [True] * 5,
                              True)
 
-    inside, by_hand_grads = _peak(by_hand)
+    inside, _ = _peak(by_hand)
+    # the gradients for the seeds as autograd hands them to the op (sum's backward: ones expanded, stride 0;
+    # the contiguous ones above take another matmul path and differ in the last bit)
+    expanded = (torch.ones(()).expand_as(out), torch.ones(()).expand_as(final))
+    by_hand_grads = scan_backward(*expanded, *[x.detach() for x in inputs[:5]], starts, 8 ** -0.5, True, 16, 2,
+                                  [True] * 5, True)
     for got, want in zip(grads, by_hand_grads):
         torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=0)
     # the op's run also holds the seeds autograd makes and the forward's saved starts (by_hand: made before)
@@ -229,3 +234,30 @@ def test_segmented_scan_backward_op_matches_the_autograd_loop():
         faked, out = _peak(linear_backward._segmented_scan_backward, fake[:5], *fake[5:], segment, "torch")
     assert _layout(out) == _layout(want)
     assert abs(faked - looped) <= 0.02 * looped, f"fake op peak {faked} vs the loop's {looped} bytes"
+
+
+# (tokens, segment): two segments of 5 groups (256 tokens) with a tail of 2 groups and a part; a prompt of one
+# segment, 5 groups and a part
+SEGMENTED_CASES = [(2 * 1280 + 600, 1280), (1300, 16384)]
+
+
+@pytest.mark.parametrize("tokens, segment", SEGMENTED_CASES)
+def test_segmented_transient_extrapolates_to_the_kernels_peak(tokens, segment):
+    """The segmented backward's declared transient (measured at 3- and 4-group segments, extrapolated to the
+    segment's groups: ops/gated_delta.py::segmented_transient) equals its kernel's peak beyond its inputs and
+    outputs at the full length (real tensors, the tracker inside), exactly."""
+    from lightning_longctx.ops.gated_delta import segmented_scan_backward, segmented_transient
+
+    q, k, v, g, beta, _ = _scan_inputs(tokens, 1, 2, torch.bfloat16, False, dk=16, dv=16)
+    g = g.float()  # as the layer's (the decay in float32)
+    parts = -(-tokens // segment)
+    gen = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(v.shape, generator=gen).to(v.dtype)
+    grad_state = torch.randn(1, 2, 16, 16, generator=gen)
+    boundaries = torch.randn(parts - 1, 1, 2, 16, 16, generator=gen) if parts > 1 else None
+    args = (q, k, v, g, beta, grad_out, grad_state, boundaries, segment)
+    with MemoryTracker() as tracker:
+        grads = segmented_scan_backward(*args)
+        returned = tracker.current_bytes
+    del grads
+    assert segmented_transient(*args) == tracker.peak_bytes - returned

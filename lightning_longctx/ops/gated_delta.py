@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 
 from . import gated_delta_cuda
-from .registered import cached_transient, reduced_length
+from .registered import affine_transient, cached_transient, reduced_length
 from .tracker import declare_transient, tracking_memory
 
 GATED_DELTA_BACKENDS = ("auto", "torch", "fla")
@@ -46,6 +46,7 @@ SCAN_CHUNK = 64  # gated_delta_rule's chunk_size
 # 2M-token prompt), the default of its ``state_segment`` and what the planner counts; a multiple of SCAN_CHUNK so
 # the grouped backward's segments start where the prefill's chunks did
 DEFAULT_STATE_SEGMENT = 16384
+_SEGMENT_GROUP = max(1, _DEFAULT_GROUP_TOKENS // SCAN_CHUNK)  # chunks per recomputed group of segmented_scan_backward
 
 
 def check_state_segment(state_segment: int) -> None:
@@ -283,8 +284,7 @@ def segmented_scan_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     Dv]`` or None at the end). What ``longstraw.linear_backward`` runs with autograd per segment, as one op for
     fake tensors (``longctx::gated_delta_segmented_backward``): with 2M-token prompts, 128 segments per layer
     stage."""
-    group = max(1, _DEFAULT_GROUP_TOKENS // SCAN_CHUNK)
-    opts = (q.shape[-1] ** -0.5, True, SCAN_CHUNK, group)
+    opts = (q.shape[-1] ** -0.5, True, SCAN_CHUNK, _SEGMENT_GROUP)
     grads = [torch.zeros_like(t) for t in (q, k, v, g, beta)]
     tokens = q.shape[1]
     for index in reversed(range(-(-tokens // segment))):
@@ -312,14 +312,42 @@ def _segmented_backward_fake(q, k, v, g, beta, grad_out, grad_state, boundaries,
 
 
 def segmented_transient(q, k, v, g, beta, grad_out, grad_state, boundaries, segment) -> int:
-    """:func:`segmented_scan_backward`'s peak beyond its inputs and outputs, at two full segments and the tail
-    (it differentiates with torch.func: call it outside a dispatch mode's handler first, the tracker reads the
-    cached figure)."""
-    short = reduced_length(q.shape[1], segment)
-    parts = -(-short // segment)
-    return cached_transient(segmented_scan_backward, *(x[:, :short] for x in (q, k, v, g, beta)),
-                            None if grad_out is None else grad_out[:, :short], grad_state,
-                            None if boundaries is None else boundaries[:parts - 1], segment)
+    """:func:`segmented_scan_backward`'s peak beyond its inputs and outputs (bytes), for the tracker.
+
+    Its peak is in a full segment (the tail is shorter and runs first, holding no more): that segment's output,
+    start states and five gradients (the scan's ``scan_forward`` / ``scan_backward`` over it) plus one group's
+    temporaries, so it is affine in the segment's groups (:data:`_SEGMENT_GROUP` chunks) from 3 groups on
+    (2 -> 3 groups adds a few KiB more than 3 -> 4 at Qwen3.5's stage shapes). Measured on the kernel at two
+    full segments of 3 and of 4 groups (the segment's remainder kept), the tail cut to its last group, and
+    extrapolated (:func:`.registered.affine_transient`): 1,791 and 2,303 tokens at Qwen3.5-27B's 2M-token prompt
+    where two full 16,384-token segments and the tail were 40,959 (72 s of a 162 s 4-layer rehearsal), the
+    same figure (117,220,448 bytes per stage). A prompt of one segment scales its own groups the
+    same way. Segments of at most 4 groups: the kernel at two full segments and the tail, directly. It
+    differentiates with torch.func: call it outside a dispatch mode's handler first, the tracker reads the
+    cached figures."""
+    tokens = q.shape[1]
+    span = _SEGMENT_GROUP * SCAN_CHUNK
+    full, tail = divmod(tokens, segment)
+
+    def measure(length: int, seg: int) -> int:
+        parts = -(-length // seg)
+        return cached_transient(segmented_scan_backward, *(x[:, :length] for x in (q, k, v, g, beta)),
+                                None if grad_out is None else grad_out[:, :length], grad_state,
+                                None if boundaries is None else boundaries[:parts - 1], seg)
+
+    if full == 0:  # one segment (the prompt is shorter): its length scales
+        count, rem = divmod(tokens, span)
+        return affine_transient(lambda n: measure(n * span + rem, segment), count)
+    count, rem = divmod(segment, span)
+    if count <= 4:
+        return measure(reduced_length(tokens, segment), segment)
+    short_tail = 0 if tail == 0 else (tail - 1) % span + 1  # the tail's last group: it makes a carried state
+
+    def at(n: int) -> int:
+        seg = n * span + rem
+        return measure(min(full, 2) * seg + short_tail, seg)
+
+    return affine_transient(at, count)
 
 
 def recurrent_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -12,8 +12,11 @@ each op declares its **peak transient**, the bytes it holds at its peak beyond i
 op. The figure is the real kernel's own, measured by :func:`kernel_transient`: the kernel run on fake tensors
 at a reduced length that has every loop-iteration shape of the full one (two full groups or blocks and the
 tail: the loops preallocate their full-length outputs, so what they hold beyond them does not grow with the
-length), cached per shape. ``tests/test_fake_ops.py`` checks the figure against the real kernel at tiny
-sizes (the tracker inside the kernel).
+length), cached per shape. A loop whose iterations grow with the length (the LongStraw segmented backward:
+each of its segments keeps per-group buffers, 64 groups of 256 tokens at 16,384-token segments) is measured at
+a few iterations and extrapolated instead (:func:`affine_transient`). ``tests/test_fake_ops.py`` checks the
+figures against the real kernel at tiny sizes (the tracker inside the kernel) and the extrapolation against a
+direct measurement.
 """
 
 from __future__ import annotations
@@ -50,6 +53,20 @@ def cached_transient(kernel: Callable, *args) -> int:
     return _MEASURED[key]
 
 
+def affine_transient(measure: Callable[[int], int], count: int, first: int = 3) -> int:
+    """The peak transient of a kernel at ``count`` units (a segment's groups, ...) from ``measure(n)``, its peak
+    transient at ``n`` units, everything else the same.
+
+    Up to ``first + 1`` units it is ``measure(count)``; beyond, the line through ``measure(first)`` and
+    ``measure(first + 1)``: exact where the peak is affine in the count from ``first`` units on (buffers kept per
+    unit grow with it, one unit's temporaries do not), which the caller states and tests/test_fake_ops.py
+    checks against a direct measurement at several more units."""
+    if count <= first + 1:
+        return measure(count)
+    low, high = measure(first), measure(first + 1)
+    return low + (count - first) * (high - low)
+
+
 def kernel_transient(kernel: Callable, *args, **kwargs) -> int:
     """Peak live bytes of ``kernel(*args, **kwargs)`` beyond its inputs and the tensors it returns.
 
@@ -73,4 +90,4 @@ def kernel_transient(kernel: Callable, *args, **kwargs) -> int:
         return tracker.peak_bytes - returned
 
 
-__all__ = ["cached_transient", "kernel_transient", "reduced_length"]
+__all__ = ["affine_transient", "cached_transient", "kernel_transient", "reduced_length"]
