@@ -3,12 +3,17 @@ as autograd through the composite, and (live-tensor tracker) less saved and a sm
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_longctx.models import norm as norm_mod
 from lightning_longctx.models.norm import RMSNorm, gated_rms_norm, rms_norm
+from lightning_longctx.ops import registered
 from lightning_longctx.ops.tracker import MemoryTracker
 
 EPS = 1e-6
@@ -44,13 +49,18 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_forward_is_bitwise_the_composite(dtype, zero_centered):
+@pytest.mark.parametrize("sliced", [False, True])
+def test_forward_is_bitwise_the_composite(dtype, zero_centered, sliced, monkeypatch):
+    if sliced:  # 2 x 37 tokens: 8 uneven slices (5 tokens, the last 2) along the 37
+        monkeypatch.setattr(norm_mod, "MIN_SLICE_ELEMENTS", 1)
     x, w, _ = _inputs(dtype, zero_centered)
     want = composite(x, w, EPS, zero_centered)
     for frozen in (False, True):  # the autograd.Function (x needs grad) ...
         got = rms_norm(x.clone().requires_grad_(), w.clone().requires_grad_(not frozen), EPS, zero_centered)
         assert got.dtype == want.dtype and torch.equal(got.detach(), want)
     assert torch.equal(rms_norm(x, w, EPS, zero_centered), want)  # ... and the no-grad path
+    xt = x.transpose(0, 1)  # [37, 2, 24], non-contiguous: sliced along dim 0
+    assert torch.equal(rms_norm(xt, w, EPS, zero_centered), composite(xt, w, EPS, zero_centered))
     # a float32 weight on a half input promotes the output (plain) as HF's ``weight * h.to(x.dtype)`` does
     w32 = w.float()
     got = rms_norm(x.clone().requires_grad_(), w32.requires_grad_(), EPS, zero_centered)
@@ -196,23 +206,82 @@ def test_tracker_saved_bytes_and_backward_transient(dtype):
     The composite keeps ``x * rstd`` (and a float32 copy of a half input) and peaks ~5 float32 inputs higher."""
     b = torch.finfo(dtype).bits // 8
     out, rstd, full32 = T * E * b, T * 4, T * E * 4
-    peaks = {}
+    peaks, forward = {}, {}
     for name, fn in (("lean", rms_norm), ("composite", composite)):
         x = torch.randn(T, E, dtype=dtype, requires_grad=True)
         w = torch.ones(E, dtype=dtype, requires_grad=True)
         g = torch.randn(T, E, dtype=dtype)
         with MemoryTracker() as mem:
             y = fn(x, w, EPS)
-            saved = mem.current_bytes
+            saved, forward[name] = mem.current_bytes, mem.peak_bytes
             mem.reset_peak()
             y.backward(g)
             peaks[name] = (saved, mem.peak_bytes)
             del y
+        with torch.no_grad(), MemoryTracker() as mem:  # the no-grad path (a prefill) slices as well
+            y = fn(x, w, EPS)
+            forward[name, "no grad"] = mem.peak_bytes
+            del y
     saved, peak = peaks["lean"]
     assert saved == out + rstd, saved
+    # forward: one slice's float32 copy of a half x and its square (float32: the square, then x_hat), with the
+    # slice's mean and rstd [T/8, 1]; the composite holds both at full length (float32: x_hat and the square)
+    fwd = out + rstd + (2 if b < 4 else 1) * full32 // 8 + 2 * 4 * T // 8
+    assert forward["lean"] <= fwd and forward["lean", "no grad"] <= fwd, (forward, fwd)
+    assert forward["composite"] >= out + rstd + (2 if b < 4 else 1) * full32, forward
     grad_x = T * E * b
     slices = (2 if dtype == torch.float32 else 3) * full32 // 8  # x_hat, g * x_hat (and a float32 g)
     assert peak <= out + rstd + grad_x + slices + 2 * 4 * T // 8 + 4 * E * 4, (peak, out + rstd + grad_x)  # + dot
     c_saved, c_peak = peaks["composite"]
     assert c_saved >= saved + full32 * (1 if dtype == torch.float32 else 1.5)
     assert c_peak >= peak + 3 * full32, (c_peak, peak)
+
+
+class _Ops(TorchDispatchMode):
+    """The ops dispatched below it (names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "prim":  # (``prim.device``: a fake tensor's device queried through the dispatcher)
+            self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _fake_or_real_run(fake, dtype, gated, frozen):
+    """Peaks and live bytes (tracker) after the forward, the backward and a no-grad forward; the dtypes; the ops
+    seen by a mode below the tracker (a rehearsal's)."""
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        x, z, g = (torch.randn(1024, E, dtype=dtype, requires_grad=i < 2) for i in range(3))
+        w = torch.ones(E, dtype=dtype, requires_grad=not frozen)
+        norm = (lambda: gated_rms_norm(x, z, w, EPS)) if gated else (lambda: rms_norm(x, w, EPS))
+        with MemoryTracker() as mem, _Ops() as ops:
+            y = norm()
+            figures = [mem.peak_bytes, mem.current_bytes]
+            mem.reset_peak()
+            y.backward(g)
+            figures += [mem.peak_bytes, mem.current_bytes]
+            with torch.no_grad():
+                mem.reset_peak()
+                norm()
+                figures.append(mem.peak_bytes)
+        return figures, (y.dtype, x.grad.dtype, z.grad.dtype if gated else None, w.grad is None), ops.names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_fake_tensors_take_one_dispatch_with_the_kernels_peaks(dtype, gated, frozen, monkeypatch):
+    """On fake tensors (a rehearsal) each forward and backward is one registered op whose outputs and declared
+    transient give the tracker exactly the real kernel's peaks (8 token slices here)."""
+    monkeypatch.setattr(norm_mod, "MIN_SLICE_ELEMENTS", 1)
+    monkeypatch.setattr(registered, "_MEASURED", {})  # the transients measured with these slices only
+    real, real_dtypes, real_ops = _fake_or_real_run(False, dtype, gated, frozen)
+    fake, fake_dtypes, fake_ops = _fake_or_real_run(True, dtype, gated, frozen)
+    assert fake == real and fake_dtypes == real_dtypes, (fake, real)
+    name = "gated_rms_norm" if gated else "rms_norm"
+    assert [n for n in fake_ops if n.startswith("longctx.")] == \
+        [f"longctx.{name}_forward", f"longctx.{name}_backward", f"longctx.{name}_forward"], fake_ops
+    assert len(fake_ops) <= 6 < len(real_ops) // 8, (fake_ops, len(real_ops))  # (+ backward's seed and zeros)

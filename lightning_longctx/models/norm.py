@@ -6,8 +6,13 @@ float64 kept as float64 so float64 tests stay exact), its zero-centred form (Qwe
 :func:`rms_norm` is one ``autograd.Function`` (:class:`RMSNormFunction`): its forward runs the same ops as the
 composite (bitwise the same output), but it saves only the input ``x`` (usually alive anyway: the residual
 stream) and the float32 ``rstd [..., 1]``, where autograd through the composite would keep ``x * rstd`` and a
-float32 copy of a half ``x``; its backward computes both gradients directly in float32, a slice of tokens at a
-time (:data:`BACKWARD_SLICES`), so its working set beyond ``grad_x`` is a fraction of one float32 ``x``."""
+float32 copy of a half ``x``; its backward computes both gradients directly in float32. Forward (with or without
+autograd) and backward both walk the tokens a slice at a time (:data:`BACKWARD_SLICES`; every op is per token,
+so a slice's bits are the whole tensor's), so the working set beyond the output (forward) or ``grad_x``
+(backward) is a fraction of one float32 ``x``: the composite's forward holds a float32 copy of a half ``x`` and
+its square, two float32 ``x``-sized temporaries (20 GiB at 655,360 local tokens of Llama3-8B). On fake tensors
+(a rehearsal, torch.compile's tracing) each forward and backward is one registered op (``longctx::rms_norm_*``,
+``longctx::gated_rms_norm_*``) that declares its kernel's peak transient (:mod:`lightning_longctx.ops.registered`)."""
 
 from __future__ import annotations
 
@@ -15,33 +20,63 @@ import math
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
-# The backward works on 1/BACKWARD_SLICES of the tokens at a time (but at least MIN_SLICE_ELEMENTS elements a
-# slice, so small inputs take one pass): its float32 temporaries are then 2/8 of one float32 ``x`` (3/8 for a half one).
+from ..ops.registered import cached_transient
+from ..ops.tracker import declare_transient
+
+# Forward and backward work on 1/BACKWARD_SLICES of the tokens at a time (but at least MIN_SLICE_ELEMENTS
+# elements a slice, so small inputs take one pass): the forward's float32 temporaries are then 2/8 of one float32
+# ``x`` for a half ``x`` (1/8 for a float32 one) plus 1/8 of the output; the backward's 2/8 (3/8 for a half one).
 BACKWARD_SLICES = 8
 MIN_SLICE_ELEMENTS = 1 << 16
 
 
-def _normalise(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x * rstd, rstd)`` in ``acc = promote(x.dtype, float32)``, ``rstd [..., 1]``: the composite's ops."""
+def _normalise(x: torch.Tensor, eps: float, rstd: torch.Tensor) -> torch.Tensor:
+    """``x * rstd`` in ``acc = promote(x.dtype, float32)``, writing ``rstd [..., 1]`` (``acc``, preallocated:
+    the caller's slice of the whole rstd): the composite's ops."""
     acc = torch.promote_types(x.dtype, torch.float32)
     h = x.to(acc)
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps, out=rstd)
     # A half input's float32 copy is ours to scale in place (the same bits as ``h * rstd``); a float32 ``h`` is x.
-    return (h.mul_(rstd) if x.dtype != acc else h * rstd), rstd
+    return h.mul_(rstd) if x.dtype != acc else h * rstd
 
 
-def _scale(h: torch.Tensor, x_dtype: torch.dtype, weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
-    """The output from the normalised ``h`` (a fresh tensor, scaled in place where the dtypes allow: the same
-    bits as the out-of-place product): HF's casting order, ``weight * h.to(x.dtype)`` or, zero-centred,
-    ``(h * (1 + w)).to(x.dtype)`` in float32."""
-    if zero_centered:
-        scale = 1.0 + weight.to(h.dtype)
-        return (h.mul_(scale) if scale.dtype == h.dtype else h * scale).to(x_dtype)
-    h = h.to(x_dtype)
-    same = weight.dtype == h.dtype and weight.dim() <= h.dim()
-    return h.mul_(weight) if same else weight * h
+def _sliced_forward(x: torch.Tensor, eps: float, out_dtype: torch.dtype, finish) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)``: ``y [x.shape]`` (``out_dtype``) and ``rstd [..., 1]`` (``acc``), one token slice
+    (:func:`_slices`) at a time: ``y[s] = finish(h, cut)`` with ``h = x[s] * rstd[s]`` and ``cut`` the slice
+    taker (for the caller's other per-token inputs, e.g. a gate)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rstd = torch.empty((*x.shape[:-1], 1), dtype=acc, device=x.device)
+    dim, slices = _slices(x)
+    for start, m in slices:
+        def cut(t, start=start, m=m):
+            return t if dim is None else t.narrow(dim, start, m)
+        h = _normalise(cut(x), eps, cut(rstd))
+        cut(y).copy_(finish(h, cut))
+        del h  # before the next slice allocates its own
+    return y, rstd
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)`` of :func:`rms_norm`, sliced over tokens; ``y`` in the composite's dtype (``x.dtype``
+    zero-centred, else ``promote(weight.dtype, x.dtype)``)."""
+    out_dtype = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+    scale = 1.0 + weight.to(torch.promote_types(x.dtype, torch.float32)) if zero_centered else None
+
+    def finish(h, cut):
+        """HF's casting order, ``weight * h.to(x.dtype)`` or, zero-centred, ``(h * (1 + w)).to(x.dtype)`` in
+        float32 (the fresh ``h``, or its cast, scaled in place where the dtypes allow: the same bits as the
+        out-of-place product)."""
+        if zero_centered:
+            return h.mul_(scale)
+        h = h.to(x.dtype)
+        return h.mul_(weight) if out_dtype == h.dtype else weight * h
+
+    return _sliced_forward(x, eps, out_dtype, finish)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -51,24 +86,39 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-        h, rstd = _normalise(x, eps)
+        y, rstd = _run(_forward, torch.ops.longctx.rms_norm_forward, x, weight, eps, zero_centered)
         ctx.save_for_backward(x, rstd, weight)
         ctx.zero_centered = zero_centered
-        return _scale(h, x.dtype, weight, zero_centered)
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         x, rstd, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
-        c = torch.promote_types(rstd.dtype, grad_out.dtype)
-        # Backward may run with the forward's autocast still enabled (CPU, same thread): the one matmul-like op
-        # below (the per-token dot product) must stay in ``c``.
-        with torch.autocast(x.device.type, enabled=False):
-            return _backward(x, rstd, weight, grad_out, c, ctx.zero_centered, need_x, need_w)
+        got = iter(_run(_backward, torch.ops.longctx.rms_norm_backward, x, rstd, weight, grad_out,
+                        ctx.zero_centered, need_x, need_w))
+        return next(got) if need_x else None, next(got) if need_w else None, None, None
 
 
-def _backward(x, rstd, weight, grad_out, c, zero_centered, need_x, need_w):
+def _run(kernel, op, *args):
+    """``kernel(*args)`` on real tensors (a tracker sees its ops), its registered ``op`` on fake ones: a
+    rehearsal or torch.compile's tracing pays one dispatch per call, not one per op and token slice."""
+    return op(*args) if is_fake(args[0]) else kernel(*args)
+
+
+def _backward(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
+              zero_centered: bool, need_x: bool, need_w: bool) -> list[torch.Tensor]:
+    """``[grad_x (x.dtype)] if need_x`` + ``[grad_w (weight.dtype)] if need_w``, in ``c = promote(rstd.dtype,
+    grad_out.dtype)``. Backward may run with the forward's autocast still enabled (CPU, same thread): the one
+    matmul-like op (the per-token dot product) must stay in ``c``."""
+    c = torch.promote_types(rstd.dtype, grad_out.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        grads = _backward_slices(x, rstd, weight, grad_out, c, zero_centered, need_x, need_w)
+    return [g for g in grads if g is not None]
+
+
+def _backward_slices(x, rstd, weight, grad_out, c, zero_centered, need_x, need_w):
     """``y = s * x_hat`` with ``x_hat = x * rstd``, ``s = w`` or ``1 + w``: ``grad_w = sum(g * x_hat)``,
     ``grad_x = rstd * (g s - x_hat * mean(g s x_hat))``, one slice of tokens at a time."""
     scale = weight.to(c) + 1.0 if zero_centered else weight.to(c)
@@ -92,7 +142,7 @@ def _backward(x, rstd, weight, grad_out, c, zero_centered, need_x, need_w):
             (grad_x if dim is None else grad_x.narrow(dim, start, m)).copy_(gs_)
             del gs_
         del x_hat, g, prod  # before the next slice allocates its own
-    return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None
+    return grad_x, None if grad_w is None else grad_w.to(weight.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
@@ -106,8 +156,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
                          f"(needs [{x.shape[-1] if x.dim() else '?'}])")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return RMSNormFunction.apply(x, weight, eps, zero_centered)
-    h, _ = _normalise(x, eps)
-    return _scale(h, x.dtype, weight, zero_centered)
+    return _run(_forward, torch.ops.longctx.rms_norm_forward, x, weight, eps, zero_centered)[0]
 
 
 def rms_norm_composite(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
@@ -125,24 +174,30 @@ class GatedRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate, weight, eps):
-        h, rstd = _normalise(x, eps)
+        y, rstd = _run(_gated_forward, torch.ops.longctx.gated_rms_norm_forward, x, gate, weight, eps)
         ctx.save_for_backward(x, gate, rstd, weight)
-        return _gate(h, x.dtype, gate, weight)
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         x, gate, rstd, weight = ctx.saved_tensors
-        need_x, need_gate, need_w = ctx.needs_input_grad[:3]
-        c = torch.promote_types(rstd.dtype, grad_out.dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            return _gated_backward(x, gate, rstd, weight, grad_out, c, need_x, need_gate, need_w)
+        needs = ctx.needs_input_grad[:3]
+        got = iter(_run(_gated_backward, torch.ops.longctx.gated_rms_norm_backward, x, gate, rstd, weight, grad_out,
+                        *needs))
+        return (*(next(got) if need else None for need in needs), None)
 
 
-def _gate(h: torch.Tensor, x_dtype: torch.dtype, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The composite's ops from the normalised ``h``: ``(weight * h.to(x.dtype) * silu(gate.to(acc))).to(x.dtype)``."""
-    acc = torch.promote_types(x_dtype, torch.float32)
-    return ((weight * h.to(x_dtype)) * torch.nn.functional.silu(gate.to(acc))).to(x_dtype)
+def _gated_forward(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)`` of :func:`gated_rms_norm`, sliced over tokens: per slice the composite's ops from the
+    normalised ``h``, ``(weight * h.to(x.dtype) * silu(gate.to(acc))).to(x.dtype)``."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+
+    def finish(h, cut):
+        return (weight * h.to(x.dtype)) * torch.nn.functional.silu(cut(gate).to(acc))
+
+    return _sliced_forward(x, eps, x.dtype, finish)
 
 
 def _slices(x: torch.Tensor):
@@ -158,7 +213,16 @@ def _slices(x: torch.Tensor):
     return dim, [(start, min(step, n - start)) for start in range(0, n, step)]
 
 
-def _gated_backward(x, gate, rstd, weight, grad_out, c, need_x, need_gate, need_w):
+def _gated_backward(x: torch.Tensor, gate: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                    grad_out: torch.Tensor, need_x: bool, need_gate: bool, need_w: bool) -> list[torch.Tensor]:
+    """The needed ones of ``grad_x, grad_gate, grad_w``, in that order (autocast off, as :func:`_backward`)."""
+    c = torch.promote_types(rstd.dtype, grad_out.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        grads = _gated_backward_slices(x, gate, rstd, weight, grad_out, c, need_x, need_gate, need_w)
+    return [g for g in grads if g is not None]
+
+
+def _gated_backward_slices(x, gate, rstd, weight, grad_out, c, need_x, need_gate, need_w):
     """``y = w x_hat silu(z)``: ``grad_z = g w x_hat silu'(z)``, ``grad_w = sum(g silu(z) x_hat)`` and ``grad_x``
     the RMSNorm backward of ``g silu(z) w``; ``silu'(z) = sig + silu (1 - sig)``."""
     w = weight.to(c)
@@ -189,7 +253,7 @@ def _gated_backward(x, gate, rstd, weight, grad_out, c, need_x, need_gate, need_
             gy.mul_(w).sub_(x_hat.mul_(dot)).mul_(rs)
             (grads[0] if dim is None else grads[0].narrow(dim, start, m)).copy_(gy)
         del x_hat, g, gy, prod
-    return grads[0], grads[1], None if grad_w is None else grad_w.to(weight.dtype), None
+    return grads[0], grads[1], None if grad_w is None else grad_w.to(weight.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -202,7 +266,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
                          f"of shape {tuple(x.shape)} (needs weight [{x.shape[-1] if x.dim() else '?'}], gate as x)")
     if torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad or weight.requires_grad):
         return GatedRMSNormFunction.apply(x, gate, weight, eps)
-    return gated_rms_norm_composite(x, gate, weight, eps)
+    return _run(_gated_forward, torch.ops.longctx.gated_rms_norm_forward, x, gate, weight, eps)[0]
 
 
 def gated_rms_norm_composite(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -211,6 +275,48 @@ def gated_rms_norm_composite(x: torch.Tensor, gate: torch.Tensor, weight: torch.
     h = x.to(acc)
     h = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (h * torch.nn.functional.silu(gate.to(acc))).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------- the registered ops
+# The kernels above as ops (one dispatch on fake tensors, see :func:`_run`): fakes that allocate what each kernel
+# returns, and each kernel's peak transient beyond that (its slices' temporaries) for the tracker, measured on
+# the kernel itself at the call's shapes (fake tensors: free), once per shape.
+_OPS = {
+    "rms_norm_forward": _forward,
+    "rms_norm_backward": _backward,
+    "gated_rms_norm_forward": _gated_forward,
+    "gated_rms_norm_backward": _gated_backward,
+}
+for _name, _kernel in _OPS.items():
+    torch.library.custom_op(f"longctx::{_name}", _kernel, mutates_args=())
+    declare_transient(getattr(torch.ops.longctx, _name).default,
+                      lambda *args, _kernel=_kernel: cached_transient(_kernel, *args))
+
+
+def _norm_outputs(x: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``y [x.shape]`` (``out_dtype``) and ``rstd [..., 1]`` (``promote(x.dtype, float32)``), contiguous."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((*x.shape[:-1], 1), dtype=acc)
+
+
+@torch.library.register_fake("longctx::rms_norm_forward")
+def _forward_fake(x, weight, eps, zero_centered):
+    return _norm_outputs(x, x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype))
+
+
+@torch.library.register_fake("longctx::gated_rms_norm_forward")
+def _gated_forward_fake(x, gate, weight, eps):
+    return _norm_outputs(x, x.dtype)
+
+
+@torch.library.register_fake("longctx::rms_norm_backward")
+def _backward_fake(x, rstd, weight, grad_out, zero_centered, need_x, need_w):
+    return [t.new_empty(t.shape) for t, need in ((x, need_x), (weight, need_w)) if need]
+
+
+@torch.library.register_fake("longctx::gated_rms_norm_backward")
+def _gated_backward_fake(x, gate, rstd, weight, grad_out, need_x, need_gate, need_w):
+    return [t.new_empty(t.shape) for t, need in ((x, need_x), (gate, need_gate), (weight, need_w)) if need]
 
 
 class RMSNorm(nn.Module):
