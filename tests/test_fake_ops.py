@@ -7,6 +7,8 @@ op's declared peak transient (measured on the kernel at a reduced length). Check
 - the tracked peak of the op (opaque, plus its declared transient) equals the peak of its real kernel run at
   the full length with the tracker inside it (every op of the loop seen), within 2%, on real and on fake
   tensors;
+- the same for the DSA indexer's streaming top-k (``longctx::indexer_topk``), whose declared transient is the
+  kernel's on a reduced problem (the last query blocks, the middle key blocks dropped) plus the positions;
 - ``torch.library.opcheck`` (schema, fake implementation, autograd registration) and ``torch.compile``
   (``aot_eager``, whole graph) of the scan with its backward, equal to eager.
 """
@@ -20,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_longctx.ops import gated_delta
 from lightning_longctx.ops.attention import blockwise_backward, blockwise_forward
 from lightning_longctx.ops.gated_delta import gated_delta_rule, recurrent_steps, scan_backward, scan_forward
+from lightning_longctx.ops.sparse_attention import _indexer_topk
 from lightning_longctx.ops.tracker import MemoryTracker
 
 # (tokens, chunk, group_chunks, (Hk, Hv), dtype, initial state, state_every): several groups and a tail, one
@@ -261,3 +264,34 @@ def test_segmented_transient_extrapolates_to_the_kernels_peak(tokens, segment):
         returned = tracker.current_bytes
     del grads
     assert segmented_transient(*args) == tracker.peak_bytes - returned
+
+
+# (s queries, query_stop, T keys, topk, query_block, key_block): many key blocks seen by the last query blocks
+# (the reduced run drops the middle ones), a tail query block and a tail key block, queries after every key (a
+# replay over a prompt), the first queries of a sequence (rank 0 of a prefill), k > one key block
+TOPK_CASES = [
+    (40, 40, 40, 6, 16, 8),
+    (21, 130, 130, 6, 8, 8),
+    (12, 200, 190, 12, 8, 8),
+    (24, 24, 90, 20, 8, 8),
+    (5, 5, 5, 8, 4, 2),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TOPK_CASES)))
+def test_indexer_topk_op_matches_its_kernel(case):
+    s, stop, t, topk, qb, kb = TOPK_CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    q = torch.randn(1, s, 3, 4, generator=gen)
+    weights, keys = torch.randn(1, s, 3, generator=gen), torch.randn(1, t, 4, generator=gen)
+    args = (q, weights, keys, stop - s, stop, topk, 0.5, qb, kb)
+    _check_op(torch.ops.longctx.indexer_topk, _indexer_topk, args)
+    got = torch.ops.longctx.indexer_topk(*args)
+    for a, b in zip(got, _indexer_topk(*args)):
+        assert torch.equal(a, b)
+
+
+def test_opcheck_indexer_topk():
+    q, weights, keys = torch.randn(1, 10, 2, 4), torch.randn(1, 10, 2), torch.randn(1, 30, 4)
+    torch.library.opcheck(torch.ops.longctx.indexer_topk.default, (q, weights, keys, 20, 30, 5, 0.5, 4, 8),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -35,7 +35,11 @@ rows already gathered, with the log-sum-exp, for partial attentions merged acros
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
+
+from .registered import cached_transient
+from .tracker import declare_transient
 
 NO_KEY = -1  # the index of a padding slot (a query that sees fewer than k keys)
 
@@ -86,6 +90,16 @@ def streaming_topk_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Te
     the padding, ``ids [b, s, k]`` int64``)``, ids ascending; so candidate sets chosen apart (each rank's keys,
     a decoded row's own keys) merge into the global selection with :func:`merge_topk` (the k best of a union
     are among the k best of each part, under the same order)."""
+    if isinstance(query_index, range) and query_index.step == 1 and is_fake(q):
+        # a rehearsal: the tile loop as one registered op (at 2M keys, ~1,000 key blocks per query block)
+        return torch.ops.longctx.indexer_topk(q, weights, keys, query_index.start, query_index.stop, topk,
+                                              float(scale), query_block, key_block)
+    return _topk_tiles(q, weights, keys, query_index, topk, scale, query_block, key_block)
+
+
+def _topk_tiles(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_index: torch.Tensor | range,
+                topk: int, scale: float, query_block: int, key_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`streaming_topk_scores`' tile loop (the kernel of ``longctx::indexer_topk``)."""
     b, s, _, _ = q.shape
     t = keys.shape[1]
     k = min(topk, t)
@@ -117,6 +131,53 @@ def streaming_topk_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Te
             vals = torch.cat((vals, vals.new_full((b, q1 - q0, pad), float("-inf"))), -1)
         out_vals[:, q0:q1], out_ids[:, q0:q1] = vals, ids
     return out_vals, out_ids
+
+
+def _indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_start: int, query_stop: int,
+                  topk: int, scale: float, query_block: int, key_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        return _topk_tiles(q, weights, keys, range(query_start, query_stop), topk, scale, query_block, key_block)
+
+
+indexer_topk = torch.library.custom_op("longctx::indexer_topk", _indexer_topk, mutates_args=())
+
+
+@indexer_topk.register_fake
+def _indexer_topk_fake(q, weights, keys, query_start, query_stop, topk, scale, query_block, key_block):
+    b, s = q.shape[:2]
+    k = min(topk, keys.shape[1])
+    return q.new_empty(b, s, k), torch.empty(b, s, k, dtype=torch.long, device=q.device)
+
+
+def reduced_topk_problem(s: int, t: int, query_stop: int, topk: int, query_block: int,
+                         key_block: int) -> tuple[int, int, int]:
+    """``(first query kept, key blocks dropped, R)``: a reduced :func:`_topk_tiles` problem with every tile shape
+    of the full one and its largest tiles. Kept: the last full query block and the tail (the most keys visible;
+    a tile's shape does not depend on which block it is); dropped: whole key blocks from the start that every
+    kept query sees, all but ``max(2, ceil(k / key_block) + 1)`` of them (so the running top-k still merges full
+    blocks into ``k`` = ``min(topk, T)`` candidates, the same ``k``). ``R`` keys are dropped (``R`` = dropped x
+    ``key_block``); the kept queries' indices shift by ``-R``."""
+    first = max(0, (s // query_block - 1) * query_block)  # the last full query block's start (then the tail)
+    first_index = query_stop - s + first  # the index of the first kept query
+    seen_by_all = min(first_index + 1, t) // key_block  # whole key blocks every kept query sees
+    keep = max(2, -(-min(topk, t) // key_block) + 1)
+    dropped = max(0, seen_by_all - keep)
+    return first, dropped, dropped * key_block
+
+
+def _indexer_topk_transient(q, weights, keys, query_start, query_stop, topk, scale, query_block, key_block) -> int:
+    """The tile loop's peak beyond its inputs and outputs: the kernel run on the reduced problem of
+    :func:`reduced_topk_problem` (fake tensors, cached per shape), plus what it allocates at full length and
+    the reduced run does not: the key positions ``[T]`` and query positions ``[s]`` (int64)."""
+    s, t = q.shape[1], keys.shape[1]
+    first, _, dropped = reduced_topk_problem(s, t, query_stop, topk, query_block, key_block)
+    reduced = cached_transient(_indexer_topk, q[:, first:], weights[:, first:], keys[:, dropped:],
+                               query_start + first - dropped, query_stop - dropped, topk, scale, query_block,
+                               key_block)
+    return reduced + 8 * (dropped + first)
+
+
+declare_transient(torch.ops.longctx.indexer_topk.default, _indexer_topk_transient)
 
 
 def attend_selected(q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float,
