@@ -37,6 +37,8 @@ LLAMA_GRPO = ("model=llama3_8b cluster=node_8gpu memory=h100_80g task=needle_grp
 DEEPSEEK_GRPO = ("model=deepseek_v3 cluster=slurm_4x8gpu memory=h20_96g task=needle_grpo task.group_size=8 "
                  "task.max_new_tokens=8192 model.lora.r=16 model.lora.target_modules=[q_a_proj,q_b_proj,"
                  "kv_a_proj_with_mqa,kv_b_proj,o_proj]")
+GLM5_GRPO = ("model=glm5 cluster=slurm_4x8gpu memory=h20_96g task=needle_grpo task.group_size=2 "
+             "task.max_new_tokens=8192 model.lora.r=16")
 # LongStraw rehearsals: one step (the optimizer states primed), DECODE_STEPS of the 8,192 decode steps run
 DECODE_STEPS = 2
 LONGSTRAW = f"rehearsal.steps=1 rehearsal.decode_steps={DECODE_STEPS}"
@@ -49,6 +51,9 @@ RUNS = {
     "c_llama3_8b_sft_5m": "model=llama3_8b cluster=node_8gpu memory=h100_80g task=long_sft task.seq_len=5242880",
     "d_llama3_8b_grpo_longest": f"{LLAMA_GRPO} task.seq_len={LONGEST} {LONGSTRAW}",
     "e_deepseek_v3_grpo_longest": f"{DEEPSEEK_GRPO} task.seq_len={LONGEST} {LONGSTRAW}",
+    # issue 27's targets rehearsed at the paper's 2,097,152 positions: GLM-5 (DSA, G=2) and DeepSeek-V3 (G=8)
+    "glm5_grpo_2m": f"{GLM5_GRPO} task.seq_len=2097152 {LONGSTRAW}",
+    "deepseek_v3_grpo_2m": f"{DEEPSEEK_GRPO} task.seq_len=2097152 {LONGSTRAW}",
     # the same layout at 256 Ki tokens (a quick check of the method at full model size)
     "llama3_8b_sft_256k": "model=llama3_8b cluster=node_8gpu memory=h100_80g task=long_sft task.seq_len=262144",
 }
