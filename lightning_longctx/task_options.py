@@ -6,8 +6,9 @@ Each default is written once, here. The Lightning classes (``LongStrawModule``, 
 and the data targets keep their keyword signatures (what users and ``_target_`` nodes call), with each default
 read from these classes (``lr: float = LongStrawOptions.lr``); :mod:`.config_schema` builds the task schemas
 from them, so ``longctx-plan`` and ``longctx-export``, which compose those schemas, never import Lightning.
-Where the LongStraw step has the same knob (:class:`~.longstraw.LossOptions`, :class:`~.longstraw.StepMemory`,
-:class:`~.longstraw.StepGroups`), the default is the step's.
+Where the LongStraw step has the same knob (:class:`~.longstraw.LossOptions`, :class:`~.longstraw.StepGroups`),
+the default is the step's; its memory knobs are the fields of :class:`~.shared_knobs.SharedMemoryKnobs` (the
+step's ``StepMemory`` and the planner's ``MemoryKnobs`` have them too), which :class:`LongStrawOptions` extends.
 
 ``tests/test_task_options.py`` checks that every target's keyword parameters are the fields of its options
 class, with the same defaults.
@@ -19,17 +20,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .longstraw.options import LossOptions, StepGroups, StepMemory
+from .longstraw.options import LossOptions, StepGroups
 from .longstraw.sampling import StopIds
+from .shared_knobs import SharedMemoryKnobs
 
 
 # ------------------------------------------------------------------------------------------------ modules
 @dataclass(frozen=True)
-class LongStrawOptions:
-    """``LongStrawModule``'s keyword arguments (documented there) but ``ref_model``: the group and its loss
-    (``group_size`` .. ``scale_rewards``), the rollouts (``max_new_tokens`` .. ``eos_token_id``), the step's
-    memory knobs (``max_response_length`` .. ``state_segment``), the optimiser and its schedule (``lr`` ..
-    ``max_steps``), the sampling seed and the reward calls' limits."""
+class LongStrawOptions(SharedMemoryKnobs):
+    """``LongStrawModule``'s keyword arguments (documented there) but ``ref_model``: the step's memory knobs
+    (:class:`~.shared_knobs.SharedMemoryKnobs`'s fields, first: ``logits_chunk_size`` .. ``state_segment``), the
+    group and its loss (``group_size`` .. ``scale_rewards``), the rollouts (``max_new_tokens`` ..
+    ``eos_token_id``), Dr.GRPO's ``max_response_length``, ``defer_grad_sync``, the optimiser and its schedule
+    (``lr`` .. ``max_steps``), the sampling seed and the reward calls' limits."""
 
     group_size: int = 4
     loss_type: str = LossOptions.loss_type
@@ -47,11 +50,7 @@ class LongStrawOptions:
     logprob_temperature: float | None = None
     eos_token_id: StopIds = None
     max_response_length: int | None = LossOptions.max_response_length
-    logits_chunk_size: int | None = StepMemory.logits_chunk_size
-    offload_checkpoints: bool = StepMemory.offload_checkpoints
-    offload_prompt_cache: bool = StepMemory.offload_prompt_cache
     defer_grad_sync: bool | None = StepGroups.defer_grad_sync
-    state_segment: int = StepMemory.state_segment
     lr: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float | None = None

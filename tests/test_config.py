@@ -427,10 +427,12 @@ def test_each_target_takes_its_defaults_from_its_options_class():
 def test_each_memory_and_cluster_knob_has_one_default():
     """A memory knob that several objects carry (the model's ``MemoryConfig``, the step's ``StepMemory``, the
     planner's ``MemoryKnobs``, the ``memory`` group's schema, ``LongStrawModule``'s options) has one default in
-    all of them, but where a value means "derive it": None in ``StepMemory`` (the model's), ``"auto"`` in the
-    schema (the planner's choice), ``???`` (the preset's). ``offload_checkpoints`` is two knobs, named apart.
-    The ``cluster`` schema's defaults are the planner's ``ClusterShape``'s, but the accelerator (a bare shape
-    plans a GPU; a cluster preset naming none runs on the CPU)."""
+    all of them (the step's, the planner's and the module's shared knobs are one definition,
+    ``SharedMemoryKnobs``, which the three extend), but where a value means "derive it": None in ``StepMemory``
+    (the model's), ``"auto"`` in the schema (the planner's choice), ``???`` (the preset's).
+    ``offload_checkpoints`` is two knobs, named apart. The ``cluster`` schema's defaults are the planner's
+    ``ClusterShape``'s, but the accelerator (a bare shape plans a GPU; a cluster preset naming none runs on the
+    CPU)."""
     from lightning_longctx.longstraw import StepMemory
     from lightning_longctx.models import MemoryConfig
     from lightning_longctx.task_options import LongStrawOptions
@@ -461,6 +463,10 @@ def test_each_memory_and_cluster_knob_has_one_default():
             "offload_prompt_cache", "keep_attention_output", "offload_prompt_checkpoints"} <= set(shared)
     for knob, owners in shared.items():
         assert len({repr(v) for v in owners.values()}) == 1, (knob, owners)
+    # the knobs the step, the planner and the module share are one definition, inherited (not redefined)
+    from lightning_longctx.shared_knobs import SharedMemoryKnobs
+    for owner in (StepMemory, MemoryKnobs, LongStrawOptions):
+        assert all(owner.__dataclass_fields__[f.name] is f for f in dataclasses.fields(SharedMemoryKnobs)), owner
     planner, schema = defaults(ClusterShape), defaults(config_schema.ClusterConf)
     assert {k for k in set(planner) & set(schema) if planner[k] != schema[k]} == {"accelerator"}
     assert {"devices", "num_nodes", "sp_size", "sharding", "host_memory_gib"} <= set(planner) & set(schema)

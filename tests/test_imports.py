@@ -24,7 +24,7 @@ import pytest
 import fresh_python
 
 ROOT = Path(__file__).resolve().parents[1]
-LIGHTNING_FREE = ("parallel", "ops", "models", "longstraw", "memory", "task_options", "config_schema",
+LIGHTNING_FREE = ("parallel", "ops", "models", "shared_knobs", "longstraw", "memory", "task_options", "config_schema",
                   "checkpoint_paths")
 
 

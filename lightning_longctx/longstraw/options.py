@@ -3,7 +3,8 @@ concern, each validated when it is made (``ValueError`` / ``TypeError`` naming t
 
 - :class:`LossOptions`: which objective the step differentiates (loss type, clipping, KL, the prompt gradient,
   the log-prob temperature);
-- :class:`StepMemory`: the knobs that trade compute or host traffic for device memory (none changes a gradient);
+- :class:`StepMemory`: the knobs that trade compute or host traffic for device memory (none changes a gradient;
+  the four the planner takes too are :class:`~lightning_longctx.shared_knobs.SharedMemoryKnobs`'s);
 - :class:`StepGroups`: where the gradients are summed (the SP and DP groups) and in which dtype.
 
 ``LongStrawModule`` builds one of each from its arguments and hands the same objects to every step::
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.config import KEEP_ATTENTION_OUTPUT
-from ..ops.gated_delta import DEFAULT_STATE_SEGMENT, check_state_segment
+from ..shared_knobs import SharedMemoryKnobs, check_logits_chunk_size
 from .losses import LOSS_TYPES
 
 PROMPT_GRADS = ("full", "none")
@@ -94,22 +95,14 @@ class LossOptions:
 
 
 @dataclass(frozen=True)
-class StepMemory:
+class StepMemory(SharedMemoryKnobs):
     """The step's knobs that trade compute or host traffic for device memory; none changes the loss or any
     gradient (exact either way).
 
     Args:
-        logits_chunk_size: tokens per lm_head chunk (never materialises ``[tokens, vocab]``); None = one chunk.
-        offload_checkpoints: keep the prompt's layer checkpoints in pinned host memory.
-        offload_prompt_cache: keep the attention layers' prompt K/V (MLA / DSA layers: the latent and the index
-            keys) and its fp32 gradient buffer in (pinned) host memory; each branch brings one layer at a time to
-            the device, the next one in flight on a side stream, and the grouped backward stages the summed
-            gradients the same way (device memory: two layers' K/V instead of all; cost: the cache crosses PCIe
-            once per branch).
-        state_segment: Gated DeltaNet layers keep their recurrent state every that many prompt tokens (a
-            multiple of 64; optionally on the host with ``offload_checkpoints``), and the grouped backward
-            recomputes their scan one such segment at a time, in reverse (memory per layer: one state per
-            segment in the prefill, one segment's scan graph in the backward).
+        logits_chunk_size, offload_checkpoints, offload_prompt_cache, state_segment: the knobs the planner takes
+            too (:class:`~lightning_longctx.shared_knobs.SharedMemoryKnobs`, where they are defined and
+            documented; ``MemoryKnobs`` is the planner's with the same fields).
         keep_attention_output: ``"device"`` / ``"host"``: the prefill keeps each attention layer's prompt
             attention output and LSE (per layer but the last, ``S' H/P (d b + 4)`` bytes on this rank, about
             ``H / H_kv`` times its K cache) there, and the grouped backward runs the attention backward from
@@ -132,21 +125,15 @@ class StepMemory:
             was reset before the step or the step sets a new high (``ops.tracker.CudaMemoryTracker``).
     """
 
-    logits_chunk_size: int | None = None
-    offload_checkpoints: bool = False
-    offload_prompt_cache: bool = False
-    state_segment: int = DEFAULT_STATE_SEGMENT
     keep_attention_output: str | None = None
     replay_checkpointing: bool | None = None
     measure_memory: bool = True
     prompt_checkpoint_every: int | None = None
 
     def __post_init__(self) -> None:
-        check_logits_chunk_size(self.logits_chunk_size)
-        for name in ("offload_checkpoints", "offload_prompt_cache", "measure_memory"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
-        check_state_segment(self.state_segment)
+        super().__post_init__()
+        if not isinstance(self.measure_memory, bool):
+            raise TypeError(f"measure_memory={self.measure_memory!r} must be a bool")
         if self.keep_attention_output is not None:
             check_keep_attention_output(self.keep_attention_output)
         _optional_bool("replay_checkpointing", self.replay_checkpointing)
@@ -227,13 +214,6 @@ def fold_deprecated_keywords(function: str, options: dict[str, Any], keywords: d
         given = folded[option]
         folded[option] = OPTION_CLASSES[option](**values) if given is None else dataclasses.replace(given, **values)
     return folded
-
-
-def check_logits_chunk_size(logits_chunk_size) -> None:
-    """``logits_chunk_size`` is a positive int (tokens per lm_head chunk) or None."""
-    if logits_chunk_size is not None and (isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int)
-                                          or logits_chunk_size < 1):
-        raise ValueError(f"logits_chunk_size={logits_chunk_size!r} must be a positive int (tokens per chunk) or None")
 
 
 def check_temperature(temperature) -> None:

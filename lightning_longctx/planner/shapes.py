@@ -14,7 +14,7 @@ from typing import Any
 from ..models.config import KEEP_ATTENTION_OUTPUT as MODEL_KEEP_ATTENTION_OUTPUT
 from ..models.config import MemoryConfig
 from ..models.lora_attach import TARGETS as LORA_TARGETS  # the projections DecoderLM.add_lora adapts
-from ..ops.gated_delta import DEFAULT_STATE_SEGMENT
+from ..shared_knobs import SharedMemoryKnobs
 from .fields import (
     DSA_ATTENTION,
     FULL_ATTENTION,
@@ -31,7 +31,7 @@ from .pretrained import check_explicit, config_json, pretrained_decoder_config
 GIB = 2**30
 FLOAT32 = 4
 INT64 = 8
-STATE_SEGMENT = DEFAULT_STATE_SEGMENT  # longstraw_step's default state_segment (tokens between stored linear states)
+STATE_SEGMENT = SharedMemoryKnobs.state_segment  # the step's default (tokens between stored linear states)
 # Lightning precision -> (bytes of parameters, gradients and optimizer states; bytes of the compute dtype)
 PRECISIONS = {"bf16-mixed": (4, 2), "bf16-true": (2, 2), "32-true": (4, 4), "64-true": (8, 8)}
 # the removed ``memory.dtype`` values and the precision each meant (bfloat16 ran as bf16-true)
@@ -396,8 +396,13 @@ OFFLOAD_CHECKPOINTS_KEYS = {"sft": "offload_activation_checkpoints", "longstraw"
 
 
 @dataclass(frozen=True)
-class MemoryKnobs:
+class MemoryKnobs(SharedMemoryKnobs):
     """A memory budget per rank and the knobs that trade compute for memory (``MemoryConfig`` + runtime).
+
+    ``logits_chunk_size``, ``offload_checkpoints``, ``offload_prompt_cache``, ``state_segment``: the knobs the
+    LongStraw step takes too (:class:`~lightning_longctx.shared_knobs.SharedMemoryKnobs`, where they are
+    defined, defaulted and checked; ``StepMemory`` is the step's with the same fields). ``offload_checkpoints``
+    is what the planned mode checkpoints (:meth:`from_config`).
 
     ``attention_backend``: ``"eager"`` counts the copies of this package's CPU/pure-torch kernels (GQA K/V
     expanded per stage, transposed copies); ``"flash"`` those of flash-attn on GPU (native GQA).
@@ -407,7 +412,6 @@ class MemoryKnobs:
     smaller fragmentation share); None = from ``PYTORCH_CUDA_ALLOC_CONF`` as the console scripts set it
     (:func:`.reserve.expandable_segments`).
     ``precision``: one of :data:`PRECISIONS` (Lightning's precision string; ``bf16-mixed`` by default).
-    ``offload_prompt_cache``: LongStraw's prompt K/V and their gradient sums in host memory, staged per layer.
     ``keep_attention_output``: LongStraw's exact step keeps each attention layer's prompt attention output and
     LSE from the prefill (``"device"`` / ``"host"``, see :func:`.longstraw.attention_output_bytes`) so the grouped
     backward does not attend again; ``"off"`` (the default, as ``MemoryConfig``'s) recomputes; ``"auto"`` (the
@@ -419,19 +423,14 @@ class MemoryKnobs:
     ``prompt_checkpoint_every``: LongStraw's exact step keeps the input of every that many prompt layers (a
     segment); the grouped backward re-runs each segment's forward from its checkpoint (:mod:`.host`). 1 = every
     layer's input (no extra forward); ``"auto"``: :func:`.longstraw.choose_prompt_checkpoint_every`.
-    ``state_segment``: prompt tokens between the Gated DeltaNet states LongStraw's grouped backward restarts its
-    scan from (``StepMemory.state_segment``; ``longstraw_step``'s default).
     """
 
     budget_gib: float = 80.0
     precision: str = "bf16-mixed"
-    # the model's knobs: MemoryConfig's defaults (offload_checkpoints: the mode's, see from_config)
+    # the model's knobs: MemoryConfig's defaults
     head_chunk_size: int | None = MemoryConfig.head_chunk_size
     activation_checkpointing: bool = MemoryConfig.activation_checkpointing
-    offload_checkpoints: bool = MemoryConfig.offload_checkpoints
-    offload_prompt_cache: bool = False
     mlp_chunk_size: int | None = MemoryConfig.mlp_chunk_size
-    logits_chunk_size: int | None = MemoryConfig.logits_chunk_size
     attention_backend: str = "flash"
     keep_attention_output: str = MemoryConfig.keep_attention_output
     reserve_gib: float = 0.0
@@ -441,7 +440,6 @@ class MemoryKnobs:
     prompt_checkpoint_every: int | str = MemoryConfig.prompt_checkpoint_every
     expert_parallel: str = "off"
     expert_parallel_size: int = 1  # resolved: P when expert parallelism runs over the SP group (``.budget``)
-    state_segment: int = STATE_SEGMENT
 
     @classmethod
     def from_config(cls, cfg: Any, mode: str = "sft") -> MemoryKnobs:
@@ -481,6 +479,7 @@ class MemoryKnobs:
         )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_precision(self.precision)
         if self.reserve_gib < 0:
             raise ValueError(f"memory.reserve_gib={self.reserve_gib} must be >= 0 (an extra margin on top of the "

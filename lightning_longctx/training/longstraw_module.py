@@ -60,6 +60,7 @@ the responses the uninterrupted run would have sampled.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ from ..ops.step_phase import phase
 from ..ops.tracker import reset_device_peak
 from ..parallel import group_size
 from ..parallel.grad_norm import clip_grads_by_mesh_, global_grad_norm
+from ..shared_knobs import SharedMemoryKnobs
 from ..task_options import LongStrawOptions
 from .rewards import GroupRewards
 from .schedule import check_lr_schedule, lr_factor
@@ -107,8 +109,8 @@ def step_options(arguments: dict[str, Any]) -> tuple[LossOptions, StepMemory]:
     loss = LossOptions(**{k: given[k] for k in ("loss_type", "prompt_grad", "beta", "clip_eps") if k in given},
                        max_response_length=given.get("max_response_length", given.get("max_new_tokens")),
                        temperature=temperature)
-    memory = StepMemory(**{k: given[k] for k in ("logits_chunk_size", "offload_checkpoints", "offload_prompt_cache",
-                                                 "state_segment") if k in given},
+    # the module's memory keywords are the knobs the step shares with the planner (LongStrawOptions extends them)
+    memory = StepMemory(**{f.name: given[f.name] for f in dataclasses.fields(SharedMemoryKnobs) if f.name in given},
                         measure_memory=False)  # the module logs the device's own peak (no per-op tracking)
     return loss, memory
 
