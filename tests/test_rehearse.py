@@ -90,12 +90,14 @@ def test_expert_parallel_rehearsal_equals_the_real_run_on_two_ranks():
 
 
 def test_the_rehearsal_runs_the_jobs_own_step_functions(monkeypatch, tmp_path):
+    from lightning_longctx.rehearse import run
     from lightning_longctx.tasks.long_sft import LongSFTModule
     from lightning_longctx.training import parallelize
 
+    assert run.shard_modules is parallelize.shard_modules  # the strategy's own, imported by name: spied there
     calls = []
     for owner, name in [(LongSFTModule, "training_step"), (LongSFTModule, "configure_optimizers"),
-                        (parallelize, "shard_modules")]:
+                        (run, "shard_modules")]:
         original = getattr(owner, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):

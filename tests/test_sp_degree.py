@@ -133,9 +133,10 @@ def test_resolution_writes_the_integer_before_anything_reads_it():
 
 def test_plan_and_rehearse_resolve_it_through_the_same_function(monkeypatch):
     from lightning_longctx.rehearse import compose as rehearse_compose
-    from lightning_longctx.rehearse import rehearse
+    from lightning_longctx.rehearse import rehearse, run
 
     assert cli.resolve_sp_size is config_plan.resolve_sp_size  # longctx-train's and longctx-plan's
+    assert run.resolve_sp_size is config_plan.resolve_sp_size  # longctx-rehearse's
     calls = []
     original = config_plan.resolve_sp_size
 
@@ -143,7 +144,7 @@ def test_plan_and_rehearse_resolve_it_through_the_same_function(monkeypatch):
         calls.append(cfg.cluster.sp_size)
         return original(cfg, model)
 
-    monkeypatch.setattr(config_plan, "resolve_sp_size", spy)  # the rehearsal imports it when it runs
+    monkeypatch.setattr(run, "resolve_sp_size", spy)  # the name the rehearsal calls
     result = rehearse(rehearse_compose(["model=tiny", "task=long_sft", "task.seq_len=512", "task.num_samples=4",
                                         "cluster.devices=2", "rehearsal.steps=1", "cluster.sp_size=auto"]))
     assert calls == ["auto"] and (result.plan.sp, result.plan.dp) == (1, 2)

@@ -25,17 +25,14 @@ op the peak is sampled at the live bytes plus that figure (``last_transient_byte
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
 from functools import partial
 
 import torch
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode_stack,
-    is_traceable_wrapper_subclass_type,
-)
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 # Ops whose output aliases an input that was created inside the op's Python caller without dispatch
 # (``torch.tensor([...])`` builds the data outside the dispatcher, then calls ``lift_fresh`` on it).
@@ -156,14 +153,25 @@ class MemoryTracker(TorchDispatchMode):
             return NotImplemented  # let the subclass unwrap; its inner ops come back here as plain tensors
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._record(func, args, kwargs, out)
+        self.after_op(func, args, kwargs, out)
         return out
 
-    def _record(self, func, args, kwargs: dict, out) -> None:
-        """The bookkeeping after op ``func`` returned ``out``: its new storages counted (each also handed to
-        :meth:`_added`), the op's declared transient, the peak (a subclass's dispatch calls it directly)."""
+    def after_op(self, func, args, kwargs: dict, out) -> None:
+        """The bookkeeping after op ``func`` (on plain or fake tensors, not a wrapper subclass) returned ``out``:
+        what this mode's dispatch does after the op, and what a mode dispatching for several concerns calls
+        (the rehearsal's :class:`~lightning_longctx.rehearse.dispatch.RehearsalDispatch`)."""
+        if records_nothing(func):  # a view: nothing to record, and no flattening of its arguments
+            self.last_transient_bytes = 0
+            return
+        self._record(func, args, kwargs, op_tensors(out))
+
+    def _record(self, func, args, kwargs: dict, outs: list[torch.Tensor],
+                ins: list[torch.Tensor] | None = None) -> None:
+        """The bookkeeping after op ``func`` returned the tensors ``outs`` (``op_tensors`` of its output; ``ins``:
+        of its ``(args, kwargs)`` where the caller has them, else flattened here when needed): its new storages
+        counted (each also handed to :meth:`_added`), the op's declared transient, the peak."""
         input_ids = None  # storages of the inputs, computed only when an unknown output storage appears
-        for t in op_tensors(out):
+        for t in outs:
             st = tensor_storage(t)
             if st is None:
                 continue
@@ -174,7 +182,7 @@ class MemoryTracker(TorchDispatchMode):
                 if input_ids is None:
                     input_ids = {
                         id(s)
-                        for a in op_tensors((args, kwargs))
+                        for a in (op_tensors((args, kwargs)) if ins is None else ins)
                         if (s := tensor_storage(a)) is not None
                     }
                 if id(st) in input_ids:
@@ -189,8 +197,10 @@ class MemoryTracker(TorchDispatchMode):
         """``t``'s storage was just counted by an op's output (a hook for subclasses)."""
 
     # ------------------------------------------------------------------------------------ context manager
-    def __enter__(self) -> MemoryTracker:
-        # ``UntypedStorage.resize_`` (FSDP frees and regrows parameter storages with it) bypasses dispatch.
+    def start(self) -> None:
+        """Start tracking without pushing this mode (:meth:`__enter__` does both; a mode dispatching for several
+        concerns calls :meth:`after_op` itself): ``UntypedStorage.resize_`` (FSDP frees and regrows parameter
+        storages with it) bypasses dispatch, so it is wrapped while the tracker is active."""
         original = torch.UntypedStorage.resize_
 
         def resize_(st: torch.UntypedStorage, size: int):
@@ -200,16 +210,54 @@ class MemoryTracker(TorchDispatchMode):
 
         self._saved_resize.append(original)
         torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
+        _ACTIVE_TRACKERS.append(self)
+
+    def stop(self) -> None:
+        """Undo :meth:`start`."""
+        _ACTIVE_TRACKERS.remove(self)
+        torch.UntypedStorage.resize_ = self._saved_resize.pop()
+
+    def __enter__(self) -> MemoryTracker:
+        self.start()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> None:
-        super().__exit__(exc_type, exc_val, exc_tb)
-        torch.UntypedStorage.resize_ = self._saved_resize.pop()
+        try:
+            super().__exit__(exc_type, exc_val, exc_tb)
+        finally:
+            self.stop()
+
+
+# the started MemoryTrackers (entered as modes, or attached to a mode that dispatches for them)
+_ACTIVE_TRACKERS: list[MemoryTracker] = []
 
 
 def tracking_memory() -> bool:
-    """Whether a :class:`MemoryTracker` is active (on the dispatch mode stack)."""
-    return any(isinstance(mode, MemoryTracker) for mode in _get_current_dispatch_mode_stack())
+    """Whether a :class:`MemoryTracker` is active (entered, or attached to the rehearsal's one dispatch mode)."""
+    return bool(_ACTIVE_TRACKERS)
+
+
+@functools.cache
+def _only_aliases(func) -> bool:
+    if not func.is_view or func in _FRESH_ALIAS_OPS:
+        return False
+    # a composite op's schema may alias (reshape, contiguous, to): it reaches a mode undecomposed under
+    # inference_mode and may return a copy
+    return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(),
+                                                              torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def records_nothing(func) -> bool:
+    """Whether :meth:`MemoryTracker.after_op` of op ``func`` is a no-op: a view with a kernel of its own (its
+    outputs are its inputs' storages; not ``lift_fresh``, whose input was made without dispatch, nor a
+    composite such as ``reshape``, which may copy) without a declared transient. A tracker's peak after it is
+    the one after the op before, except where a phase starts at it
+    (:class:`~lightning_longctx.rehearse.measure.PhaseTracker` samples it still)."""
+    return _only_aliases(func) and func not in _TRANSIENTS
 
 
 _ACTIVE_CUDA_TRACKERS: list[CudaMemoryTracker] = []

@@ -25,6 +25,7 @@ from .step_phase import current_phase
 
 _aten = torch.ops.aten
 _COPIES = (_aten._to_copy.default, _aten.copy_.default)
+_COUNTED = frozenset((*_COPIES, _aten._local_scalar_dense.default, _aten.nonzero.default))  # what _count counts
 _active: list[TransferCounter] = []
 _quiet = [0]  # >0 inside host_list: its own read is counted once, as a sync, not again as a copy
 
@@ -89,19 +90,37 @@ class TransferCounter(TorchDispatchMode):
         setattr(counts, f"{direction}_bytes", getattr(counts, f"{direction}_bytes") + nbytes)
         setattr(counts, f"{direction}_copies", getattr(counts, f"{direction}_copies") + 1)
 
-    def __enter__(self):
+    def start(self) -> None:
+        """Count :func:`record_transfer` / :func:`record_sync` from now on, without pushing this mode
+        (:meth:`__enter__` does both; a mode dispatching for several concerns calls :meth:`before_op` itself)."""
         _active.append(self)
-        return super().__enter__()
+
+    def stop(self) -> None:
+        """Undo :meth:`start`."""
+        _active.remove(self)
+
+    def __enter__(self):
+        self.start()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *exc):
-        _active.remove(self)
+        self.stop()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _quiet[0]:
-            self._count(func, args, kwargs)
+        self.before_op(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def before_op(self, func, args, kwargs: dict) -> None:
+        """Count op ``func`` about to run (a copy between host and device, a sync); not inside
+        :func:`host_list`, which counts its own read."""
+        if not _quiet[0] and func in _COUNTED:
+            self._count(func, args, kwargs)
 
     def _count(self, func, args, kwargs) -> None:
         if func is _aten._local_scalar_dense.default:

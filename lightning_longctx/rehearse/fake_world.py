@@ -30,7 +30,13 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from ..models import mla
+from ..parallel import build_dp_sp_mesh, head_stages
+from ..training.parallelize import fsdp_mesh
 
 
 def world_device(accelerator: str) -> torch.device:
@@ -45,9 +51,6 @@ def meshes_outside_fake_mode() -> Iterator[None]:
     """Inside, ``DeviceMesh._concatenate`` (FSDP2's 2-D spec of an expert-parallel DTensor: ``dp`` x ``sp``) runs
     with the fake mode set aside (``unset_fake_temporarily``, what torch's ``DeviceMesh.__getitem__`` does for a
     slice): a mesh is host bookkeeping on a real rank tensor, never a tensor of the step."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
     original = DeviceMesh.__dict__["_concatenate"]
 
     def concatenate(device_mesh_list):
@@ -62,9 +65,6 @@ def meshes_outside_fake_mode() -> Iterator[None]:
 
 
 def _tensor_caches() -> list[dict]:
-    from ..models import mla
-    from ..parallel import head_stages
-
     return [head_stages.STAGE_PLANS, mla.MLA_STAGE_PLANS]
 
 
@@ -94,13 +94,8 @@ class FakeWorld:
         self.mode = FakeTensorMode(allow_non_fake_inputs=False)
 
     def __enter__(self) -> FakeWorld:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
         if dist.is_initialized():
             raise RuntimeError("a process group already exists: a rehearsal runs in a process of its own")
-        from ..parallel import build_dp_sp_mesh
-        from ..training.parallelize import fsdp_mesh
-
         self._saved_plans = [(cache, dict(cache)) for cache in _tensor_caches()]
         for cache, _ in self._saved_plans:
             cache.clear()

@@ -147,15 +147,24 @@ class GpuPathChecks(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.on_cuda:
-            self._check_devices(func, args, kwargs)
+        self.before_op(func, args, kwargs)
         try:
             return func(*args, **kwargs)
         except DynamicOutputShapeException:
-            where, _ = code_site()
-            raise GpuPathError(f"host sync during {phase_name()!r} at {where}: {func} has an output shape that "
-                               "depends on the device's values (on the GPU the host waits for them; a fake "
-                               "tensor has none)") from None
+            raise self.shape_error(func) from None
+
+    def before_op(self, func, args, kwargs: dict) -> None:
+        """The device checks of op ``func`` about to run (on a CUDA rank device; see the module docstring)."""
+        if self.on_cuda:
+            self._check_devices(func, args, kwargs)
+
+    def shape_error(self, func) -> GpuPathError:
+        """The error for op ``func``, which raised ``DynamicOutputShapeException`` (an output shape that depends on
+        the device's values)."""
+        where, _ = code_site()
+        return GpuPathError(f"host sync during {phase_name()!r} at {where}: {func} has an output shape that "
+                            "depends on the device's values (on the GPU the host waits for them; a fake "
+                            "tensor has none)")
 
     def _check_devices(self, func, args, kwargs) -> None:
         tensors = _tensors(args, kwargs)

@@ -43,6 +43,8 @@ _READ = _aten._local_scalar_dense.default
 # ops that return a Python value computed from tensor values: aten.equal (torch.equal) reads True, aten.is_nonzero
 # (bool(t) of a one-element tensor, where it is not routed through _local_scalar_dense) True
 _PREDICATES = (_aten.equal.default, _aten.is_nonzero.default)
+#: The ops :class:`PlaceholderReads` answers: the host reads of a value.
+ANSWERED = frozenset((_READ, *_PREDICATES))
 
 
 def placeholder(dtype: torch.dtype) -> bool | int | float:
@@ -72,8 +74,10 @@ class PlaceholderReads(TorchDispatchMode):
         self.reads: dict[str, Counter] = defaultdict(Counter)
         self._fake_tolist = None  # FakeTensor.tolist while the mode is entered (restored on exit)
 
-    def __enter__(self):
-        # FakeTensor.tolist is a Python method (no op to intercept): swapped for the bulk answer while entered
+    def start(self) -> None:
+        """Answer ``.tolist()`` of fake tensors from now on, without pushing this mode (:meth:`__enter__` does
+        both; a mode dispatching for several concerns calls :meth:`read` itself): ``FakeTensor.tolist`` is a
+        Python method (no op to intercept), swapped for the bulk answer until :meth:`stop`."""
         self._fake_tolist = FakeTensor.tolist
         reads = self
 
@@ -81,17 +85,24 @@ class PlaceholderReads(TorchDispatchMode):
             return reads.tolist(t)
 
         FakeTensor.tolist = tolist
+
+    def stop(self) -> None:
+        """Undo :meth:`start`."""
+        FakeTensor.tolist = self._fake_tolist
+
+    def __enter__(self):
+        self.start()
         try:
             return super().__enter__()
         except BaseException:
-            FakeTensor.tolist = self._fake_tolist
+            self.stop()
             raise
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            FakeTensor.tolist = self._fake_tolist
+            self.stop()
 
     def tolist(self, t: FakeTensor) -> list | bool | int | float:
         """``t.tolist()`` of a fake tensor in one read: a tensor whose values the fake mode knows (``constant``)
@@ -104,10 +115,15 @@ class PlaceholderReads(TorchDispatchMode):
         return _nested(tuple(t.shape), placeholder(t.dtype))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is not _READ and func not in _PREDICATES:
+        if func not in ANSWERED:
             return func(*args, **(kwargs or {}))
+        return self.read(func, args, kwargs or {})
+
+    def read(self, func, args, kwargs: dict):
+        """Run op ``func``, one of :data:`ANSWERED` (a host read); a value the fake mode does not have is answered
+        with the placeholder (recorded at the line that read it, which must be a documented sync)."""
         try:  # a value FakeTensorMode knows (a constant it tracked, e.g. AdamW's step count) is read as is
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         except DataDependentOutputException:
             self.reads[phase_name()][check_host_read(str(func))] += 1  # raises outside the documented syncs
             return placeholder(args[0].dtype) if func is _READ else True
@@ -121,4 +137,4 @@ class PlaceholderReads(TorchDispatchMode):
         return lines
 
 
-__all__ = ["PlaceholderReads", "placeholder"]
+__all__ = ["ANSWERED", "PlaceholderReads", "placeholder"]

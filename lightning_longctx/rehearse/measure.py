@@ -17,19 +17,20 @@ The phase is the one the step code marks (:func:`lightning_longctx.ops.step_phas
 
 from __future__ import annotations
 
+import functools
 import heapq
 import os
 import sys
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from ..ops.attention import blockwise_flops
 from ..ops.gated_delta import scan_flops
 from ..ops.step_phase import current_phase
-from ..ops.tracker import MemoryTracker, op_tensors, tensor_storage
+from ..ops.tracker import MemoryTracker, op_tensors, records_nothing, tensor_storage
 
 _BASES: dict[str, str] = {}  # a phase with its detail -> without (asked for every op)
 
@@ -88,10 +89,11 @@ class PhaseTracker(MemoryTracker):
     def device_current(self) -> int:
         return self.current_bytes - self.host_current
 
-    def _note(self, tensors, site: str | None = None, transient: int = 0) -> None:
+    def _note(self, tensors, site: str | None = None, transient: int = 0, name: str | None = None) -> None:
         """Record where ``tensors``' newly counted storages come from (``site``; None: the allocating line) and
         which live on the host, then each phase's peaks (``transient``: the bytes the op that made them held
-        beyond them at its peak, declared by a registered op: ops/registered.py)."""
+        beyond them at its peak, declared by a registered op: ops/registered.py; ``name``: the phase, where the
+        caller has it)."""
         for t in tensors:
             if not isinstance(t, torch.Tensor) or (st := tensor_storage(t)) is None:
                 continue
@@ -103,7 +105,7 @@ class PhaseTracker(MemoryTracker):
             if t.device.type == self.host:
                 self._host_live[key] = self._live[key][1]
                 self.host_current += self._live[key][1]
-        name = phase_name()
+        name = name or phase_name()
         self.device_peaks[name] = max(self.device_peaks.get(name, 0), self.device_current + transient)
         self.host_peaks[name] = max(self.host_peaks.get(name, 0), self.host_current)
         if self.device_current >= self._snapshot_at.get(name, 0) * _SNAPSHOT_GROWTH and \
@@ -146,17 +148,22 @@ class PhaseTracker(MemoryTracker):
     def _added(self, t: torch.Tensor) -> None:
         self._new.append(t)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(is_traceable_wrapper_subclass_type(t) for t in types):
-            return NotImplemented  # let the subclass unwrap; its inner ops come back here as plain tensors
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self._record(func, args, kwargs, out)
+    def after_op(self, func, args, kwargs: dict, out) -> None:
+        """The tracker's bookkeeping after op ``func`` returned ``out``, the counters', each phase's peaks: the
+        op's tensors flattened once for all three (a view's not at all: it allocates nothing and counts nothing,
+        :func:`~lightning_longctx.ops.tracker.records_nothing`, :func:`counts_nothing`; its phase's peak is
+        still sampled, the first op of a phase may be one)."""
+        name = phase_name()
+        if counts_nothing(func):
+            self.last_transient_bytes = 0
+            self._note((), name=name)
+            return
+        ins, outs = op_tensors((args, kwargs)), op_tensors(out)
+        self._record(func, args, kwargs, outs, ins)
         if self.counters is not None:
-            self.counters.count(func, args, kwargs, out)
+            self.counters.count(func, args, kwargs, out, name=name, ins=ins, outs=outs)
         new, self._new = self._new, []
-        self._note(new, transient=self.last_transient_bytes)
-        return out
+        self._note(new, transient=self.last_transient_bytes, name=name)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -201,6 +208,41 @@ EXTRA_FLOPS = {
 }
 
 
+_SHAPED = shape_wrapper(lambda: None).__code__  # the code of flop_counter's wrapper taking tensors to shapes
+
+
+class _Unusual(Exception):
+    """A container :func:`_shapes` leaves to torch's pytree (a namedtuple, a structseq, a torch.Size...)."""
+
+
+def _shapes(tree):
+    """``tree_map(flop_counter.get_shape, tree)`` (each tensor's shape, the structure kept) for plain tuples,
+    lists and dicts at a fraction of its cost; raises :class:`_Unusual` on any other container."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return kind([_shapes(x) for x in tree])
+    if kind is dict:
+        return {key: _shapes(x) for key, x in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        return tree.shape
+    if isinstance(tree, (tuple, list, dict, deque)):
+        raise _Unusual
+    return tree
+
+
+def formula_flops(formula, args, kwargs: dict, out) -> int:
+    """``formula(*args, **kwargs, out_val=out)`` of ``flop_registry``: a formula of shapes (``shape_wrapper``'s)
+    called on the shapes directly, its wrapper's pytree walk skipped (it ran for every matmul)."""
+    if getattr(formula, "__code__", None) is _SHAPED:
+        try:
+            shaped_args, shaped_kwargs, out_shape = _shapes(args), _shapes(kwargs), _shapes(out)
+        except _Unusual:
+            pass
+        else:
+            return int(formula.__wrapped__(*shaped_args, out_shape=out_shape, **shaped_kwargs))
+    return int(formula(*args, **kwargs, out_val=out))
+
+
 class StepCounters(TorchDispatchMode):
     """``flops[phase]`` and ``collectives[phase][kind] = {"count", "bytes"}`` of the ops run inside the block.
 
@@ -221,26 +263,46 @@ class StepCounters(TorchDispatchMode):
         self.count(func, args, kwargs, out)
         return out
 
-    def count(self, func, args, kwargs: dict, out) -> None:
-        """Count op ``func`` that returned ``out`` (a :class:`PhaseTracker` given these counters calls it)."""
-        packet = func._overloadpacket
+    def count(self, func, args, kwargs: dict, out, *, name: str | None = None,
+              ins: list[torch.Tensor] | None = None, outs: list[torch.Tensor] | None = None) -> None:
+        """Count op ``func`` that returned ``out`` (a :class:`PhaseTracker` given these counters calls it, with
+        the phase ``name`` and the op's tensors ``ins`` = ``op_tensors((args, kwargs))``, ``outs`` =
+        ``op_tensors(out)`` it already has; None: found here)."""
         if func.namespace == "c10d":
-            self._collective(func, args, kwargs)
+            self._collective(func, args, kwargs, name, ins)
             return
-        name = phase_name()
+        name = name or phase_name()
         if func in EXTRA_FLOPS:
             self.flops[name] += EXTRA_FLOPS[func](*args, **kwargs)
-        elif packet in flop_registry:
-            self.flops[name] += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif (formula := flop_registry.get(func._overloadpacket)) is not None:
+            self.flops[name] += formula_flops(formula, args, kwargs, out)
         if not func.is_view:
-            self.traffic[name] += sum(_nbytes(t) for t in op_tensors((args, kwargs, out)))
+            ins = op_tensors((args, kwargs)) if ins is None else ins
+            outs = op_tensors(out) if outs is None else outs
+            self.traffic[name] += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
 
-    def _collective(self, func, args, kwargs) -> None:
+    def _collective(self, func, args, kwargs, name: str | None = None, ins: list[torch.Tensor] | None = None
+                    ) -> None:
         kind = func._overloadpacket.__name__
-        tensors = [] if kind in ("barrier", "monitored_barrier") else op_tensors((args, kwargs))
-        entry = self.collectives[phase_name()].setdefault(kind, {"count": 0, "bytes": 0})
+        tensors = ins if ins is not None else op_tensors((args, kwargs))
+        tensors = [] if kind in ("barrier", "monitored_barrier") else tensors
+        entry = self.collectives[name or phase_name()].setdefault(kind, {"count": 0, "bytes": 0})
         entry["count"] += 1
         entry["bytes"] += max((_nbytes(t) for t in tensors), default=0)
 
 
-__all__ = ["EXTRA_FLOPS", "TOP_TENSORS", "PhaseTracker", "StepCounters", "allocation_site", "phase_name"]
+@functools.cache
+def _formula_free_view(func) -> bool:
+    return func.is_view and func not in EXTRA_FLOPS and func._overloadpacket not in flop_registry and \
+        func.namespace != "c10d"
+
+
+def counts_nothing(func) -> bool:
+    """Whether op ``func`` adds nothing to a :class:`PhaseTracker` with :class:`StepCounters`: nothing to the
+    tracker (:func:`~lightning_longctx.ops.tracker.records_nothing`), no FLOPs, no traffic (a view), no
+    collective."""
+    return _formula_free_view(func) and records_nothing(func)
+
+
+__all__ = ["EXTRA_FLOPS", "TOP_TENSORS", "PhaseTracker", "StepCounters", "allocation_site", "counts_nothing",
+           "formula_flops", "phase_name"]

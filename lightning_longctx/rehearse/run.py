@@ -41,13 +41,37 @@ import warnings
 from dataclasses import asdict, replace
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_module
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
 
+from ..app import build_model, build_task
+from ..cli import model_shape, plan_request, trainer_precision
+from ..config_checks import check_config
+from ..config_plan import expert_parallel_choice, plan_knobs, resolve_sp_size
+from ..models.moe import Experts, enable_expert_parallel
 from ..ops.devices import fake_cpu_as_cuda
 from ..ops.step_phase import phase
+from ..ops.transfers import TransferCounter
 from ..parallel.expert_parallel import balanced_splits
+from ..planner import ClusterShape
+from ..planner import plan as make_plan
+from ..training import UlyssesStrategy
+from ..training.batch import shard_sequence_batch
+from ..training.parallelize import (
+    check_attention_heads,
+    mixed_precision_policy,
+    register_prefix_state_methods,
+    shard_modules,
+    wire_sequence_parallel,
+)
 from . import config as _config  # noqa: F401  (registers rehearse_schema)
+from .dispatch import RehearsalDispatch
 from .fake_world import FakeWorld, materialize, world_device
 from .gpu_checks import GpuPathChecks, gpu_kernels
 from .host_reads import PlaceholderReads
@@ -83,9 +107,6 @@ SKIPPED_CHECK = ("batch sharding: the SP ranks' shape agreement check (one all-g
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """``longctx-rehearse``'s config for ``overrides`` (outside a Hydra run: tests, notebooks, bench)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
     with initialize_config_module(config_module="lightning_longctx.conf", version_base="1.3"):
         return hydra_compose(config_name="rehearse", overrides=list(overrides))
 
@@ -105,10 +126,6 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
 def _carrier_trainer(cfg: DictConfig, precision: str, expert_parallel: bool):
     """A barebones ``Trainer`` with the job's ``UlyssesStrategy`` (never fitted): what ``training_step`` reads
     through ``self.trainer``; on the CPU accelerator (the step runs on the fake world's device, not on it)."""
-    import lightning.pytorch as pl
-
-    from ..training import UlyssesStrategy
-
     cluster = cfg.cluster
     strategy = UlyssesStrategy(sp_size=cluster.sp_size, head_chunk_size=cfg.memory.head_chunk_size,
                                sharding=cluster.sharding, on_nonfinite=None, expert_parallel=expert_parallel)
@@ -130,8 +147,6 @@ def grouped_experts(model, precision: str) -> str | None:
     loop reads each expert's token count on the host, a value a fake tensor does not have (a placeholder count
     would drop every expert's activations), and torch's grouped GEMM has a fake kernel for bf16 only: other
     precisions are refused. Returns the note for the output (None: no MoE layer)."""
-    from ..models.moe import Experts
-
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     if not experts:
         return None
@@ -148,18 +163,6 @@ def grouped_experts(model, precision: str) -> str | None:
 def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh, expert_parallel: bool):
     """Steps 3-4 of the module docstring: ``(module, data, optimizer, trainer)``; ``expert_parallel``: the routed
     experts sharded over the SP group (what ``UlyssesStrategy(expert_parallel=True)`` does)."""
-    from lightning.pytorch.utilities.types import LRSchedulerConfig
-
-    from ..app import build_model, build_task
-    from ..models.moe import enable_expert_parallel
-    from ..training.parallelize import (
-        check_attention_heads,
-        mixed_precision_policy,
-        register_prefix_state_methods,
-        shard_modules,
-        wire_sequence_parallel,
-    )
-
     sp = mesh["sp"].size()
     # expert parallelism: rank 0 reads only its routed experts, as longctx-train builds each rank's model
     with torch.device("meta"):
@@ -205,10 +208,6 @@ def _setup(cfg: DictConfig, world: FakeWorld, precision: str, mesh, expert_paral
 def _device_batch(module, data, world: FakeWorld, mesh) -> dict:
     """The first batch as ``UlyssesStrategy.batch_to_device`` hands it to ``training_step``: the module's
     ``on_before_batch_transfer``, each tensor to the device, this rank's shard, ``on_after_batch_transfer``."""
-    from lightning.fabric.utilities.apply_func import apply_to_collection
-
-    from ..training.batch import shard_sequence_batch
-
     loader = data.train_dataloader() if hasattr(data, "train_dataloader") else data
     batch = module.on_before_batch_transfer(next(iter(loader)), 0)
     with world.mode, phase("batch to device"):
@@ -254,13 +253,6 @@ def prime_optimizer(module, optimizer: torch.optim.Optimizer) -> None:
 
 def rehearse(cfg: DictConfig) -> Rehearsal:
     """Rehearse ``cfg`` (see the module docstring); returns the measured and planned figures."""
-    from ..cli import model_shape, plan_request, trainer_precision
-    from ..config_checks import check_config
-    from ..config_plan import expert_parallel_choice, plan_knobs, resolve_sp_size
-    from ..ops.transfers import TransferCounter
-    from ..planner import ClusterShape
-    from ..planner import plan as make_plan
-
     start = time.perf_counter()
     precision = trainer_precision(cfg.memory)
     check_config(cfg)
@@ -301,17 +293,20 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
             notes.append(kernels_note(module, precision, hw))
         batch = _device_batch(module, data, world, mesh)
         decode_factor = _shorten_rollouts(cfg, module, notes)
-        with world.mode, standing, PlaceholderReads() as reads, GpuPathChecks(device), balanced_splits(), \
+        reads = PlaceholderReads()
+        # one dispatch mode for the host reads, the GPU-path checks and (measured step) the counters (dispatch.py)
+        with world.mode, standing, RehearsalDispatch(reads, GpuPathChecks(device)) as dispatch, balanced_splits(), \
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*barebones=True.*")  # self.log: a no-op here
             if step_function is longstraw_training_step:
                 prime_optimizer(module, optimizer)  # its steps are long: the states without a first step
             for _ in range(steps - 1):
                 step_function(module, batch, optimizer)
-            counters = StepCounters()  # counted in the tracker's dispatch (one mode fewer per op)
+            counters = StepCounters()  # counted in the tracker's after_op
             tracker = PhaseTracker(host="cpu" if device.type != "cpu" else None, counters=counters)
+            transfers = TransferCounter()
             reads.reads.clear()
-            with TransferCounter() as transfers, tracker:
+            with dispatch.measuring(tracker, transfers):
                 with phase(phases[0]):  # what the step starts with: the state of the steps before
                     tracker.track(*_local_tensors(module, optimizer))
                 step_function(module, batch, optimizer)
@@ -392,8 +387,6 @@ STEPS = {"sft": (sft_step, SFT_PHASES), "longstraw": (longstraw_training_step, L
 
 def _local_tensors(module, optimizer) -> list[torch.Tensor]:
     """This rank's parameters (an FSDP2 shard's local tensor), gradients and optimizer states."""
-    from torch.distributed.tensor import DTensor
-
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
