@@ -295,3 +295,34 @@ def test_opcheck_indexer_topk():
     q, weights, keys = torch.randn(1, 10, 2, 4), torch.randn(1, 10, 2), torch.randn(1, 30, 4)
     torch.library.opcheck(torch.ops.longctx.indexer_topk.default, (q, weights, keys, 20, 30, 5, 0.5, 4, 8),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_transient_helpers_dispatch_no_op():
+    """The ops' transient helpers cut their arguments as shapes (registered.cut), not slices: after the first
+    (measuring) call they run no op, so a rehearsal's dispatch modes see nothing per op call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_longctx.ops import attention
+
+    class Ops(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    inputs = _scan_inputs(600, 1, 2, torch.float32, True, dk=4, dv=4)
+    backward = _backward_args(inputs, 16, 2, 32)
+    forward = _forward_args(inputs, 16, 2, 32)
+    q, k, v = _attention_inputs(40, 40, torch.float32)
+    out, lse = blockwise_forward(q, k, v, True, 0.5, 8)
+    calls = [(gated_delta._forward_transient, forward), (gated_delta._backward_transient, backward),
+             (attention._forward_transient, (q, k, v, True, 0.5, 8)),
+             (attention._backward_transient, (torch.ones_like(out), q, k, v, out, lse, True, 0.5, 8)),
+             (gated_delta.segmented_transient, (*(x[:, :200] for x in inputs[:5]), torch.ones_like(inputs[2][:, :200]),
+                                                inputs[5], torch.zeros(3, *inputs[5].shape), 64))]
+    for helper, args in calls:
+        helper(*args)  # the measurement (its modes set aside)
+        with Ops() as mode:
+            helper(*args)
+        assert mode.seen == [], (helper.__qualname__, mode.seen)

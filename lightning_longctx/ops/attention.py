@@ -30,7 +30,7 @@ import torch
 from . import attention_cuda as cuda
 from . import devices
 from .gqa import expand_kv, reduce_kv
-from .registered import cached_transient, reduced_length
+from .registered import cached_transient, cut, reduced_length
 from .tracker import declare_transient
 
 ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_cuda", "torch_cpu_flash", "blockwise")
@@ -192,8 +192,8 @@ def _blockwise_backward_fake(do_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS,
     return tuple(x.new_empty(x.shape, dtype=acc) for x in (q_BHSD, k_BHSD, v_BHSD))
 
 
-def _reduced_blocks(x_BHSD: torch.Tensor, block: int) -> torch.Tensor:
-    return x_BHSD[:, :, :reduced_length(x_BHSD.shape[2], block)]
+def _reduced_blocks(x_BHSD: torch.Tensor, block: int):
+    return cut(x_BHSD, reduced_length(x_BHSD.shape[2], block), dim=2)
 
 
 def _forward_transient(q_BHSD, k_BHSD, v_BHSD, causal, scale, block) -> int:
@@ -206,7 +206,7 @@ def _backward_transient(do_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, caus
     """As :func:`_forward_transient`, for :func:`blockwise_backward`."""
     do, q, o = (_reduced_blocks(x, block) for x in (do_BHSD, q_BHSD, out_BHSD))
     k, v = (_reduced_blocks(x, block) for x in (k_BHSD, v_BHSD))
-    lse = lse_BHS[:, :, :q.shape[2]]
+    lse = cut(lse_BHS, q.shape[2], dim=2)
     return cached_transient(blockwise_backward, do, q, k, v, o, lse, causal, scale, block)
 
 

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 
 from . import gated_delta_cuda
-from .registered import affine_transient, cached_transient, reduced_length
+from .registered import affine_transient, cached_transient, cut, reduced_length
 from .tracker import declare_transient, tracking_memory
 
 GATED_DELTA_BACKENDS = ("auto", "torch", "fla")
@@ -331,9 +331,8 @@ def segmented_transient(q, k, v, g, beta, grad_out, grad_state, boundaries, segm
 
     def measure(length: int, seg: int) -> int:
         parts = -(-length // seg)
-        return cached_transient(segmented_scan_backward, *(x[:, :length] for x in (q, k, v, g, beta)),
-                                None if grad_out is None else grad_out[:, :length], grad_state,
-                                None if boundaries is None else boundaries[:parts - 1], seg)
+        return cached_transient(segmented_scan_backward, *(cut(x, length) for x in (q, k, v, g, beta, grad_out)),
+                                grad_state, cut(boundaries, parts - 1, dim=0), seg)
 
     if full == 0:  # one segment (the prompt is shorter): its length scales
         count, rem = divmod(tokens, span)
@@ -394,7 +393,7 @@ def _forward_transient(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, ch
     """:func:`gated_delta_forward`'s peak beyond its inputs and outputs: its kernel at the reduced length
     (two full groups and the tail), for the tracker (:mod:`.registered`)."""
     short = reduced_length(q.shape[1], chunk_size * group_chunks)
-    return cached_transient(scan_forward, *(x[:, :short] for x in (q, k, v, g, beta)), initial_state, scale,
+    return cached_transient(scan_forward, *(cut(x, short) for x in (q, k, v, g, beta)), initial_state, scale,
                             use_qk_l2norm, chunk_size, group_chunks, state_every, keep_starts)
 
 
@@ -403,9 +402,9 @@ def _backward_transient(d_out, d_state, q, k, v, g, beta, starts, scale, use_qk_
     """:func:`gated_delta_backward`'s peak beyond its inputs and outputs, as :func:`_forward_transient`."""
     span = chunk_size * group_chunks
     short = reduced_length(q.shape[1], span)
-    return cached_transient(scan_backward, d_out[:, :short], d_state, *(x[:, :short] for x in (q, k, v, g, beta)),
-                            starts[:-(-short // span)], scale, use_qk_l2norm, chunk_size, group_chunks, needs,
-                            need_initial)
+    return cached_transient(scan_backward, cut(d_out, short), d_state, *(cut(x, short) for x in (q, k, v, g, beta)),
+                            cut(starts, -(-short // span), dim=0), scale, use_qk_l2norm, chunk_size, group_chunks,
+                            needs, need_initial)
 
 
 def scan_flops(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> int:

@@ -16,12 +16,14 @@ length), cached per shape. A loop whose iterations grow with the length (the Lon
 each of its segments keeps per-group buffers, 64 groups of 256 tokens at 16,384-token segments) is measured at
 a few iterations and extrapolated instead (:func:`affine_transient`). ``tests/test_fake_ops.py`` checks the
 figures against the real kernel at tiny sizes (the tracker inside the kernel) and the extrapolation against a
-direct measurement.
+direct measurement. The shorter arguments are :class:`TensorSpec` (:func:`cut`), not slices: a helper runs
+once per op call, and under a rehearsal's dispatch modes every slice is an op through all of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -36,12 +38,31 @@ def reduced_length(length: int, unit: int) -> int:
     return min(length // unit, 2) * unit + length % unit
 
 
+class TensorSpec(NamedTuple):
+    """A tensor argument of :func:`kernel_transient` / :func:`cached_transient` by its shape and dtype only."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def cut(x: torch.Tensor | None, length: int, dim: int = 1) -> TensorSpec | None:
+    """``x[..., :length, ...]`` (along ``dim``) as a :class:`TensorSpec` (None for None): a shorter argument
+    for a measurement, made without an op. A slice is an op: under a rehearsal's dispatch modes the transient
+    helpers' slices, once per op call (every layer, stage and branch), cost as much as the measurements."""
+    if x is None:
+        return None
+    shape = tuple(x.shape)
+    return TensorSpec((*shape[:dim], min(length, shape[dim]), *shape[dim + 1:]), x.dtype)
+
+
 _MEASURED: dict[tuple, int] = {}  # (kernel, the arguments' shapes/dtypes/values) -> kernel_transient
 
 
 def _signature(x):
     if isinstance(x, torch.Tensor):
         return tuple(x.shape), x.dtype
+    if isinstance(x, TensorSpec):
+        return x.shape, x.dtype
     return tuple(x) if isinstance(x, list) else x
 
 
@@ -70,14 +91,14 @@ def affine_transient(measure: Callable[[int], int], count: int, first: int = 3) 
 def kernel_transient(kernel: Callable, *args, **kwargs) -> int:
     """Peak live bytes of ``kernel(*args, **kwargs)`` beyond its inputs and the tensors it returns.
 
-    The tensors in ``args`` stand for their shapes and dtypes only: ``kernel`` runs on fresh fake CPU tensors
-    of the same shapes and dtypes (no data, no device memory, no autograd) under a private tracker, with
-    every active dispatch mode (a rehearsal's fake mode and counters) set aside. Call it outside any
+    The tensors (or :class:`TensorSpec`) in ``args`` stand for their shapes and dtypes only: ``kernel`` runs on
+    fresh fake CPU tensors of the same shapes and dtypes (no data, no device memory, no autograd) under a private
+    tracker, with every active dispatch mode (a rehearsal's fake mode and counters) set aside. Call it outside any
     ``__torch_dispatch__`` (a kernel that differentiates with ``torch.func`` cannot run inside one).
     """
     with _disable_current_modes(), FakeTensorMode():
         def fresh(x):
-            if not isinstance(x, torch.Tensor):
+            if not isinstance(x, (torch.Tensor, TensorSpec)):
                 return x
             return torch.empty(x.shape, dtype=x.dtype)
 
@@ -90,4 +111,4 @@ def kernel_transient(kernel: Callable, *args, **kwargs) -> int:
         return tracker.peak_bytes - returned
 
 
-__all__ = ["affine_transient", "cached_transient", "kernel_transient", "reduced_length"]
+__all__ = ["TensorSpec", "affine_transient", "cached_transient", "cut", "kernel_transient", "reduced_length"]
