@@ -106,6 +106,12 @@ def _kernel_layout(x_BSHD: torch.Tensor) -> torch.Tensor:
     return x_BSHD.clone(memory_format=torch.contiguous_format)
 
 
+def _unpad(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``x [..., d']`` cut back to ``head_dim`` columns (the kernels' zero padding, :func:`_kernel_layout`); ``x``
+    itself when unpadded (no view op: one dispatch fewer per output on a rehearsal's fake tensors)."""
+    return x if x.shape[-1] == head_dim else x[..., :head_dim]
+
+
 def _dropout_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     # philox seed/offset for the backward. With dropout_p == 0 neither kernel reads them (mha_bwd reads
     # philox_seed only `if (is_dropout)`, _efficient_attention_backward only `if (use_dropout)`).
@@ -132,7 +138,7 @@ def torch_cuda_forward(query, key, value, causal: bool, scale: float, kernel: st
             scale=scale,
         )[:2]
         lse_BHS = lse_BHS[:, :, :s_q]
-    return out_BHSD.transpose(1, 2)[..., :head_dim], lse_BHS
+    return _unpad(out_BHSD.transpose(1, 2), head_dim), lse_BHS
 
 
 def torch_cuda_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float, kernel: str):
@@ -162,7 +168,7 @@ def torch_cuda_backward(grad_out, query, key, value, out, lse, causal: bool, sca
             do_BHSD, q_BHSD, k_BHSD, v_BHSD, None, o_BHSD, lse_BHS, seed, offset, 0.0, [True, True, True, False],
             causal, scale=scale,
         )
-    dq, dk, dv = (t.transpose(1, 2)[..., :head_dim] for t in (dq, dk, dv))
+    dq, dk, dv = (_unpad(t.transpose(1, 2), head_dim) for t in (dq, dk, dv))
     if kernel == "efficient":
         dk, dv = reduce_kv(dk, groups), reduce_kv(dv, groups)
     return dq, dk, dv
@@ -178,7 +184,7 @@ def flash_forward(query, key, value, causal: bool, scale: float):
         q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
         softcap=0.0, alibi_slopes=None, return_softmax=False,
     )[:2]
-    return out[..., :head_dim], lse
+    return _unpad(out, head_dim), lse
 
 
 def flash_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
@@ -191,4 +197,4 @@ def flash_backward(grad_out, query, key, value, out, lse, causal: bool, scale: f
         window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
         rng_state=None,
     )
-    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
+    return _unpad(dq, head_dim), _unpad(dk, head_dim), _unpad(dv, head_dim)
