@@ -250,8 +250,9 @@ class DecoderLM(nn.Module):
             shift_labels = shift_hf_labels(labels, IGNORE_INDEX)
         if position_ids is None:
             position_ids = default_position_ids(input_ids, self.sp_group)
-        hidden = self.embed(input_ids)
-        hidden = self._run_layers(hidden, position_ids)
+        # the embedding output passed as a temporary: no reference of this frame keeps it alive through every layer
+        # (with offloaded checkpoints the first layer keeps a host copy; freed once that layer has run)
+        hidden = self._run_layers(self.embed(input_ids), position_ids)
         hidden = self.final_hidden(hidden)
         if shift_labels is None:
             return DecoderOutput(loss=None, logits=self.lm_head(hidden))

@@ -98,6 +98,9 @@ class DecoderLayer(nn.Module):
         else:
             mixed = self.self_attn(normed, position_ids, prefix_kv=prefix_state, return_kv=return_state,
                                    lora_mask=lora_mask)
+        # the normed input is the mixer's (saved there when autograd records); without a graph (a checkpointed or
+        # no-grad forward) nothing else holds it: freed before the MLP, not kept alive through it
+        del normed
         mixed, state = mixed if return_state else (mixed, None)
         hidden = hidden + mixed
         del mixed  # nothing saves the mixer's output (an add): freed before the MLP, not kept alive through it
