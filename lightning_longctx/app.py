@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 # Lightning and the training layer are imported inside the functions that build the Trainer's pieces: the
 # planning path (longctx-plan, longctx-rehearse's checks) imports this module without Lightning's import time.
 from .config_checks import ConfigError, check_task, check_trainer_keys, keyword_parameters, locate
-from .config_plan import longstraw_choices
+from .config_plan import longstraw_choices, memory_setting
 from .config_schema import decoder_config
 from .models import DecoderLM, MemoryConfig
 
@@ -66,7 +66,7 @@ def model_memory_knobs(cfg: DictConfig) -> dict[str, Any]:
             knobs["rollout_prompt_cache"] = chosen["rollout_prompt_cache"]
         knobs["prompt_checkpoint_every"] = chosen["prompt_checkpoint_every"]
     else:
-        keep = str(cfg.memory.get("keep_attention_output") or "auto")
+        keep = str(memory_setting(cfg, "keep_attention_output"))
         knobs["keep_attention_output"] = "off" if keep == "auto" else keep
     return knobs
 

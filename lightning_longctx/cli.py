@@ -44,6 +44,7 @@ from .config_plan import (
     expert_parallel_choice,
     longest_longstraw_prompt,
     longstraw_choices,
+    memory_setting,
     model_shape,
     plan_knobs,
     plan_request,
@@ -180,8 +181,8 @@ def longstraw_choices_line(cfg: DictConfig, model: ModelShape, knobs: MemoryKnob
     else:
         rollouts = ("rollouts: the offloaded prompt cache does not fit on the device while decoding: streamed, two "
                     "layers on the device, re-fetched per decoded token (PCIe-bound)")
-    auto = str(cfg.memory.get("keep_attention_output") or "auto") == "auto"
-    segments = str(cfg.memory.get("prompt_checkpoint_every") or 1) == "auto"
+    auto = str(memory_setting(cfg, "keep_attention_output")) == "auto"
+    segments = str(memory_setting(cfg, "prompt_checkpoint_every")) == "auto"
     return (f"{rollouts}; keep_attention_output={chosen['keep_attention_output']}"
             + (" (auto: the planner's choice)" if auto else "")
             + f"; prompt_checkpoint_every={chosen['prompt_checkpoint_every']}"

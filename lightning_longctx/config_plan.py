@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from .config_checks import ConfigError
+from .config_schema import MemoryBudgetConf
 from .planner import ClusterShape, MemoryKnobs, ModelShape, Plan, PlanError, check_budget
 from .planner.budget import choose_expert_parallel, expert_parallel_knobs
 from .planner.longstraw import (
@@ -22,6 +23,7 @@ from .planner.longstraw import (
 )
 from .planner.shapes import PRESET
 from .planner.sp_degree import SP_AUTO, SpChoice, choose_sp_size, longest_context
+from .task_options import LongStrawOptions
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -35,8 +37,15 @@ def plan_request(cfg: DictConfig, *, mode: str | None = None, seq_len: int | Non
     if mode == "longstraw":
         request["group_size"] = plan.get("group_size") or task.get("group_size", 8)
         request["response_len"] = plan.get("response_len") or task.get("max_new_tokens", 1024)
-        request["prompt_grad"] = task.get("prompt_grad", "full")
+        request["prompt_grad"] = task.get("prompt_grad", LongStrawOptions.prompt_grad)
     return request
+
+
+def memory_setting(cfg: DictConfig, key: str) -> Any:
+    """``cfg.memory.<key>`` as set, or the ``memory`` schema's default (:class:`~.config_schema.MemoryBudgetConf`)
+    where the node lacks it or leaves it empty (a 0.1 run's saved config, read by ``longctx-export``): e.g.
+    ``auto`` for ``keep_attention_output``, 1 for ``prompt_checkpoint_every``."""
+    return cfg.memory.get(key) or getattr(MemoryBudgetConf, key)
 
 
 def plan_knobs(cfg: DictConfig, mode: str | None = None) -> MemoryKnobs:
@@ -198,9 +207,9 @@ def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
       device and host budgets, else the segment length that needs the least memory).
 
     The planner runs only for what it chooses."""
-    keep = str(cfg.memory.get("keep_attention_output") or "auto")
+    keep = str(memory_setting(cfg, "keep_attention_output"))
     offloaded = bool(cfg.memory.get("offload_prompt_cache"))
-    every = cfg.memory.get("prompt_checkpoint_every") or 1
+    every = memory_setting(cfg, "prompt_checkpoint_every")
     if keep != "auto" and not offloaded and every != "auto":
         return {"keep_attention_output": keep, "rollout_prompt_cache": None, "prompt_checkpoint_every": int(every)}
     request = plan_request(cfg, mode="longstraw")
@@ -216,5 +225,5 @@ def longstraw_choices(cfg: DictConfig, model: ModelShape | None = None,
 
 
 __all__ = ["DEMO_DEFAULTS", "check_plan", "demo_default_groups", "expert_parallel_choice", "explicit_model_fields",
-           "longest_longstraw_prompt", "longstraw_choices", "model_shape", "plan_knobs", "plan_request",
-           "resolve_sp_size", "resolved_knobs"]
+           "longest_longstraw_prompt", "longstraw_choices", "memory_setting", "model_shape", "plan_knobs",
+           "plan_request", "resolve_sp_size", "resolved_knobs"]
