@@ -67,11 +67,11 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if not self.lora_enabled:
             return out
-        return out + _low_rank(x, self.lora_A.weight, self.lora_B.weight, self.scaling, lora_mask).to(out.dtype)
+        return out + low_rank_update(x, self.lora_A.weight, self.lora_B.weight, self.scaling, lora_mask).to(out.dtype)
 
 
-def _low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
+def low_rank_update(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
     """``scaling * (m * x A^T) B^T``, in A's dtype (as PEFT: ``x`` is cast to the adapter's dtype); the token
     mask ``mask [..., tokens]`` (None: all ones) multiplies the rank-``r`` intermediate, not ``x``."""
     low = F.linear(x.to(a.dtype), a)
@@ -141,7 +141,7 @@ def head_rows_linear(module: nn.Linear, x: torch.Tensor, heads: torch.Tensor, ro
     b = module.lora_B.weight.view(-1, rows_per_head, a.shape[0]).index_select(0, heads).flatten(0, 1)
     if lora_mask is None:
         return F.linear(x, (w.to(a.dtype) + module.scaling * (b @ a)).to(w.dtype))
-    return F.linear(x, w) + _low_rank(x, a, b, module.scaling, lora_mask).to(x.dtype)
+    return F.linear(x, w) + low_rank_update(x, a, b, module.scaling, lora_mask).to(x.dtype)
 
 
 def attention_lora(attn) -> tuple[tuple, tuple[float, float, float]]:
@@ -196,4 +196,4 @@ def gate_delta(attn, hidden: torch.Tensor, lora_mask: torch.Tensor | None = None
         return None
     h, d = attn.num_heads, attn.head_dim
     b = m.lora_B.weight.view(h, 2, d, -1)[:, 1].reshape(h * d, -1)
-    return _low_rank(hidden, m.lora_A.weight, b, m.scaling, lora_mask).to(hidden.dtype)
+    return low_rank_update(hidden, m.lora_A.weight, b, m.scaling, lora_mask).to(hidden.dtype)
