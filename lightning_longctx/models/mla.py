@@ -65,7 +65,7 @@ from ..ops.attention import attention
 from ..ops.merge import prefix_attention
 from ..parallel import HeadToSeq, SeqToHead, group_rank, group_size
 from ..parallel.head_stages import check_head_layout
-from .lora import LoRALinear, low_rank_update, head_rows_linear, masked_linear
+from .lora import LoRALinear, head_rows_linear, low_rank_update, masked_linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 
@@ -390,7 +390,8 @@ class MLAttention(nn.Module):
         kv = F.linear(x, rows.narrow(0, stage * c * width, c * width))
         if lora is not None:
             a, lora_b, scaling = lora
-            kv = kv + low_rank_update(x, a, lora_b.narrow(0, stage * c * width, c * width), scaling, lora_mask).to(x.dtype)
+            b_rows = lora_b.narrow(0, stage * c * width, c * width)
+            kv = kv + low_rank_update(x, a, b_rows, scaling, lora_mask).to(x.dtype)
         k_nope, v = kv.view(b, t, c, width).split((self.nope, self.v_dim), dim=-1)
         k_rot = latent[..., self.kv_lora_rank:].unsqueeze(2).expand(b, t, c, self.rope_dim)
         k = torch.cat((k_nope, k_rot.to(k_nope.dtype)), dim=-1)
