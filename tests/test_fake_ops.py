@@ -19,11 +19,15 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lightning_longctx.app import build_model
+from lightning_longctx.models.dsa import absorbed_blocks
+from lightning_longctx.models.lora_attach import add_lora
 from lightning_longctx.ops import gated_delta
 from lightning_longctx.ops.attention import blockwise_backward, blockwise_forward
 from lightning_longctx.ops.gated_delta import gated_delta_rule, recurrent_steps, scan_backward, scan_forward
 from lightning_longctx.ops.sparse_attention import _indexer_topk
 from lightning_longctx.ops.tracker import MemoryTracker
+from lightning_longctx.rehearse import compose
 
 # (tokens, chunk, group_chunks, (Hk, Hv), dtype, initial state, state_every): several groups and a tail, one
 # short group, GQA, half inputs (cast per group), boundary states
@@ -326,3 +330,28 @@ def test_transient_helpers_dispatch_no_op():
         with Ops() as mode:
             helper(*args)
         assert mode.seen == [], (helper.__qualname__, mode.seen)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_dsa_absorbed_blocks_op_matches_its_kernel_and_the_layer(lora):
+    """``longctx::dsa_absorbed_blocks`` (a DSA layer's no-grad query-block loop, one op on fake tensors): its
+    layout and tracked peak equal its kernel's (real and fake tensors), and the kernel equals the layer's block loop
+    under autograd (checkpointed blocks, concatenated) bitwise (tiny_glm5-shaped, 3 blocks and a tail)."""
+    torch.manual_seed(0)
+    layer = build_model(compose(["model=tiny_glm5", "task=needle_grpo"])).model.layers[0].self_attn
+    if lora:
+        add_lora(layer, 2, 4.0, ["q_b_proj", "kv_b_proj"])
+        for name, p in layer.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p)
+    layer.query_block = 4
+    b, s, t = 1, 14, 20
+    q_in = torch.randn(b, s, layer.q_lora_rank)
+    cos, sin = torch.randn(b, s, layer.rope_dim), torch.randn(b, s, layer.rope_dim)
+    latent = torch.randn(b, t, layer.kv_lora_rank + layer.rope_dim)
+    indices = torch.randint(-1, t, (b, s, 5), dtype=torch.int32)
+    args = (q_in, cos, sin, latent, indices, *layer._query_rows(), None, layer.kv_b_weight(None),
+            *layer._block_options(), layer.query_block)
+    with torch.enable_grad():  # the layer's checkpointed blocks, each folding kv_b_proj, then their concatenation
+        assert torch.equal(absorbed_blocks(*args), layer._attend_blocks(q_in, cos, sin, latent, indices, None))
+    _check_op(torch.ops.longctx.dsa_absorbed_blocks, absorbed_blocks, args)

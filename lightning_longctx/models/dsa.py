@@ -50,12 +50,15 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..ops.registered import cached_transient, cut, reduced_length
 from ..ops.sparse_attention import attend_selected, sparse_latent_attention, streaming_topk
+from ..ops.tracker import declare_transient
 from ..parallel import group_rank
-from .lora import LoRALinear, masked_linear
+from .lora import LoRALinear, _low_rank, masked_linear
 from .mla import MLAttention, StagedLatent, gather_sequence, prefix_latent, prefix_length, rope_interleaved
 from .rope import apply_rope
 
@@ -127,6 +130,73 @@ class DSAIndexer(nn.Module):
                               query_block=self.query_block, key_block=self.key_block)
 
 
+def absorbed_block(q_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, latent: torch.Tensor,
+                   indices: torch.Tensor, wq: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
+                   lora_scaling: float, lora_mask: torch.Tensor | None, w_kv: torch.Tensor, heads: int, nope: int,
+                   rope_dim: int, interleave: bool, scaling: float, kv_lora_rank: int) -> torch.Tensor:
+    """One query block of :class:`DSAttention` (its ``_attend_block``): ``q_in [b, c, q_lora]`` through
+    ``q_b_proj`` (``wq [H dq, q_lora]`` and its adapter ``lora_a [r, q_lora]``, ``lora_b [H dq, r]``,
+    ``lora_scaling``, on the tokens of ``lora_mask [b, c]``; None: no adapter / all tokens), absorbed with
+    ``w_kv [H, n + dv, R]`` (``kv_b_proj``'s weight, an adapter folded in), roped by ``cos, sin [b, c, r]``,
+    attended over its selected rows (``indices [b, c, k]``) of ``latent [b, T, w]`` -> ``[b, c, H dv]``."""
+    b, c, _ = q_in.shape
+    q = F.linear(q_in, wq)
+    if lora_a is not None:  # LoRALinear's forward, q_b_proj being bias-free
+        q = q + _low_rank(q_in, lora_a, lora_b, lora_scaling, lora_mask).to(q.dtype)
+    q_nope, q_rot = q.view(b, c, heads, nope + rope_dim).split((nope, rope_dim), dim=-1)
+    q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_kv[:, :nope])
+    q_rot = rope_interleaved(q_rot, cos, sin) if interleave else apply_rope(q_rot, cos, sin)
+    q_abs = torch.cat((q_lat, q_rot.to(q_lat.dtype)), dim=-1)  # [b, c, H, w]
+    o_lat = attend_selected(q_abs, latent.to(q_abs.dtype), indices, scaling, kv_lora_rank)
+    return torch.einsum("bshr,hvr->bshv", o_lat, w_kv[:, nope:]).flatten(2)  # [b, c, H dv]
+
+
+def absorbed_blocks(q_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, latent: torch.Tensor,
+                    indices: torch.Tensor, wq: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
+                    lora_scaling: float, lora_mask: torch.Tensor | None, w_kv: torch.Tensor, heads: int, nope: int,
+                    rope_dim: int, interleave: bool, scaling: float, kv_lora_rank: int,
+                    query_block: int) -> torch.Tensor:
+    """:func:`absorbed_block` over every query block of ``q_in [b, s_l, q_lora]`` (no autograd) -> ``[b, s_l, H
+    dv]``, written block by block into the preallocated output (no list of blocks and concatenation: one block's
+    temporaries beyond it, at any length): :meth:`DSAttention._attend_blocks` without a graph, and the kernel of
+    ``longctx::dsa_absorbed_blocks``."""
+    b, s_l, _ = q_in.shape
+    out = q_in.new_empty(b, s_l, heads * (w_kv.shape[1] - nope), dtype=torch.promote_types(wq.dtype, w_kv.dtype))
+    with torch.no_grad():
+        for q0 in range(0, s_l, query_block):
+            rows = slice(q0, q0 + query_block)
+            out[:, rows] = absorbed_block(q_in[:, rows], cos[:, rows], sin[:, rows], latent, indices[:, rows], wq,
+                                          lora_a, lora_b, lora_scaling,
+                                          None if lora_mask is None else lora_mask[:, rows], w_kv, heads, nope,
+                                          rope_dim, interleave, scaling, kv_lora_rank)
+    return out
+
+
+dsa_absorbed_blocks = torch.library.custom_op("longctx::dsa_absorbed_blocks", absorbed_blocks, mutates_args=())
+
+
+@dsa_absorbed_blocks.register_fake
+def _absorbed_blocks_fake(q_in, cos, sin, latent, indices, wq, lora_a, lora_b, lora_scaling, lora_mask, w_kv, heads,
+                          nope, rope_dim, interleave, scaling, kv_lora_rank, query_block):
+    b, s_l, _ = q_in.shape
+    dtype = torch.promote_types(wq.dtype, w_kv.dtype)
+    return q_in.new_empty(b, s_l, heads * (w_kv.shape[1] - nope), dtype=dtype)
+
+
+def _absorbed_blocks_transient(q_in, cos, sin, latent, indices, wq, lora_a, lora_b, lora_scaling, lora_mask, w_kv,
+                               heads, nope, rope_dim, interleave, scaling, kv_lora_rank, query_block) -> int:
+    """The block loop's peak beyond its inputs and output (one block's temporaries): its kernel at a reduced
+    length with every block shape (two full blocks and the tail, :func:`~lightning_longctx.ops.registered.
+    reduced_length`; fake tensors, cached per shape)."""
+    short = reduced_length(q_in.shape[1], query_block)
+    return cached_transient(absorbed_blocks, *(cut(x, short) for x in (q_in, cos, sin)), latent, cut(indices, short),
+                            wq, lora_a, lora_b, lora_scaling, cut(lora_mask, short), w_kv, heads, nope, rope_dim,
+                            interleave, scaling, kv_lora_rank, query_block)  # cut: shapes only, no op per call
+
+
+declare_transient(torch.ops.longctx.dsa_absorbed_blocks.default, _absorbed_blocks_transient)
+
+
 class DSAState(NamedTuple):
     """What later tokens need of a DSA layer: the MLA latent ``[b, s_l, R + r]`` of this rank's tokens and, on a
     ``"full"`` layer, their index keys ``[b, s_l, D_I]`` in the compute dtype (no graph: nothing differentiates
@@ -174,29 +244,39 @@ class DSAttention(MLAttention):
                       indices: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
         """One query block from the query low rank to ``o_proj``'s input: ``q_in [b, c, q_lora]`` at RoPE tables
         ``cos, sin [b, c, r]`` over its selected rows (``indices [b, c, k]``) of the gathered ``latent [b, T, w]``
-        -> ``[b, c, H dv]``. ``lora_mask [b, c]``: as :meth:`forward`'s."""
-        b, c, _ = q_in.shape
-        q = masked_linear(self.q_b_proj, q_in, lora_mask).view(b, c, self.num_heads, self.qk_dim)
-        q_nope, q_rot = q.split((self.nope, self.rope_dim), dim=-1)
-        w_kv = self.kv_b_weight(lora_mask)
-        q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_kv[:, :self.nope])
-        q_abs = torch.cat((q_lat, self._rope(q_rot, cos, sin).to(q_lat.dtype)), dim=-1)  # [b, c, H, w]
-        o_lat = attend_selected(q_abs, latent.to(q_abs.dtype), indices, self.scaling, self.kv_lora_rank)
-        return torch.einsum("bshr,hvr->bshv", o_lat, w_kv[:, self.nope:]).flatten(2)  # [b, c, H dv]
+        -> ``[b, c, H dv]`` (:func:`absorbed_block`). ``lora_mask [b, c]``: as :meth:`forward`'s."""
+        return absorbed_block(q_in, cos, sin, latent, indices, *self._query_rows(), lora_mask,
+                              self.kv_b_weight(lora_mask), *self._block_options())
+
+    def _query_rows(self) -> tuple:
+        """``q_b_proj``'s ``(weight, lora_A, lora_B, scaling)`` (no adapter or a disabled one: None, None, 0)."""
+        m = self.q_b_proj
+        if isinstance(m, LoRALinear) and m.lora_enabled:
+            return m.weight, m.lora_A.weight, m.lora_B.weight, float(m.scaling)
+        return m.weight, None, None, 0.0
+
+    def _block_options(self) -> tuple:
+        return (self.num_heads, self.nope, self.rope_dim, bool(self.rope_interleave), float(self.scaling),
+                self.kv_lora_rank)
 
     def _attend_blocks(self, q_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, latent: torch.Tensor,
                        indices: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
         """``o_proj``'s input ``[b, s_l, H dv]`` of this rank's tokens over their own sequence (no prefix):
         the latent ``[b, s_l, w]`` gathered once, then :meth:`_attend_block` per query block (checkpointed under
-        autograd: each keeps only its inputs)."""
+        autograd: each keeps only its inputs). Without autograd, :func:`absorbed_blocks` (into one preallocated
+        output; on fake tensors as one registered op, ``longctx::dsa_absorbed_blocks``: a rehearsal's prefill
+        has 1,024 blocks per layer at 2M tokens over 8 ranks)."""
         full = gather_sequence(latent, self.sp_group)  # [b, s, w]: one all-gather per layer
+        if not torch.is_grad_enabled():  # the prompt's prefill: no checkpoints, kv_b_proj folded once
+            args = (q_in, cos, sin, full, indices, *self._query_rows(), lora_mask, self.kv_b_weight(lora_mask),
+                    *self._block_options(), self.query_block)
+            return torch.ops.longctx.dsa_absorbed_blocks(*args) if is_fake(q_in) else absorbed_blocks(*args)
         blocks = []
         for q0 in range(0, q_in.shape[1], self.query_block):
             rows = slice(q0, q0 + self.query_block)
             args = (q_in[:, rows], cos[:, rows], sin[:, rows], full, indices[:, rows],
                     None if lora_mask is None else lora_mask[:, rows])
-            blocks.append(checkpoint(self._attend_block, *args, use_reentrant=False) if torch.is_grad_enabled()
-                          else self._attend_block(*args))
+            blocks.append(checkpoint(self._attend_block, *args, use_reentrant=False))
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
     def kv_b_weight(self, lora_mask: torch.Tensor | None) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
-from .registered import cached_transient
+from .registered import cached_transient, cut
 from .tracker import declare_transient
 
 NO_KEY = -1  # the index of a padding slot (a query that sees fewer than k keys)
@@ -171,9 +171,9 @@ def _indexer_topk_transient(q, weights, keys, query_start, query_stop, topk, sca
     the reduced run does not: the key positions ``[T]`` and query positions ``[s]`` (int64)."""
     s, t = q.shape[1], keys.shape[1]
     first, _, dropped = reduced_topk_problem(s, t, query_stop, topk, query_block, key_block)
-    reduced = cached_transient(_indexer_topk, q[:, first:], weights[:, first:], keys[:, dropped:],
+    reduced = cached_transient(_indexer_topk, cut(q, s - first), cut(weights, s - first), cut(keys, t - dropped),
                                query_start + first - dropped, query_stop - dropped, topk, scale, query_block,
-                               key_block)
+                               key_block)  # cut: shapes only (no slicing op per call)
     return reduced + 8 * (dropped + first)
 
 
