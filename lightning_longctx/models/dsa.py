@@ -58,7 +58,7 @@ from ..ops.registered import cached_transient, cut, reduced_length
 from ..ops.sparse_attention import attend_selected, sparse_latent_attention, streaming_topk
 from ..ops.tracker import declare_transient
 from ..parallel import group_rank
-from .lora import LoRALinear, _low_rank, masked_linear
+from .lora import LoRALinear, low_rank_update, masked_linear
 from .mla import MLAttention, StagedLatent, gather_sequence, prefix_latent, prefix_length, rope_interleaved
 from .rope import apply_rope
 
@@ -142,7 +142,7 @@ def absorbed_block(q_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lat
     b, c, _ = q_in.shape
     q = F.linear(q_in, wq)
     if lora_a is not None:  # LoRALinear's forward, q_b_proj being bias-free
-        q = q + _low_rank(q_in, lora_a, lora_b, lora_scaling, lora_mask).to(q.dtype)
+        q = q + low_rank_update(q_in, lora_a, lora_b, lora_scaling, lora_mask).to(q.dtype)
     q_nope, q_rot = q.view(b, c, heads, nope + rope_dim).split((nope, rope_dim), dim=-1)
     q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_kv[:, :nope])
     q_rot = rope_interleaved(q_rot, cos, sin) if interleave else apply_rope(q_rot, cos, sin)
