@@ -152,3 +152,45 @@ def bf16_mixed_hybrid_step(rank: int, world: int) -> dict:
     grads = [p.grad.full_tensor() for p in policy.parameters() if p.grad is not None]
     return {"grads": len(grads), "params": sum(1 for _ in policy.parameters()),
             "finite": all(bool(torch.isfinite(t).all()) for t in grads), "dtypes": {str(t.dtype) for t in grads}}
+
+
+def bf16_mixed_lora_step(rank: int, world: int, via_shard_modules: bool) -> dict:
+    """The exact step with LoRA over a frozen base, FSDP2 with bf16 compute (``bf16-mixed``): sharded by
+    ``shard_modules`` (which stores the frozen base in bf16) or, the reference, by ``fully_shard`` on the same
+    blocks with the base left in float32 (FSDP2 then casts it at each all-gather). Returns the adapters' reduced
+    gradients and the frozen / trainable local shards' dtypes and bytes."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_longctx.longstraw import longstraw_step
+    from lightning_longctx.training.parallelize import (
+        blocks,
+        fsdp_mesh,
+        mixed_precision_policy,
+        register_prefix_state_methods,
+        set_gradient_reduction,
+        shard_modules,
+    )
+
+    torch.set_num_threads(1)
+    policy = model(True).float()
+    mesh, mp = fsdp_mesh("fsdp", "cpu"), mixed_precision_policy("bf16-mixed")
+    if via_shard_modules:
+        shard_modules(policy, [policy], sharding="fsdp", mesh=mesh, mp_policy=mp)
+    else:
+        for block in blocks(policy):
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(policy, mesh=mesh, mp_policy=mp)
+        set_gradient_reduction(policy)
+    register_prefix_state_methods([policy])
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (40,), generator=g)
+    responses = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 5)]
+    longstraw_step(policy, prompt, responses, torch.tensor([1.0, -1.0]), memory=StepMemory(measure_memory=False),
+                   groups=StepGroups(sp_group=dist.group.WORLD))
+    params = dict(policy.named_parameters())
+    frozen = [p for p in params.values() if not p.requires_grad]
+    trainable = [p for p in params.values() if p.requires_grad]
+    return {"grads": {n: p.grad.full_tensor() for n, p in params.items() if p.grad is not None},
+            "frozen_dtypes": {str(p.dtype) for p in frozen}, "trainable_dtypes": {str(p.dtype) for p in trainable},
+            "frozen_bytes": sum(p.to_local().nbytes for p in frozen)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from longstraw_fsdp_workers import fsdp_fit, run_ranks
 
@@ -54,3 +55,21 @@ def test_bf16_mixed_full_fine_tuning_of_a_sharded_hybrid_reduces_every_gradient(
     for rank in run_distributed(bf16_mixed_hybrid_step, 2, timeout=240.0):
         assert rank["finite"] and rank["dtypes"] == {"torch.float32"}
         assert rank["grads"] == rank["params"], rank  # every parameter of the hybrid gets its reduced gradient
+
+
+def test_bf16_mixed_lora_keeps_its_frozen_base_in_bf16_with_the_same_gradients():
+    """``shard_modules`` under bf16-mixed stores a LoRA's frozen base in bf16 (half the bytes of float32; the
+    planner charges it so) and the adapters' gradients are bitwise those of FSDP2 casting a float32 base at each
+    all-gather."""
+    from distributed import run_distributed
+    from longstraw_fsdp_workers import bf16_mixed_lora_step
+
+    ours = run_distributed(bf16_mixed_lora_step, 2, True, timeout=240.0)
+    reference = run_distributed(bf16_mixed_lora_step, 2, False, timeout=240.0)
+    for rank, ref in zip(ours, reference):
+        assert rank["frozen_dtypes"] == {"torch.bfloat16"} and ref["frozen_dtypes"] == {"torch.float32"}
+        assert rank["trainable_dtypes"] == {"torch.float32"}
+        assert 2 * rank["frozen_bytes"] == ref["frozen_bytes"] > 0
+        assert rank["grads"].keys() == ref["grads"].keys() and rank["grads"]
+        for name, grad in rank["grads"].items():
+            assert torch.equal(grad, ref["grads"][name]), name
