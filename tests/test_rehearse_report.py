@@ -14,12 +14,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from types import SimpleNamespace
 
 from lightning_longctx.cli import format_plan
 from lightning_longctx.planner import GIB
 from lightning_longctx.planner.budget import Plan
 from lightning_longctx.rehearse import compose
-from lightning_longctx.rehearse.report import PhaseRow, Rehearsal
+from lightning_longctx.rehearse.report import PhaseRow, Rehearsal, phase_rows
 
 
 def _bench():
@@ -51,6 +52,23 @@ def test_the_device_peak_takes_the_host_bytes_off_the_phases_they_live_through_o
     late = _rehearsal({"forward": 205.37, "backward": 214.72, "optimizer step": 90.0}, folded=165.0)
     assert late.device_peak_bytes == int(90.0 * GIB) and not late.fits
     assert late.to_json()["device_peak_bytes"] == late.device_peak_bytes
+
+
+def test_the_segment_forward_holds_the_offloaded_prompt_state_too():
+    """Row (d) of issue 24 (Llama3-8B LongStraw, 4,325,376 tokens, memory.prompt_checkpoint_every > 1) printed
+    "does not fit": the grouped backward's segment forwards run while the offloaded prompt checkpoints and cache
+    are on the host, but that phase kept its ~239 GiB of folded host bytes on the device's side."""
+    phases = ("prefill", "replay", "grouped backward", "segment forward", "optimizer step")
+    tracker = SimpleNamespace(device_peaks={name: 300 * GIB for name in phases}, host_peaks={}, largest={})
+    counters = SimpleNamespace(flops={}, collectives={}, traffic={})
+    plan = Plan(mode="longstraw", seq_len=1, group_size=8, response_len=1, sp=8, dp=1, local_tokens=1,
+                head_chunk_size=1, breakdown={}, phases={name: 50 * GIB for name in phases},
+                peak_phase="prefill", total_bytes=1, budget_bytes=79 * GIB, host_bytes=239 * GIB)
+    rows = {row.name: row for row in phase_rows(phases, tracker, counters, SimpleNamespace(phases={}), plan,
+                                                host_folded=239 * GIB)}
+    for name in ("prefill", "replay", "grouped backward", "segment forward"):
+        assert rows[name].device_bytes == 61 * GIB and rows[name].planned_bytes == 289 * GIB, name
+    assert rows["optimizer step"].device_bytes == 300 * GIB and rows["optimizer step"].planned_bytes == 50 * GIB
 
 
 def test_bench_rehearsal_md_says_the_device_peak_and_the_host_bytes():

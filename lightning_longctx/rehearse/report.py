@@ -17,9 +17,10 @@ from ..planner import GIB, Plan
 from .roofline import phase_times
 
 # per task mode, the phases the offloaded (host) tensors live through, freed before the update: SFT's checkpoints;
-# LongStraw's prompt checkpoints and K/V cache (prefill to grouped backward)
+# LongStraw's prompt checkpoints and K/V cache (prefill to grouped backward, and the grouped backward's segment
+# forwards: memory.prompt_checkpoint_every > 1)
 HOST_LIVE_PHASES = {"sft": ("forward", "backward"),
-                    "longstraw": ("prefill", "sampling", "reward", "replay", "grouped backward")}
+                    "longstraw": ("prefill", "sampling", "reward", "replay", "grouped backward", "segment forward")}
 
 
 @dataclass
