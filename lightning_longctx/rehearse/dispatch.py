@@ -25,6 +25,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 
+import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
@@ -88,6 +89,8 @@ class RehearsalDispatch(TorchDispatchMode):
             transfers.stop()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE:  # a device read from C++ (narrow, autograd): no storage, transfer or sync
+            return func(*args, **(kwargs or {}))
         if _has_wrapper_subclass(types):
             return NotImplemented  # let the subclass unwrap; its inner ops come back here as plain tensors
         kwargs = kwargs or {}
@@ -102,5 +105,8 @@ class RehearsalDispatch(TorchDispatchMode):
             self.tracker.after_op(func, args, kwargs, out)
         return out
 
+
+# h4's 1-layer op count of row (d)'s replay: 20,180 of 43,692 dispatches were this op
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 __all__ = ["RehearsalDispatch"]

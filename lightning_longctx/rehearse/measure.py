@@ -271,6 +271,8 @@ class StepCounters(TorchDispatchMode):
         if func.namespace == "c10d":
             self._collective(func, args, kwargs, name, ins)
             return
+        if func.namespace == "prim":  # a metadata read (prim.device from C++): no FLOPs, no bytes moved
+            return
         name = name or phase_name()
         if func in EXTRA_FLOPS:
             self.flops[name] += EXTRA_FLOPS[func](*args, **kwargs)
