@@ -120,33 +120,35 @@ def stored(name: str) -> dict | None:
         return {**json.load(f), **meta}
 
 
-def device_difference(p: dict) -> str:
-    """A phase's measured vs planned **device** bytes: both less the planned host bytes folded into them (a CPU
-    stand-in measures the offloaded tensors with the device's; folded into both sides they dilute the diff)."""
-    folded = p.get("folded_bytes", 0)
-    if p["planned_bytes"] is None or not folded or p["planned_bytes"] <= folded:
+def host_difference(p: dict) -> str:
+    """A phase's measured vs planned **host** bytes (the offloads' pages; rows written before the host was
+    measured apart have no planned host figure)."""
+    planned = p.get("planned_host_bytes")
+    if not planned:
         return "-"
-    return f"{100 * (p['measured_bytes'] - p['planned_bytes']) / (p['planned_bytes'] - folded):+.1f}%"
+    return f"{100 * (p['host_bytes'] - planned) / planned:+.1f}%"
 
 
 def verdict(r: dict) -> str:
-    """The row's verdict: the device peak + the reserve vs the budget; with offloaded bytes folded into the
-    measured ones (a CPU stand-in), the measured peak and the host bytes taken off it said as well."""
+    """The row's verdict: the device peak + the reserve vs the budget (rows written while a CPU stand-in
+    folded the planned host bytes into the measured ones say so)."""
     device = r.get("device_peak_bytes", r["peak_bytes"] - r.get("host_folded_bytes", 0))
     folded = r.get("host_folded_bytes", 0)
     said = (f"measured peak {r['peak_bytes'] / GIB:.2f} GiB, of which {folded / GIB:.2f} GiB offloaded to the host "
-            "(planned; a CPU stand-in counts them with the device): " if folded else "")
+            "(planned; a CPU stand-in counted them with the device then): " if folded else "")
+    host = (f"; host peak {r['host_peak_bytes'] / GIB:.2f} GiB (planned {r['planned_host_pinned_bytes'] / GIB:.2f})"
+            if "planned_host_pinned_bytes" in r else "")
     return (f"{said}device peak {device / GIB:.2f} GiB + reserve {r['reserve_bytes'] / GIB:.2f} GiB vs budget "
-            f"{r['budget_bytes'] / GIB:.1f} GiB: **{'fits' if r['fits'] else 'does not fit'}**")
+            f"{r['budget_bytes'] / GIB:.1f} GiB: **{'fits' if r['fits'] else 'does not fit'}**{host}")
 
 
 def markdown(results: dict[str, dict]) -> str:
     lines = ["# Full-size rehearsals (`longctx-rehearse`, issue 24)", "",
              "Written by `python bench/rehearse.py` on the 2-core CPU machine (fake tensors, fake process group; "
              "on this CPU-only build fake CPU tensors stand for the GPU's: docs/rehearsal.md). Bytes per rank, "
-             "GiB; `diff` = (measured - planned) / planned; `device diff` the same of the device shares (the planned "
-             "host bytes taken off both sides where a CPU stand-in measures them with the device's); the verdict "
-             "adds the planner's runtime reserve.", ""]
+             "GiB; `device` / `host` the measured live bytes on each (the host's: the offloads' pages, measured apart "
+             "on the CPU stand-in too), each with its planned figure and `diff` = (measured - planned) / planned; the "
+             "verdict adds the planner's runtime reserve.", ""]
     for name, r in results.items():
         lines += [f"## {name}", "", f"`longctx-rehearse {r['command']}`", ""]
         if "error" in r:
@@ -158,14 +160,16 @@ def markdown(results: dict[str, dict]) -> str:
         cpu = f", {r['cpu_s']:.0f} CPU s" if r.get("cpu_s") is not None else ""
         lines += [f"rehearsal wall time {r['seconds']:.0f} s (process {r['wall_s']:.0f} s{cpu}, {load}); rank 0 of "
                   f"{r['world_size']}; {verdict(r)}",
-                  "", "| phase | measured GiB | planned GiB | diff | device diff | TFLOP | collectives (count) |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+                  "", "| phase | device GiB | planned GiB | diff | host GiB | planned GiB | host diff | TFLOP | "
+                  "collectives (count) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in r["phases"]:
             planned = f"{p['planned_bytes'] / GIB:.2f}" if p["planned_bytes"] is not None else "-"
             diff = f"{100 * p['difference']:+.1f}%" if p["difference"] is not None else "-"
             coll = ", ".join(f"{k} x{v['count']}" for k, v in p["collectives"].items()) or "-"
+            host = f"{p['planned_host_bytes'] / GIB:.2f}" if p.get("planned_host_bytes") is not None else "-"
             lines.append(f"| {p['name']} | {p['measured_bytes'] / GIB:.2f} | {planned} | {diff} | "
-                         f"{device_difference(p)} | {p['flops'] / 1e12:.1f} | {coll} |")
+                         f"{p['host_bytes'] / GIB:.2f} | {host} | {host_difference(p)} | {p['flops'] / 1e12:.1f} | "
+                         f"{coll} |")
         if r.get("estimated_step_s"):
             hw = r["hardware"]
             rate = r.get("estimated_tokens_per_s_per_gpu")

@@ -1,9 +1,10 @@
-"""The rehearsal's verdict (lightning_longctx/rehearse/report.py, bench/rehearse.py): on a CPU stand-in the
-offloaded bytes are measured with the device's and taken off only the phases they live through.
+"""The rehearsal's verdict (lightning_longctx/rehearse/report.py, bench/rehearse.py): the device's bytes against the
+planned device bytes, the host's (the offloads' pages) against the planned host blocks of each phase, apart.
 
-Found by run (c) of issue 24: bench/rehearsal.md printed "peak 214.72 GiB + reserve 3.24 GiB vs budget 79.0
-GiB: fits" (the 165 GiB of offloaded checkpoints inside the 214.72 were taken off silently), and a peak in a phase
-that holds no offloaded bytes (the optimizer step) would have had them taken off as well.
+Until issue 24's host split a CPU stand-in counted the offloaded tensors with the device's and the report folded
+the plan's whole host total into every phase they might live through: run (c) printed "peak 214.72 GiB + reserve
+3.24 GiB vs budget 79.0 GiB: fits" (165 GiB of offloaded checkpoints taken off silently), and row (a) read -50%
+(prefill) / -58% (sampling) against a plan that charged those phases the gradient sums the replays write later.
 
 bench/rehearse.py's "longest" rehearsals take their prompt length from the planner: once planned with
 ``cfg.memory`` alone (the task's ``state_segment`` left out), a figure longctx-plan did not print.
@@ -16,11 +17,13 @@ import os
 import re
 from types import SimpleNamespace
 
+import pytest
+
 from lightning_longctx.cli import format_plan
 from lightning_longctx.planner import GIB
 from lightning_longctx.planner.budget import Plan
 from lightning_longctx.rehearse import compose
-from lightning_longctx.rehearse.report import PhaseRow, Rehearsal, phase_rows
+from lightning_longctx.rehearse.report import Rehearsal, phase_rows
 
 
 def _bench():
@@ -32,53 +35,66 @@ def _bench():
     return bench
 
 
-def _rehearsal(measured: dict[str, float], folded: float, budget: float = 79.0) -> Rehearsal:
-    """An SFT rehearsal with ``measured`` GiB per phase and ``folded`` GiB of planned host bytes in them."""
-    host_live = ("forward", "backward")
-    rows = [PhaseRow(name=name, measured_bytes=int(gib * GIB), planned_bytes=None, host_bytes=0, flops=0,
-                     h2d_bytes=0, d2h_bytes=0, host_syncs=0, folded_bytes=int(folded * GIB) if name in host_live else 0)
-            for name, gib in measured.items()]
-    plan = Plan(mode="sft", seq_len=1, group_size=1, response_len=0, sp=8, dp=1, local_tokens=1, head_chunk_size=1,
-                breakdown={}, phases={"backward": 1}, peak_phase="backward", total_bytes=1,
-                budget_bytes=int(budget * GIB), host_bytes=int(folded * GIB))
-    return Rehearsal(rows=rows, plan=plan, seconds=1.0, device="cpu", world_size=8, host_folded=int(folded * GIB))
+PHASES = ("prefill", "sampling", "replay", "grouped backward", "segment forward", "optimizer step")
 
 
-def test_the_device_peak_takes_the_host_bytes_off_the_phases_they_live_through_only():
-    run_c = _rehearsal({"forward": 205.37, "backward": 214.72, "optimizer step": 15.45}, folded=165.0)
-    assert abs(run_c.device_peak_bytes / GIB - 49.72) < 0.01 and run_c.fits
-    assert "device peak 49.720 GiB" in run_c.table()
-    # the optimizer step holds no offloaded bytes: its 90 GiB is the device's, over the budget
-    late = _rehearsal({"forward": 205.37, "backward": 214.72, "optimizer step": 90.0}, folded=165.0)
-    assert late.device_peak_bytes == int(90.0 * GIB) and not late.fits
-    assert late.to_json()["device_peak_bytes"] == late.device_peak_bytes
-
-
-def test_the_segment_forward_holds_the_offloaded_prompt_state_too():
-    """Row (d) of issue 24 (Llama3-8B LongStraw, 4,325,376 tokens, memory.prompt_checkpoint_every > 1) printed
-    "does not fit": the grouped backward's segment forwards run while the offloaded prompt checkpoints and cache
-    are on the host, but that phase kept its ~239 GiB of folded host bytes on the device's side."""
-    phases = ("prefill", "replay", "grouped backward", "segment forward", "optimizer step")
-    tracker = SimpleNamespace(device_peaks={name: 300 * GIB for name in phases}, host_peaks={}, largest={})
+def _rehearsal(device: dict[str, float], host: dict[str, float], budget: float = 79.0) -> Rehearsal:
+    """A LongStraw rehearsal measuring ``device`` / ``host`` GiB per phase, planned: 50 GiB on the device in
+    every phase, 57 GiB on the host before the replays write the gradient sums, 121 in the replay, 134 from
+    the grouped backward (row (a)'s host plan, rounded), none in the update."""
+    tracker = SimpleNamespace(device_peaks={k: int(v * GIB) for k, v in device.items()},
+                              host_peaks={k: int(v * GIB) for k, v in host.items()}, largest={})
     counters = SimpleNamespace(flops={}, collectives={}, traffic={})
+    planned_host = {"prefill": 57, "rollouts": 57, "replay": 121, "grouped backward": 134, "segment forward": 134}
+    planned = {"rollouts" if name == "sampling" else name: 50 * GIB for name in PHASES}
     plan = Plan(mode="longstraw", seq_len=1, group_size=8, response_len=1, sp=8, dp=1, local_tokens=1,
-                head_chunk_size=1, breakdown={}, phases={name: 50 * GIB for name in phases},
-                peak_phase="prefill", total_bytes=1, budget_bytes=79 * GIB, host_bytes=239 * GIB)
-    rows = {row.name: row for row in phase_rows(phases, tracker, counters, SimpleNamespace(phases={}), plan,
-                                                host_folded=239 * GIB)}
-    for name in ("prefill", "replay", "grouped backward", "segment forward"):
-        assert rows[name].device_bytes == 61 * GIB and rows[name].planned_bytes == 289 * GIB, name
-    assert rows["optimizer step"].device_bytes == 300 * GIB and rows["optimizer step"].planned_bytes == 50 * GIB
+                head_chunk_size=1, breakdown={}, phases=planned,
+                peak_phase="prefill", total_bytes=1, budget_bytes=int(budget * GIB), host_bytes=130 * GIB,
+                host_pinned_bytes=134 * GIB, host_budget_bytes=200 * GIB,
+                host_phases={k: v * GIB for k, v in planned_host.items()})
+    rows = phase_rows(PHASES, tracker, counters, SimpleNamespace(phases={}), plan)
+    return Rehearsal(rows=rows, plan=plan, seconds=1.0, device="cpu", world_size=8)
+
+
+def test_the_device_and_the_host_are_each_compared_with_their_own_plan():
+    measured = _rehearsal({k: 40.0 for k in PHASES}, {"prefill": 57.0, "sampling": 57.0, "replay": 121.0,
+                                                        "grouped backward": 134.0, "segment forward": 134.0})
+    rows = {row.name: row for row in measured.rows}
+    for name in PHASES:
+        assert rows[name].planned_bytes == 50 * GIB and rows[name].difference == pytest.approx(-0.2), name
+    for name in PHASES[:-1]:  # the host plan of each phase: the gradient sums exist from the replay on
+        assert rows[name].host_difference == pytest.approx(0.0, abs=1e-9), name
+    assert rows["sampling"].planned_host_bytes == 57 * GIB  # the step's sampling is the planner's rollouts
+    assert rows["optimizer step"].planned_host_bytes is None and rows["optimizer step"].host_difference is None
+    assert measured.device_peak_bytes == 40 * GIB and measured.host_peak_bytes == 134 * GIB and measured.fits
+    figures = measured.to_json()
+    assert figures["host_peak_bytes"] == 134 * GIB and figures["host_budget_bytes"] == 200 * GIB
+    assert figures["planned_host_pinned_bytes"] == 134 * GIB and "host_folded_bytes" not in figures
+    assert figures["phases"][0]["host_bytes"] == 57 * GIB and figures["phases"][0]["host_difference"] == 0.0
+    table = measured.table()
+    assert "device peak 40.000 GiB" in table and "fits" in table
+
+
+def test_host_bytes_never_count_against_the_device_budget():
+    """Run (c)'s figures, now measured apart: 165 GiB on the host, 49.72 on the device fits the 79 GiB; a device
+    peak of 90 GiB in the update does not."""
+    fits = _rehearsal({"prefill": 49.72, "optimizer step": 15.45}, {"prefill": 165.0})
+    assert fits.device_peak_bytes == int(49.72 * GIB) and fits.fits
+    late = _rehearsal({"prefill": 49.72, "optimizer step": 90.0}, {"prefill": 165.0})
+    assert late.device_peak_bytes == int(90.0 * GIB) and not late.fits
 
 
 def test_bench_rehearsal_md_says_the_device_peak_and_the_host_bytes():
     bench = _bench()
-    figures = _rehearsal({"forward": 205.37, "backward": 214.72, "optimizer step": 15.45}, folded=165.0).to_json()
+    figures = _rehearsal({"prefill": 49.72, "optimizer step": 15.45}, {"prefill": 57.0}).to_json()
     said = bench.verdict(figures)
-    assert said.startswith("measured peak 214.72 GiB, of which 165.00 GiB offloaded to the host")
-    assert "device peak 49.72 GiB + reserve 0.00 GiB vs budget 79.0 GiB: **fits**" in said
-    plain = bench.verdict({**figures, "host_folded_bytes": 0, "device_peak_bytes": int(80 * GIB), "fits": False})
-    assert plain == "device peak 80.00 GiB + reserve 0.00 GiB vs budget 79.0 GiB: **does not fit**"
+    assert said == ("device peak 49.72 GiB + reserve 0.00 GiB vs budget 79.0 GiB: **fits**; host peak 57.00 GiB "
+                    "(planned 134.00)")
+    assert bench.host_difference(figures["phases"][0]) == "+0.0%"
+    # a row written while the stand-in folded the host bytes into the measured ones still reads
+    old = {**figures, "host_folded_bytes": int(165 * GIB), "peak_bytes": int(214.72 * GIB)}
+    old.pop("planned_host_pinned_bytes")
+    assert bench.verdict(old).startswith("measured peak 214.72 GiB, of which 165.00 GiB offloaded to the host")
 
 
 def test_bench_longest_prompt_is_the_one_longctx_plan_prints():

@@ -32,7 +32,8 @@ host read of a host buffer (``PromptState.cache_grad``) calls :meth:`HostStager.
 On a CPU-only machine there are no streams: every copy is a no-op and the path runs unchanged. The tests
 swap in :class:`DeferredStreams`, a CPU stand-in with the same paged host layout (CPU pages) whose per-page
 copies land only when their event is waited on (a read before that sees NaN), so an ordering bug fails a CPU
-test.
+test; ``longctx-rehearse`` of a GPU cluster on a CPU-only build swaps in :class:`ImmediateStreams` (the same
+layout, each copy landing at once), so the host bytes are the pages' and the device holds its own copies.
 """
 
 from __future__ import annotations
@@ -124,6 +125,27 @@ class DeferredStreams:
         self.wait(self._landed + len(self._queue))
 
 
+class ImmediateStreams(DeferredStreams):
+    """The rehearsal's stand-in for :class:`CudaStreams` on a CPU-only build (``longctx-rehearse`` of a GPU
+    cluster, fake CPU tensors standing for the GPU's): the host buffers are :class:`PagedHostTensor` s of CPU
+    pages as on CUDA (allocated as host memory: :func:`~lightning_longctx.ops.host_pages.host_allocation`, so
+    the rehearsal's tracker counts them on the host's side), the device copies new device tensors, and every
+    copy lands at once. Fake tensors have no values to order, and a source a deferred copy held until a later
+    wait would stay alive longer than on the GPU, where it is freed once its side-stream copy has run.
+    Buffers are uninitialised (``torch.empty``: no fill, whose bytes the rehearsal would count as traffic)."""
+
+    def host_empty(self, like) -> PagedHostTensor:
+        return PagedHostTensor.empty(like.shape, like.dtype, pin_memory=False)
+
+    def device_empty(self, like) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype)
+
+    def copy(self, dst, src) -> int:
+        event = super().copy(dst, src)
+        self.wait(event)
+        return event
+
+
 _simulated: list[DeferredStreams] = []
 
 
@@ -209,4 +231,4 @@ class HostStager:
             self.streams.synchronize()
 
 
-__all__ = ["CudaStreams", "DeferredStreams", "HostStager", "simulated_streams", "to_host"]
+__all__ = ["CudaStreams", "DeferredStreams", "HostStager", "ImmediateStreams", "simulated_streams", "to_host"]

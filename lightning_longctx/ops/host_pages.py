@@ -24,6 +24,11 @@ contiguous byte views.
 
 :func:`saved_on_host` is the SFT path's ``save_on_cpu`` with this layout (the activation checkpoints);
 ``longstraw.offload`` stages the LongStraw prompt state through it.
+
+**Host allocations.** Every page is allocated inside :func:`host_allocation`: a tracker that splits device and
+host memory (the rehearsal's :class:`~lightning_longctx.rehearse.measure.PhaseTracker`) counts the storages made
+inside it as host memory (:func:`allocating_on_host`). On a CUDA build the pages are CPU tensors anyway; on the
+rehearsal's CPU stand-in, where the "device" is the CPU too, the scope is the only thing that tells them apart.
 """
 
 from __future__ import annotations
@@ -35,6 +40,23 @@ from collections.abc import Iterator
 import torch
 
 PAGE_BYTES = 1 << 26  # 64 MiB: a few ms of PCIe per copy, and at most 64 MiB of waste per tensor
+_HOST_SCOPES = [0]  # how many host_allocation blocks are open (a list: mutable module state, no global statement)
+
+
+@contextlib.contextmanager
+def host_allocation() -> Iterator[None]:
+    """Inside the block, new tensor storages are host memory (pinned or offloaded pages), whatever their device
+    type: what a tracker splitting device and host bytes asks through :func:`allocating_on_host`."""
+    _HOST_SCOPES[0] += 1
+    try:
+        yield
+    finally:
+        _HOST_SCOPES[0] -= 1
+
+
+def allocating_on_host() -> bool:
+    """Whether the current allocation happens inside :func:`host_allocation`."""
+    return _HOST_SCOPES[0] > 0
 
 
 def page_sizes(nbytes: int) -> list[int]:
@@ -66,11 +88,13 @@ class PagedHostTensor:
     @classmethod
     def empty(cls, shape, dtype: torch.dtype, *, pin_memory: bool, fill: int | None = None) -> PagedHostTensor:
         """Uninitialised pages for a ``shape`` / ``dtype`` tensor; ``fill`` (a byte): every byte set to it (the
-        CPU stand-in's garbage: 255 reads as NaN in a floating dtype)."""
+        CPU stand-in's garbage: 255 reads as NaN in a floating dtype). Allocated as host memory
+        (:func:`host_allocation`)."""
         nbytes = math.prod(shape) * dtype.itemsize
         make = torch.full if fill is not None else torch.empty
         args = () if fill is None else (fill,)
-        pages = [make((size,), *args, dtype=torch.uint8, pin_memory=pin_memory) for size in page_sizes(nbytes)]
+        with host_allocation():
+            pages = [make((size,), *args, dtype=torch.uint8, pin_memory=pin_memory) for size in page_sizes(nbytes)]
         return cls(shape, dtype, pages)
 
     def numel(self) -> int:
@@ -155,4 +179,5 @@ def saved_on_host() -> Iterator[None]:
         yield
 
 
-__all__ = ["PAGE_BYTES", "PagedHostTensor", "host_bytes", "page_pairs", "page_sizes", "paged_copy", "saved_on_host"]
+__all__ = ["PAGE_BYTES", "PagedHostTensor", "allocating_on_host", "host_allocation", "host_bytes", "page_pairs",
+           "page_sizes", "paged_copy", "saved_on_host"]

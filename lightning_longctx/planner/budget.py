@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .host import host_budget_bytes, pinned_block, recomputed_layers
+from .host import host_budget_bytes, host_phase_components, pinned_block, recomputed_layers
 from .longstraw import (
     choose_prompt_checkpoint_every,
     detached_step_reason,
@@ -59,7 +59,9 @@ class Plan:
     prompt cache and its gradient sums, kept attention outputs), bytes of the tensors; ``host_bytes`` their sum.
     ``host_pinned_bytes``: the pinned memory they hold (:func:`.host.pinned_block`: each tensor in 64 MiB
     pages on a GPU cluster, ``ops.host_pages``), checked against ``host_budget_bytes``
-    (:func:`.host.host_budget_bytes`; None = not budgeted). ``prompt_checkpoint_every``: the LongStraw
+    (:func:`.host.host_budget_bytes`; None = not budgeted); ``host_phases``: per phase the pinned blocks alive
+    at its peak (:func:`.host.host_phase_components`; a phase holding none is left out: the host's peak phase
+    holds ``host_pinned_bytes``). ``prompt_checkpoint_every``: the LongStraw
     prompt's segment length planned (1 = every layer's input kept).
     """
 
@@ -82,6 +84,7 @@ class Plan:
     host_breakdown: dict[str, int] = field(default_factory=dict)
     host_pinned_bytes: int = 0
     host_budget_bytes: int | None = None
+    host_phases: dict[str, int] = field(default_factory=dict)
     prompt_checkpoint_every: int = 1
     expert_parallel: bool = False  # the routed experts sharded over the SP group (memory.expert_parallel)
 
@@ -185,6 +188,8 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         one = local * model.hidden_size * knobs.dtype_bytes  # saved_on_host: each layer input in its own pages
         blocks = {"activation_checkpoints": (host_total // one) * pinned_block(one, cluster)} if host_total else {}
         every = 1
+        host_phases = {name: sum(blocks.values()) for name in host_phase_components(mode, host, phases, 1, 1)
+                       if blocks}
     else:
         held = replace(cluster, sharding=param_sharding or cluster.sharding)
         every = choose_prompt_checkpoint_every(model, held, knobs, seq_len, group_size, response_len, prompt_grad)
@@ -192,6 +197,9 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
         comp, phases, host = longstraw_phases(model, held, knobs, seq_len, group_size, response_len, prompt_grad)
         blocks = host_blocks(host, model, held, knobs, seq_len)
         local = (seq_len - 1) // cluster.sp
+        live = host_phase_components(mode, host, phases, model.num_hidden_layers, every)
+        host_phases = {name: sum(host_blocks(parts, model, held, knobs, seq_len).values())
+                       for name, parts in live.items() if any(parts.values())}
     comp.update(reserve_terms(cluster, knobs, comp))  # the CUDA runtime's share and memory.reserve_gib
     reserve = sum(comp[name] for name in RESERVE_TERMS)
     peak_phase = max(phases, key=phases.get)
@@ -219,7 +227,8 @@ def plan(model_cfg: Any, cluster_cfg: Any, memory_cfg: Any, *, seq_len: int, mod
                 peak_phase=peak_phase, total_bytes=phases[peak_phase] + reserve,
                 budget_bytes=int(knobs.budget_gib * GIB), host_bytes=sum(host.values()), notes=notes,
                 precision=knobs.precision, host_breakdown=host, host_pinned_bytes=sum(blocks.values()),
-                host_budget_bytes=host_budget_bytes(cluster, knobs), prompt_checkpoint_every=every,
+                host_budget_bytes=host_budget_bytes(cluster, knobs), host_phases=host_phases,
+                prompt_checkpoint_every=every,
                 expert_parallel=knobs.expert_parallel_size > 1)
 
 

@@ -79,6 +79,38 @@ def live_linear_states(layer_types: Sequence[str], every: int) -> int:
     return max(sum(linear[seg.start:seg.stop]) for seg in segments(len(linear), every))
 
 
+# the LongStraw phases (the planner's names) before the grouped backward: the prefill's host copies alive, the
+# gradient sums only once the replays' backwards write them (``longstraw/state.py``: at a layer's first branch)
+EARLY_LONGSTRAW = ("prefill", "rollouts", "replay")
+LATE_LONGSTRAW = ("grouped backward", "segment forward")  # every host component at its largest (its start)
+
+
+def host_phase_components(mode: str, host: dict[str, int], phases: Sequence[str], layers: int, every: int
+                          ) -> dict[str, dict[str, int]]:
+    """The host components (``host``: each at its largest, bytes of the tensors) alive at each phase's peak, for
+    the plan's ``phases`` (their names) that hold any. SFT: the offloaded activation checkpoints through the
+    forward and backward phases (the backward starts with all of them). LongStraw: the grouped backward and its
+    segment forwards start with all of them; before it (:data:`EARLY_LONGSTRAW`) the prefill's checkpoints
+    (``ceil(L / k)`` of the ``live_checkpoints`` layer inputs: the segment forwards rebuild the others), its
+    segment states only with ``k = 1`` (with ``k > 1`` the segment forwards make them), and the cache's gradient
+    sums (``*_grad_sums``) from the replay on: the replays' backwards write them. The phases after the grouped
+    backward hold none (the prompt state is dropped with it)."""
+    if mode == "sft":
+        return {name: dict(host) for name in phases if name.startswith(("forward", "backward"))}
+    out = {name: dict(host) for name in phases if name in LATE_LONGSTRAW}
+    early = dict(host)
+    if "prompt_checkpoints" in early:
+        early["prompt_checkpoints"] = host["prompt_checkpoints"] * math.ceil(layers / every) // \
+            live_checkpoints(layers, every)
+    if every > 1:
+        early.pop("segment_states", None)
+    for name in phases:
+        if name in EARLY_LONGSTRAW:
+            out[name] = {key: value for key, value in early.items()
+                         if name == "replay" or not key.endswith("_grad_sums")}
+    return out
+
+
 def checkpoint_every_candidates(layers: int) -> list[int]:
     """The segment lengths ``prompt_checkpoint_every=auto`` weighs: 1 (no re-run) and those around ``sqrt(L)``,
     where ``ceil(L / k) + k - 1`` (the live inputs) is smallest."""
@@ -86,5 +118,6 @@ def checkpoint_every_candidates(layers: int) -> list[int]:
     return sorted({1} | {k for k in range(max(2, root - 1), root + 3) if k <= layers})
 
 
-__all__ = ["PAGE_BYTES", "checkpoint_every_candidates", "host_budget_bytes", "live_checkpoints",
+__all__ = ["EARLY_LONGSTRAW", "LATE_LONGSTRAW", "PAGE_BYTES", "checkpoint_every_candidates", "host_budget_bytes",
+           "host_phase_components", "live_checkpoints",
            "live_linear_states", "pinned_block", "recomputed_layers", "segments"]

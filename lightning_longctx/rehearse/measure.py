@@ -7,8 +7,10 @@ The phase is the one the step code marks (:func:`lightning_longctx.ops.step_phas
 - :class:`PhaseTracker`: the project's live-tensor tracker (:class:`~lightning_longctx.ops.tracker.MemoryTracker`,
   one count per storage, fake storages included: a fake tensor's storage has its ``nbytes`` and dies with its
   last tensor) with each phase's peak, split into the rehearsal device and the host (tensors on the CPU while
-  the step computes on CUDA: pinned, offloaded), and at each phase's peak its largest live tensors (shape, dtype,
-  the line of this package's code that allocated them; snapshots taken when the peak grows by 0.5%).
+  the step computes on CUDA, and every storage allocated inside :func:`~lightning_longctx.ops.host_pages.
+  host_allocation`: the offload's pages, which on a CPU stand-in are CPU tensors like the device's), and at
+  each phase's peak its largest live tensors (shape, dtype, the line of this package's code that allocated
+  them; snapshots taken when the peak grows by 0.5%).
 - :class:`StepCounters`: a dispatch mode counting FLOPs (``torch.utils.flop_counter``'s formulas: matmuls,
   convolutions, the CUDA SDPA aten ops; :data:`EXTRA_FLOPS` for torch's fused CPU attention), the bytes the
   ops read and write (tensor inputs and outputs of every op that is not a view: the roofline's memory
@@ -29,6 +31,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ..ops.attention import blockwise_flops
 from ..ops.gated_delta import scan_flops
+from ..ops.host_pages import allocating_on_host
 from ..ops.step_phase import current_phase
 from ..ops.tracker import MemoryTracker, op_tensors, records_nothing, tensor_storage
 
@@ -67,7 +70,9 @@ class PhaseTracker(MemoryTracker):
 
     Args:
         host: the device type counted as host memory (``"cpu"`` when the step computes on CUDA; None when it
-            computes on the CPU, where every byte is device memory).
+            computes on the CPU). Storages allocated inside :func:`~lightning_longctx.ops.host_pages.
+            host_allocation` (the offload's host pages) count as host memory on any device: on a CPU stand-in for
+            the GPU they are what tells the offloaded bytes from the device's.
         counters: a :class:`StepCounters` counted in this mode's dispatch rather than in a mode of its own (one
             dispatch mode fewer per op: each costs ~10 us on fake tensors, a rehearsal runs millions of ops).
     """
@@ -102,7 +107,7 @@ class PhaseTracker(MemoryTracker):
                 continue
             site = site or allocation_site()
             self._site[key] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), site)
-            if t.device.type == self.host:
+            if t.device.type == self.host or allocating_on_host():
                 self._host_live[key] = self._live[key][1]
                 self.host_current += self._live[key][1]
         name = name or phase_name()

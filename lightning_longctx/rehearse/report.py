@@ -1,11 +1,13 @@
 """A rehearsal's figures: per phase measured vs planned, as text and as JSON (``rehearsal.out``).
 
-Measured bytes are storage bytes of the live tensors (no allocator rounding, no CUDA context); planned bytes
-are the planner's phase totals (:func:`lightning_longctx.planner.plan`) without its runtime reserve, which is
-added to both sides for the verdict (``fits``: the measured device peak + the reserve <= the budget; on a
-CPU stand-in the planned host bytes are taken off the phases they live through, ``device_peak_bytes``). A
-measured phase maps to the planner's phase of the same name, or to the largest of those it splits into (SFT's
-``"forward"`` = max of ``"forward attention"`` / ``"forward layer"`` and ``"forward logits"``).
+Measured bytes are storage bytes of the live tensors (no allocator rounding, no CUDA context), on the device
+and on the host apart (the host's: the offloads' pinned pages, measured as host memory on a CPU stand-in too:
+:func:`~lightning_longctx.ops.host_pages.host_allocation`); planned bytes are the planner's phase totals
+(:func:`lightning_longctx.planner.plan`) without its runtime reserve, which is added for the verdict (``fits``:
+the measured device peak + the reserve <= the budget), and its host blocks alive in each phase
+(``Plan.host_phases``). A measured phase maps to the planner's phase of the same name, or to the largest of
+those it splits into (SFT's ``"forward"`` = max of ``"forward attention"`` / ``"forward layer"`` and
+``"forward logits"``).
 """
 
 from __future__ import annotations
@@ -16,16 +18,11 @@ from dataclasses import asdict, dataclass, field
 from ..planner import GIB, Plan
 from .roofline import phase_times
 
-# per task mode, the phases the offloaded (host) tensors live through, freed before the update: SFT's checkpoints;
-# LongStraw's prompt checkpoints and K/V cache (prefill to grouped backward, and the grouped backward's segment
-# forwards: memory.prompt_checkpoint_every > 1)
-HOST_LIVE_PHASES = {"sft": ("forward", "backward"),
-                    "longstraw": ("prefill", "sampling", "reward", "replay", "grouped backward", "segment forward")}
-
 
 @dataclass
 class PhaseRow:
-    """One phase of the rehearsed step (bytes per rank)."""
+    """One phase of the rehearsed step (bytes per rank): ``measured_bytes`` / ``planned_bytes`` the device's,
+    ``host_bytes`` / ``planned_host_bytes`` the host's (the offloads' pages)."""
 
     name: str
     measured_bytes: int
@@ -41,50 +38,51 @@ class PhaseRow:
     estimated_s: float | None = None  # the roofline estimate (None: no GPU figures)
     dominant: str | None = None  # the roofline term that sets estimated_s
     terms_s: dict[str, float] = field(default_factory=dict)
-    folded_bytes: int = 0  # planned host bytes inside measured_bytes (a CPU stand-in: see phase_rows)
-
-    @property
-    def device_bytes(self) -> int:
-        """The device's share of the measured bytes (measured less the host bytes folded into them)."""
-        return self.measured_bytes - self.folded_bytes
+    planned_host_bytes: int | None = None  # the plan's host blocks alive in the phase (None: not planned)
 
     @property
     def difference(self) -> float | None:
-        """(measured - planned) / planned, or None without a planned figure."""
+        """Device bytes: (measured - planned) / planned, or None without a planned figure."""
         if not self.planned_bytes:
             return None
         return (self.measured_bytes - self.planned_bytes) / self.planned_bytes
+
+    @property
+    def host_difference(self) -> float | None:
+        """Host bytes: (measured - planned) / planned, or None where the plan puts nothing on the host."""
+        if not self.planned_host_bytes:
+            return None
+        return (self.host_bytes - self.planned_host_bytes) / self.planned_host_bytes
 
 
 PLANNER_NAMES = {"sampling": "rollouts"}  # the step's phase -> the planner's name for it
 
 
-def planned_phase(plan: Plan, name: str) -> int | None:
-    """The planner's bytes for the measured phase ``name`` (see the module docstring)."""
+def planned_phase(plan: Plan, name: str, host: bool = False) -> int | None:
+    """The planner's device bytes (``host``: host bytes, ``Plan.host_phases``) for the measured phase ``name``
+    (see the module docstring)."""
+    table = plan.host_phases if host else plan.phases
     name = PLANNER_NAMES.get(name, name)
-    if name in plan.phases:
-        return plan.phases[name]
-    parts = [value for key, value in plan.phases.items() if key.startswith(name + " ")]
+    if name in table:
+        return table[name]
+    parts = [value for key, value in table.items() if key.startswith(name + " ")]
     return max(parts) if parts else None
 
 
 def phase_rows(names, tracker, counters, transfers, plan: Plan, hw=None, num_nodes: int = 1,
-               host_folded: int = 0, *, sp: int = 1, devices: int | None = None) -> list[PhaseRow]:
+               *, sp: int = 1, devices: int | None = None) -> list[PhaseRow]:
     """A :class:`PhaseRow` per phase of ``names`` (in that order), then any other phase the step marked; with
     ``hw`` (:class:`~.roofline.Hardware`) each row's roofline estimate (``sp``, ``devices``: the SP group's size
-    and a node's devices, where its all-to-alls run: :func:`~.roofline.phase_times`). ``host_folded``: host bytes the
-    measurement cannot tell from device bytes (a CPU stand-in for the GPU), added to the planned phases they live
-    through (:data:`HOST_LIVE_PHASES` of the plan's mode)."""
+    and a node's devices, where its all-to-alls run: :func:`~.roofline.phase_times`)."""
     # a phase the step did not mark (e.g. "segment forward" without segment checkpoints) has no row
     seen = [n for n in names if n in tracker.device_peaks] + [n for n in tracker.device_peaks if n not in names]
     rows = []
     for name in seen:
         moved = transfers.phases.get(name)
-        folded = host_folded if name in HOST_LIVE_PHASES.get(plan.mode, ()) else 0
         rows.append(PhaseRow(
-            name=name, measured_bytes=tracker.device_peaks.get(name, 0), folded_bytes=folded,
-            planned_bytes=None if (planned := planned_phase(plan, name)) is None else planned + folded,
-            host_bytes=tracker.host_peaks.get(name, 0), flops=counters.flops.get(name, 0),
+            name=name, measured_bytes=tracker.device_peaks.get(name, 0), planned_bytes=planned_phase(plan, name),
+            host_bytes=tracker.host_peaks.get(name, 0), planned_host_bytes=planned_phase(plan, name, host=True),
+            flops=counters.flops.get(name, 0),
             h2d_bytes=moved.h2d_bytes if moved else 0, d2h_bytes=moved.d2h_bytes if moved else 0,
             host_syncs=moved.syncs if moved else 0, collectives=dict(counters.collectives.get(name, {})),
             largest_tensors=tracker.largest.get(name, []), traffic_bytes=counters.traffic.get(name, 0)))
@@ -108,7 +106,6 @@ class Rehearsal:
     world_size: int
     notes: list[str] = field(default_factory=list)
     hardware: dict | None = None  # the roofline's figures (:class:`~.roofline.Hardware` as a dict)
-    host_folded: int = 0  # planned host bytes inside the measured figures (a CPU stand-in: see phase_rows)
 
     @property
     def estimated_step_s(self) -> float | None:
@@ -118,15 +115,11 @@ class Rehearsal:
         return sum(row.estimated_s or 0.0 for row in self.rows)
 
     @property
-    def peak_bytes(self) -> int:
+    def device_peak_bytes(self) -> int:
+        """The largest device bytes of a phase: what the budget holds."""
         return max(row.measured_bytes for row in self.rows)
 
-    @property
-    def device_peak_bytes(self) -> int:
-        """The largest device share of a phase (:attr:`PhaseRow.device_bytes`): what the budget holds. With host
-        bytes folded in (a CPU stand-in) it is not the largest measured phase less the folded bytes: those live
-        through some phases only (the optimizer step holds none of them)."""
-        return max(row.device_bytes for row in self.rows)
+    peak_bytes = device_peak_bytes
 
     @property
     def host_peak_bytes(self) -> int:
@@ -143,12 +136,14 @@ class Rehearsal:
         for row in self.rows:
             entry = asdict(row)
             entry["difference"] = row.difference
+            entry["host_difference"] = row.host_difference
             phases.append(entry)
         return {"peak_bytes": self.peak_bytes, "device_peak_bytes": self.device_peak_bytes,
                 "budget_bytes": self.plan.budget_bytes,
                 "reserve_bytes": self.plan.reserve_bytes, "planned_peak_bytes": self.plan.phases[self.plan.peak_phase],
                 "host_peak_bytes": self.host_peak_bytes, "planned_host_bytes": self.plan.host_bytes,
-                "host_folded_bytes": self.host_folded,
+                "planned_host_pinned_bytes": self.plan.host_pinned_bytes,
+                "host_budget_bytes": self.plan.host_budget_bytes,
                 "fits": self.fits, "seconds": self.seconds, "device": self.device, "world_size": self.world_size,
                 "mode": self.plan.mode, "seq_len": self.plan.seq_len, "phases": phases, "notes": self.notes,
                 "hardware": self.hardware, "estimated_step_s": self.estimated_step_s,
@@ -173,21 +168,23 @@ class Rehearsal:
         p = self.plan
         lines = [f"rehearsal: {p.mode}, {p.seq_len:,} tokens, rank 0 of {self.world_size} on fake {self.device} "
                  f"(sp={p.sp} x dp={p.dp}), {self.seconds:.1f} s",
-                 f"  {'phase':<20}{'measured':>11}{'planned':>11}{'diff':>8}{'host':>10}{'GFLOP':>11}"
-                 f"{'h2d MiB':>10}{'d2h MiB':>10}{'syncs':>7}  collectives ({unit} per rank; bytes in MiB)"]
+                 f"  {'phase':<20}{'device':>11}{'planned':>11}{'diff':>8}{'host':>10}{'planned':>10}{'diff':>8}"
+                 f"{'GFLOP':>11}{'h2d MiB':>10}{'d2h MiB':>10}{'syncs':>7}  collectives ({unit} per rank; bytes in "
+                 "MiB)"]
+
+        def figure(value, width):
+            return f"{value / scale:>{width}.3f}" if value is not None else f"{'-':>{width}}"
+
+        def percent(value):
+            return f"{100 * value:>7.1f}%" if value is not None else f"{'-':>8}"
+
         for row in self.rows:
-            planned = f"{row.planned_bytes / scale:>11.3f}" if row.planned_bytes is not None else f"{'-':>11}"
-            diff = f"{100 * row.difference:>7.1f}%" if row.difference is not None else f"{'-':>8}"
             coll = ", ".join(f"{kind} x{c['count']} {c['bytes'] / 2**20:.1f}" for kind, c in row.collectives.items())
-            lines.append(f"  {row.name:<20}{row.measured_bytes / scale:>11.3f}{planned}{diff}"
-                         f"{row.host_bytes / scale:>10.3f}{row.flops / 1e9:>11.1f}{row.h2d_bytes / 2**20:>10.1f}"
+            lines.append(f"  {row.name:<20}{figure(row.measured_bytes, 11)}{figure(row.planned_bytes, 11)}"
+                         f"{percent(row.difference)}{figure(row.host_bytes, 10)}{figure(row.planned_host_bytes, 10)}"
+                         f"{percent(row.host_difference)}{row.flops / 1e9:>11.1f}{row.h2d_bytes / 2**20:>10.1f}"
                          f"{row.d2h_bytes / 2**20:>10.1f}{row.host_syncs:>7}  {coll or '-'}")
         verdict = "fits" if self.fits else "DOES NOT FIT"
-        if self.host_folded:
-            lines.append(f"  measured = device + host (a CPU stand-in cannot tell them apart): the planned host bytes "
-                         f"{self.host_folded / scale:.3f} {unit} are added to the planned "
-                         f"{', '.join(HOST_LIVE_PHASES.get(p.mode, ()))} and "
-                         "taken off those phases for the verdict")
         lines.append(f"  device peak {self.device_peak_bytes / scale:.3f} {unit} + runtime reserve "
                      f"{p.reserve_bytes / GIB:.2f} GiB vs budget {p.budget_bytes / GIB:.2f} GiB: {verdict} "
                      "(planned peak "
@@ -212,4 +209,4 @@ class Rehearsal:
         return "\n".join(lines)
 
 
-__all__ = ["HOST_LIVE_PHASES", "PhaseRow", "Rehearsal", "phase_rows", "planned_phase"]
+__all__ = ["PhaseRow", "Rehearsal", "phase_rows", "planned_phase"]

@@ -54,6 +54,7 @@ from ..app import build_model, build_task
 from ..cli import model_shape, plan_request, trainer_precision
 from ..config_checks import check_config
 from ..config_plan import expert_parallel_choice, plan_knobs, resolve_sp_size
+from ..longstraw.offload import ImmediateStreams, simulated_streams
 from ..models.moe import Experts, enable_expert_parallel
 from ..ops.devices import fake_cpu_as_cuda
 from ..ops.step_phase import phase
@@ -82,8 +83,8 @@ from .roofline import hardware, off_node_share
 STAND_IN_CUDA = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here) and count as CUDA tensors of "
                  "the preset GPU's compute capability (ops/devices.py fake_cpu_as_cuda): the attention runs the CUDA "
                  "glue and torch's fused SDPA ops (their fake kernels: what the CUDA kernels return), so the plan "
-                 "compared is the GPU's (memory.planned_attention_backend=flash); offloaded tensors stay on the same "
-                 "CPU (docs/rehearsal.md)")
+                 "compared is the GPU's (memory.planned_attention_backend=flash); offloaded tensors are CPU pages "
+                 "allocated as host memory, measured apart (longstraw/offload.py ImmediateStreams, docs/rehearsal.md)")
 SFT_PHASES = ("forward", "backward", "optimizer step")
 # the phases LongStrawModule.training_step marks, in order (the planner's "rollouts" is the step's "sampling")
 ROLLOUTS = "sampling"  # LongStrawModule's phase of the batched rollouts
@@ -92,7 +93,8 @@ LONGSTRAW_PHASES = ("prefill", ROLLOUTS, "reward", "replay", "grouped backward",
                     "gradient reduction", "gradient clipping", "optimizer step")
 STAND_IN = ("fake CPU tensors stand for the GPU's (torch has no CUDA device here; no GPU figures for the memory "
             "preset): this package's CPU attention kernels run, so the plan compared is "
-            "memory.planned_attention_backend=eager's; offloaded tensors stay on the same CPU (docs/rehearsal.md)")
+            "memory.planned_attention_backend=eager's; offloaded tensors are CPU pages allocated as host memory, "
+            "measured apart (longstraw/offload.py ImmediateStreams, docs/rehearsal.md)")
 # the compute dtype of each Lightning precision the config takes
 COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "32-true": torch.float32,
                   "64-true": torch.float64}
@@ -267,7 +269,11 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
     knobs = plan_knobs(cfg)
     hw = hardware(str(cfg.memory.name), dict(cfg.rehearsal))
     standing = cpu_kernels = contextlib.nullcontext()
+    offload = contextlib.nullcontext()
     if cluster.accelerator in ("gpu", "cuda") and device.type == "cpu":
+        # the offloads copy into host pages as on CUDA (on a CPU cluster a CPU tensor is its own "host" copy);
+        # the tracker counts the pages as host memory (ops/host_pages.py host_allocation)
+        offload = simulated_streams(ImmediateStreams())
         if hw is not None:  # the GPU's attention glue and fused SDPA ops (fake kernels) run: its plan is compared
             standing = fake_cpu_as_cuda(hw.compute_capability)
             notes.append(STAND_IN_CUDA)
@@ -295,8 +301,8 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
         decode_factor = _shorten_rollouts(cfg, module, notes)
         reads = PlaceholderReads()
         # one dispatch mode for the host reads, the GPU-path checks and (measured step) the counters (dispatch.py)
-        with world.mode, standing, RehearsalDispatch(reads, GpuPathChecks(device)) as dispatch, balanced_splits(), \
-                warnings.catch_warnings():
+        with world.mode, standing, offload, RehearsalDispatch(reads, GpuPathChecks(device)) as dispatch, \
+                balanced_splits(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*barebones=True.*")  # self.log: a no-op here
             if step_function is longstraw_training_step:
                 prime_optimizer(module, optimizer)  # its steps are long: the states without a first step
@@ -312,8 +318,7 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
                 step_function(module, batch, optimizer)
     if decode_factor != 1:
         _scale_phase(ROLLOUTS, decode_factor, counters, transfers)
-    folded = planned.host_bytes if device.type == "cpu" else 0  # offloaded = "host" = the same CPU here
-    rows = phase_rows(phases, tracker, counters, transfers, planned, hw, int(cluster.num_nodes), folded,
+    rows = phase_rows(phases, tracker, counters, transfers, planned, hw, int(cluster.num_nodes),
                       sp=world.sp_size, devices=int(cluster.devices))
     notes += [SKIPPED_CHECK] if world.sp_size > 1 and step_function is sft_step else []
     if hw is not None and world.sp_size > cluster.devices:
@@ -323,8 +328,7 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
                      f"{hw.network_gbps:g} GB/s, the rest at nvlink_gbps {hw.nvlink_gbps:g} GB/s")
     notes += [f"host reads answered with placeholders (rehearse/host_reads.py), {line}" for line in reads.summary()]
     return Rehearsal(rows=rows, plan=planned, seconds=time.perf_counter() - start, device=str(device),
-                     world_size=world.world_size, notes=notes, hardware=asdict(hw) if hw is not None else None,
-                     host_folded=folded)
+                     world_size=world.world_size, notes=notes, hardware=asdict(hw) if hw is not None else None)
 
 
 def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> str | None:
