@@ -280,3 +280,40 @@ def test_planned_host_checkpoints_are_what_the_host_holds(monkeypatch, every):
     assert p.host_breakdown["prompt_checkpoints"] == most[0] == live_checkpoints(5, every) * 256 * 64 * 4
     assert p.host_pinned_bytes == p.host_bytes  # a CPU cluster pins nothing: no rounding
     assert math.ceil(5 / every) + every - 1 >= live_checkpoints(5, every)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_planned_host_of_each_phase_is_what_the_tracker_sees_on_the_host(every):
+    """The plan's host blocks per phase (``Plan.host_phases``) against the live host bytes the rehearsal's tracker
+    measures in each phase of a real offloading step (K/V cache and layer inputs on the host; 5-layer tiny model,
+    staged through the CPU stand-in's streams, whose pages are the CUDA layout): the prefill holds its
+    checkpoints and the K/V, the replays add the K/V's float32 gradient sums, the grouped backward starts with
+    every one of them (with segments: the rebuilt inputs of one segment too), and the plan, on a GPU cluster,
+    rounds them into pages as ``ops.host_pages`` does."""
+    from lightning_longctx.longstraw import StepMemory, longstraw_step
+    from lightning_longctx.longstraw.offload import ImmediateStreams, simulated_streams
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+    from lightning_longctx.rehearse.measure import PhaseTracker
+
+    fields = dict(TINY, num_hidden_layers=5)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(**fields), MemoryConfig(prompt_checkpoint_every=every))
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (257,), generator=gen)
+    responses = [torch.randint(0, 64, (4,), generator=gen) for _ in range(2)]
+    memory = StepMemory(offload_checkpoints=True, offload_prompt_cache=True, measure_memory=False)
+    with simulated_streams(ImmediateStreams()), PhaseTracker() as tracker:
+        longstraw_step(model, prompt, responses, torch.randn(2, generator=gen), memory=memory)
+    knobs = dict(FP32_EAGER, prompt_checkpoint_every=every, offload_checkpoints=True, offload_prompt_cache=True)
+    p = plan(fields, ClusterShape(devices=1, sharding="replicate"), knobs, seq_len=257, mode="longstraw",
+             group_size=2, response_len=4)
+    planned = {name: value for name, value in p.host_phases.items() if name != "rollouts"}  # no sampling here
+    measured = {name: tracker.host_peaks[name] for name in planned}
+    # the segment forwards: planned at the grouped backward's start, an upper bound (the top segment's backward
+    # has freed its layers' pages before the first of them runs: 720,896 of 851,968 bytes here)
+    rebuilt = measured.pop("segment forward", None)
+    assert (rebuilt is not None) == (every > 1)
+    assert rebuilt is None or 0.8 * planned.pop("segment forward") <= rebuilt <= p.host_pinned_bytes
+    assert measured == planned and measured["grouped backward"] == p.host_pinned_bytes
+    assert measured["prefill"] < measured["replay"] <= measured["grouped backward"]
+    assert tracker.host_current == 0  # the step drops its prompt state: no page outlives it

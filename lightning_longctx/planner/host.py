@@ -93,8 +93,10 @@ def host_phase_components(mode: str, host: dict[str, int], phases: Sequence[str]
     segment forwards start with all of them; before it (:data:`EARLY_LONGSTRAW`) the prefill's checkpoints
     (``ceil(L / k)`` of the ``live_checkpoints`` layer inputs: the segment forwards rebuild the others), its
     segment states only with ``k = 1`` (with ``k > 1`` the segment forwards make them), and the cache's gradient
-    sums (``*_grad_sums``) from the replay on: the replays' backwards write them. The phases after the grouped
-    backward hold none (the prompt state is dropped with it)."""
+    sums (``*_grad_sums``) from the replay on: the replays' backwards write them. The segment forwards are
+    charged the grouped backward's start, an upper bound (the top segment's backward has freed its layers' pages
+    before the first of them runs; ``tests/test_planner_host.py``). The phases after the grouped backward hold
+    none (the prompt state is dropped with it)."""
     if mode == "sft":
         return {name: dict(host) for name in phases if name.startswith(("forward", "backward"))}
     out = {name: dict(host) for name in phases if name in LATE_LONGSTRAW}
