@@ -220,3 +220,37 @@ def offloaded_longstraw_peaks(rank, world, seq, knobs, fields, offload_checkpoin
     finally:
         host_pages.PagedHostTensor.empty = classmethod(empty)
     return tracker.peak_bytes, tracker.host_peak
+
+
+# a large vocabulary: FSDP2's root unit (embedding + lm_head, 2 x 16384 x 256 float32 = 32 MiB) outweighs a layer
+ROOT_SHAPE = dict(SHAPE, vocab_size=16384)
+
+
+def sharded_prefill_and_rollout_peaks(rank: int, world: int, prompt: int, response: int, group: int) -> dict:
+    """This rank's peak live bytes (its parameter shards included) of the prefill and of the batched rollouts over
+    it, ``ROOT_SHAPE`` sharded as a ``LongStrawModule``'s policy (FSDP2: the root unit gathered at each root call
+    and, before any backward, kept)."""
+    import torch.distributed as dist
+
+    from lightning_longctx.longstraw import LossOptions, sample
+    from lightning_longctx.longstraw.step import prefill_for_step
+    from lightning_longctx.models import DecoderConfig, DecoderLM, MemoryConfig
+    from lightning_longctx.ops.tracker import MemoryTracker
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(**ROOT_SHAPE), MemoryConfig(**KNOBS))
+    shard(model)
+    gen = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(0, ROOT_SHAPE["vocab_size"], (prompt,), generator=gen)
+    peaks = {}
+    with MemoryTracker() as mem:
+        mem.track(*[p.to_local() for p in model.parameters()])
+        state = prefill_for_step(model, prompt_ids, loss=LossOptions(prompt_grad="full"),
+                                 memory=StepMemory(logits_chunk_size=KNOBS["logits_chunk_size"], measure_memory=False),
+                                 groups=StepGroups(sp_group=dist.group.WORLD))
+        peaks["prefill"] = mem.peak_bytes
+        mem.reset_peak()
+        sample(model, prompt_ids, group, max_new_tokens=response, group=dist.group.WORLD, prompt_state=state,
+               generator=torch.Generator().manual_seed(2))
+        peaks["rollouts"] = mem.peak_bytes
+    return peaks

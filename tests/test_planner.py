@@ -517,3 +517,25 @@ def test_the_optimizer_step_adds_one_trainable_sized_temporary():
                      group_size=2, response_len=64)
             static = sum(p.breakdown[k] for k in ("params", "grads", "optimizer", "fsdp_buffers"))
             assert p.phases["optimizer step"] == static + p.breakdown["grads"], (fields is lora, mode)
+
+
+def test_the_fsdp_root_unit_is_planned_gathered_in_the_prefill_and_the_rollouts():
+    """dp1 x sp2 gloo processes, FSDP2-sharded float32 parameters with a 16,384-token vocabulary (``planner_workers.
+    ROOT_SHAPE``): the root unit (embedding + lm_head, 32 MiB unsharded) stays gathered from the prefill's embed on
+    (FSDP2's root default: no reshard after forward, and no backward before the rollouts), and every decode step
+    gathers it again at its embed beside the all-gather output, with no layer gathered. Per rank, the prefill's
+    and the rollouts' peaks (parameter shards included) against the plan's phases less the optimizer states; the
+    root term is most of the rollouts' plan (without it the plan was a third of the measured peak)."""
+    from planner_workers import KNOBS, ROOT_SHAPE, sharded_prefill_and_rollout_peaks
+
+    prompt, response, group = 1024, 4, 2
+    per_rank = run_distributed(sharded_prefill_and_rollout_peaks, 2, prompt, response, group, timeout=180)
+    p = plan(ROOT_SHAPE, dict(CPU, devices=2, sharding="fsdp"), dict(FP32_EAGER, **KNOBS), seq_len=prompt,
+             mode="longstraw", group_size=group, response_len=response)
+    root = p.breakdown["fsdp_root"]
+    assert root == (2 * 16384 * 256 + 256) * 4  # unsharded, float32 here (the compute dtype)
+    for phase in ("prefill", "rollouts"):
+        planned = p.phases[phase] - p.breakdown["optimizer"]
+        measured = max(peaks[phase] for peaks in per_rank)
+        assert abs(planned - measured) <= 0.05 * measured, (phase, planned, measured)
+    assert p.phases["rollouts"] - p.breakdown["optimizer"] - 2 * root < 0.5 * max(r["rollouts"] for r in per_rank)

@@ -298,6 +298,14 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     gathered = 2 * layer * b if sharded else 0
     reduce_input = layer * knobs.param_bytes if sharded and not model.lora_r else 0
     nograd = base - static["grads"] - (static["fsdp_buffers"] - gathered)  # gradients are None until a backward
+    # FSDP2's root unit (the embedding, lm_head and final norm: ``training.parallelize.shard_modules`` leaves it
+    # FSDP's root default, no reshard after forward): its unsharded copy in the compute dtype, gathered at each
+    # root call the step makes (``embed``, ``head_logits``) with the all-gather output (as many bytes) beside it
+    # for the copy-out, and kept through the prefill and the rollouts (no backward reshards it before the first
+    # replay's). ``idle``: what the step holds at a root call with no layer gathered.
+    root = (model.num_parameters() - sum(model.layer_parameters(i) for i in range(layers_n))) * b if sharded else 0
+    comp["fsdp_root"] = root
+    idle = base - static["fsdp_buffers"]
     prefill_cost = _per_layer(prefill_layer, [(k, model.is_sparse(i), i == last, model.has_indexer(i)) for i, k in
                                               enumerate(model.layer_types)])
     # the layer's input is on the device whether or not it is kept (a kept one is that tensor, counted by the
@@ -402,6 +410,15 @@ def _longstraw_phases(model: ModelShape, cluster: ClusterShape, knobs: MemoryKno
     }
     if full:
         phases["grouped backward"] = base - reduce_input + max(grouped)
+    if root:
+        # the root gathered by the prefill's embed (its output beside it) and kept through the layers
+        phases["prefill"] = max(phases["prefill"] + root, idle - static["grads"] + 2 * root + s_l * e * b)
+        # each decode step gathers it again at its embed, when no layer's parameters are gathered
+        phases["rollouts"] += root + max(0, root - gathered)
+        # each branch after the first gathers it again at its embed (the branch before's backward resharded it)
+        phases["replay"] = max(phases["replay"], idle + state + ckpt_dev + sum(out_dev) + 2 * root)
+        if full:  # the grouped backward's last call: the embedding's backward (its input gradient and output)
+            phases["grouped backward"] = max(phases["grouped backward"], idle + 2 * root + 2 * s_l * e * b)
     if rerun:
         phases["segment forward"] = nograd + max(rerun)
     # AdamW's temporary: one trainable-parameter-sized tensor (with LoRA the adapters', not the frozen base's)
