@@ -137,3 +137,30 @@ def test_the_stand_in_measures_the_real_runs_host_bytes_and_keeps_them_off_the_d
     assert fake.device_peaks["prefill"] == pytest.approx(real.device_peaks["prefill"], rel=0.02)
     assert all(t["where"] != "tracked on entry" and "host_pages" not in t["where"]
                for t in fake.largest["prefill"])
+
+
+def test_shortened_rollouts_scale_the_decode_steps_copies_not_the_prompt_cache_fetch():
+    """``rehearsal.decode_steps``: the rollouts' counts are scaled by full / run steps, but the offloaded prompt
+    cache fetched whole before the first draw (``rollout_prompt_cache="device"``) is copied once per rollout:
+    scaled, row (a)'s 32 GiB fetch read 128 TiB of PCIe traffic in the roofline."""
+    from types import SimpleNamespace
+
+    from lightning_longctx.ops.transfers import record_transfer
+    from lightning_longctx.rehearse.measure import StepCounters
+    from lightning_longctx.rehearse.run import ROLLOUTS, RolloutPrologue, scale_phase
+
+    steps = []
+    module = SimpleNamespace(sample_kwargs={"on_step": lambda step, rows, probs: steps.append(step)})
+    hook = RolloutPrologue.attach(module)
+    assert module.sample_kwargs["on_step"] is hook
+    with TransferCounter() as transfers, phase(ROLLOUTS):
+        hook.transfers = transfers
+        for _ in range(2):  # two prompt groups' rollouts of 2 decode steps
+            record_transfer("h2d", 1000)  # the whole prompt cache, before the first draw
+            hook(0, None, None)
+            record_transfer("h2d", 10)  # a decode step's copies
+            hook(1, None, None)
+    assert steps == [0, 1, 0, 1] and hook.moved["h2d_bytes"] == 2000 and hook.moved["h2d_copies"] == 2
+    scale_phase(ROLLOUTS, 4096.0, StepCounters(), transfers, hook.moved)
+    moved = transfers.phases[ROLLOUTS]
+    assert moved.h2d_bytes == 2000 + 20 * 4096 and moved.h2d_copies == 2 + 2 * 4096

@@ -299,6 +299,7 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
             notes.append(kernels_note(module, precision, hw))
         batch = _device_batch(module, data, world, mesh)
         decode_factor = _shorten_rollouts(cfg, module, notes)
+        prologue = RolloutPrologue.attach(module) if decode_factor != 1 else None
         reads = PlaceholderReads()
         # one dispatch mode for the host reads, the GPU-path checks and (measured step) the counters (dispatch.py)
         with world.mode, standing, offload, RehearsalDispatch(reads, GpuPathChecks(device)) as dispatch, \
@@ -311,13 +312,15 @@ def rehearse(cfg: DictConfig) -> Rehearsal:
             counters = StepCounters()  # counted in the tracker's after_op
             tracker = PhaseTracker(host="cpu" if device.type != "cpu" else None, counters=counters)
             transfers = TransferCounter()
+            if prologue is not None:
+                prologue.transfers = transfers  # the measured step's
             reads.reads.clear()
             with dispatch.measuring(tracker, transfers):
                 with phase(phases[0]):  # what the step starts with: the state of the steps before
                     tracker.track(*_local_tensors(module, optimizer))
                 step_function(module, batch, optimizer)
     if decode_factor != 1:
-        _scale_phase(ROLLOUTS, decode_factor, counters, transfers)
+        scale_phase(ROLLOUTS, decode_factor, counters, transfers, prologue.moved)
     rows = phase_rows(phases, tracker, counters, transfers, planned, hw, int(cluster.num_nodes),
                       sp=world.sp_size, devices=int(cluster.devices))
     notes += [SKIPPED_CHECK] if world.sp_size > 1 and step_function is sft_step else []
@@ -374,8 +377,43 @@ def _shorten_rollouts(cfg: DictConfig, module, notes: list[str]) -> float:
     return full / steps
 
 
-def _scale_phase(name: str, factor: float, counters: StepCounters, transfers) -> None:
-    """Scale phase ``name``'s counts (FLOPs, traffic, collectives, host<->device bytes and syncs) by ``factor``."""
+class RolloutPrologue:
+    """The sampler's ``on_step`` hook (after each draw) that keeps, of the measured step's host<->device copies
+    in the rollouts, those before each rollout's first draw (``moved``): the offloaded prompt cache fetched whole
+    for the rollout (``rollout_prompt_cache="device"``) and the prompt tail's step, made once per rollout however
+    many tokens it decodes, so the shortened rollouts' scaling leaves them as they are (scaled by the 4,096 of
+    row (a), a 32 GiB fetch read as 128 TiB over PCIe in the roofline)."""
+
+    FIELDS = ("h2d_bytes", "d2h_bytes", "h2d_copies", "d2h_copies")
+
+    def __init__(self, chained=None) -> None:
+        self.chained = chained
+        self.transfers: TransferCounter | None = None
+        self.moved = dict.fromkeys(self.FIELDS, 0)
+        self._seen = dict.fromkeys(self.FIELDS, 0)
+
+    @classmethod
+    def attach(cls, module) -> RolloutPrologue:
+        hook = cls(module.sample_kwargs.get("on_step"))
+        module.sample_kwargs["on_step"] = hook
+        return hook
+
+    def __call__(self, step: int, rows, probs) -> None:
+        if self.transfers is not None:
+            phase_moved = self.transfers.phases.get(ROLLOUTS)
+            now = {key: getattr(phase_moved, key) if phase_moved else 0 for key in self.FIELDS}
+            if step == 0:  # since the last draw (of the rollout before): this rollout's prologue
+                for key in self.FIELDS:
+                    self.moved[key] += now[key] - self._seen[key]
+            self._seen = now
+        if self.chained is not None:
+            self.chained(step, rows, probs)
+
+
+def scale_phase(name: str, factor: float, counters: StepCounters, transfers, once: dict | None = None) -> None:
+    """Scale phase ``name``'s counts (FLOPs, traffic, collectives, host<->device bytes and syncs) by ``factor``;
+    ``once``: the host<->device bytes and copies in them made once per rollout (:class:`RolloutPrologue`), not
+    scaled."""
     counters.flops[name] = int(counters.flops.get(name, 0) * factor)
     counters.traffic[name] = int(counters.traffic.get(name, 0) * factor)
     for entry in counters.collectives.get(name, {}).values():
@@ -383,7 +421,8 @@ def _scale_phase(name: str, factor: float, counters: StepCounters, transfers) ->
     moved = transfers.phases.get(name)
     if moved is not None:
         for key in ("h2d_bytes", "d2h_bytes", "h2d_copies", "d2h_copies", "syncs"):
-            setattr(moved, key, round(getattr(moved, key) * factor))
+            kept = (once or {}).get(key, 0)
+            setattr(moved, key, kept + round((getattr(moved, key) - kept) * factor))
 
 
 STEPS = {"sft": (sft_step, SFT_PHASES), "longstraw": (longstraw_training_step, LONGSTRAW_PHASES)}
@@ -400,5 +439,5 @@ def _local_tensors(module, optimizer) -> list[torch.Tensor]:
     return tensors
 
 
-__all__ = ["LONGSTRAW_PHASES", "ROLLOUTS", "SFT_PHASES", "STEPS", "compose", "longstraw_training_step",
-           "prime_optimizer", "rehearse", "sft_step"]
+__all__ = ["LONGSTRAW_PHASES", "ROLLOUTS", "SFT_PHASES", "STEPS", "RolloutPrologue", "compose",
+           "longstraw_training_step", "prime_optimizer", "rehearse", "scale_phase", "sft_step"]
