@@ -289,13 +289,18 @@ def linear_prefill_bytes(model: ModelShape, knobs: MemoryKnobs, sp: int, tokens:
     larger of (a) the stage loop: per finished stage its output ``c d_v s b`` (its conv tail is ``K-1`` rows,
     a copy, negligible) and the current stage's :func:`linear_stage_inputs_bytes` (its peak: the scan output
     comes after the conv's buffers are freed, and is smaller); (b) ``finish``: the scan output, ``z`` and the
-    gated norm's no-grad temporaries, float32 ``5 V a``, half ``V (4b + 2a)`` (not for the prompt's last layer,
-    ``top``: only its state is computed)."""
+    gated norm's output ``3 V b``, then the larger of the norm's float32 temporaries, one slice of 1/8 of the
+    tokens at a time (``models.norm._gated_forward``: ``3 V a / 8``, and ``3 a`` per value head), and
+    ``out_proj``'s output ``E b`` (tracker:
+    ``tests/test_planner.py::test_the_linear_layers_no_grad_finish_is_planned_as_the_tracker_sees_it``; the
+    gated norm ran unsliced, ``V (4b + 2a)``, before ``models/norm.py`` sliced its forward) (not for the prompt's
+    last layer, ``top``: only its state is computed)."""
     c, _, ch, stages = linear_stage_layout(model, sp, knobs.head_chunk_size)
     b, e, v, dv = knobs.dtype_bytes, model.hidden_size, model.linear_v_dim, model.linear_value_head_dim
     s = sp * tokens
     loop = (stages - 1) * s * c * dv * b + linear_stage_inputs_bytes(model, knobs, sp, tokens)
-    finish = tokens * v * (4 * b + 2 * A if _half(b) else 5 * A) if not top else 0
+    norm_slice = 3 * v * A // 8 + 3 * A * model.linear_num_value_heads
+    finish = tokens * (3 * v * b + max(norm_slice, e * b)) if not top else 0
     return tokens * e * b + max(loop, finish)
 
 
