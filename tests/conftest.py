@@ -43,7 +43,7 @@ FILE_SECONDS = {
     "test_strategy.py": 21,
     "test_longstraw_hybrid.py": 18,
     "test_multinode.py": 16,
-    "test_bench_gpu.py": 16,
+    "test_bench_gpu.py": 8,
     "test_readme.py": 16,
     "test_longstraw_mla.py": 15,
     "test_input_validation.py": 14,

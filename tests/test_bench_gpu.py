@@ -19,7 +19,8 @@ def _finite(x) -> bool:
 def test_bench_gpu_smoke_writes_complete_json(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--layers", "1", "--seqs", "128",
+                           "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "tok/s" in proc.stdout  # the human-readable table
