@@ -420,7 +420,7 @@ def scale_phase(name: str, factor: float, counters: StepCounters, transfers, onc
         entry["count"], entry["bytes"] = round(entry["count"] * factor), int(entry["bytes"] * factor)
     moved = transfers.phases.get(name)
     if moved is not None:
-        for key in ("h2d_bytes", "d2h_bytes", "h2d_copies", "d2h_copies", "syncs"):
+        for key in (*RolloutPrologue.FIELDS, "syncs"):
             kept = (once or {}).get(key, 0)
             setattr(moved, key, kept + round((getattr(moved, key) - kept) * factor))
 
